@@ -1,0 +1,5 @@
+import sys
+
+from vmpin.entry import main
+
+sys.exit(main())

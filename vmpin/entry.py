@@ -1,0 +1,62 @@
+"""The ``vmpin`` console script: a thin dispatcher that keeps ``vmpin hook`` lean.
+
+A typer app costs ~70 ms to import on a small node, and the OCI hook runs on every container
+start; so ``hook`` (and the in-guest ``guest hook``) are recognised here, by hand, and never
+import typer, pydantic, psutil or kubernetes.  Everything else goes to :mod:`vmpin.cli`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: global options that take a value, as in DESIGN.md (plus vmpin's own path extras).
+GLOBAL_OPTIONS = {
+    "--state-dir": "state_dir",
+    "--vm-dir": "vm_dir",
+    "--proc-root": "proc",
+    "--sysfs-root": "sys",
+    "--cgroup-root": "cgroup",
+    "--runc-root": "runc_root",
+    "--kubelet-state": "kubelet_state",
+    "--publish-dir": "publish_dir",
+}
+
+
+def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
+    """Take leading global options off ``argv``; None when something else leads."""
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        name, eq, value = argv[i].partition("=")
+        if name not in GLOBAL_OPTIONS:
+            return None
+        if not eq:
+            if i + 1 >= len(argv):
+                return None
+            value = argv[i + 1]
+            i += 1
+        opts[GLOBAL_OPTIONS[name]] = value
+        i += 1
+    return opts, argv[i:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    split = split_globals(args)
+    if split is not None:
+        opts, rest = split
+        if rest[:1] == ["hook"] and "--help" not in rest:
+            from vmpin.hook import main as hook_main
+
+            return hook_main(opts, rest[1:])
+        if rest[:2] == ["guest", "hook"] and "--help" not in rest:
+            from vmpin.guest import main as guest_main
+
+            return guest_main(rest[2:])
+    from vmpin.cli import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""Durable state: containers, sandboxes and remembered thread roles, in SQLite under the state dir.
+
+Why SQLite, and how it is used:
+
+- Dozens of hook processes start at once on a busy node, each its own short-lived process.
+  WAL mode lets readers run beside the one writer; every write is a ``BEGIN IMMEDIATE``
+  transaction, so writers queue on the database lock (``busy_timeout``) instead of failing,
+  and a hook killed mid-way leaves either its whole change or none of it.
+- The schema is versioned with ``PRAGMA user_version``; a database from a newer vmpin is
+  refused rather than misread.
+- Events never carry state: every change writes the *level* (a container's CPU set) and bumps
+  its sandbox's generation ``gen``.  Whoever reconciles records the generation it planned
+  from in ``done_gen``; a sandbox with ``gen > done_gen`` is dirty.  A thousand updates to one
+  sandbox therefore cost one plan, and a crash between a write and its reconcile loses
+  nothing: the next pass sees the sandbox still dirty.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from vmpin.cpuset import CpuSet
+from vmpin.errors import StateError
+from vmpin.ids import check_id
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id            TEXT PRIMARY KEY,
+    runtime       TEXT NOT NULL,
+    vmm_pid       INTEGER,
+    vmm_start     INTEGER,
+    pod_uid       TEXT,
+    pod_name      TEXT,
+    pod_namespace TEXT,
+    gen           INTEGER NOT NULL DEFAULT 1,
+    done_gen      INTEGER NOT NULL DEFAULT 0,
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS containers (
+    id            TEXT PRIMARY KEY,
+    sandbox_id    TEXT NOT NULL,
+    is_sandbox    INTEGER NOT NULL,
+    name          TEXT,
+    pod_uid       TEXT,
+    pod_name      TEXT,
+    pod_namespace TEXT,
+    cpus          TEXT,
+    cpus_source   TEXT,
+    mems          TEXT,
+    bundle        TEXT,
+    pid           INTEGER,
+    pid_start     INTEGER,
+    cgroup        TEXT,
+    runtime_seen  TEXT,
+    kubelet_seen  TEXT,
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS containers_sandbox ON containers(sandbox_id);
+CREATE INDEX IF NOT EXISTS containers_bundle ON containers(bundle);
+CREATE TABLE IF NOT EXISTS threads (
+    sandbox_id TEXT NOT NULL,
+    vmm_pid    INTEGER NOT NULL,
+    vmm_start  INTEGER NOT NULL,
+    tid        INTEGER NOT NULL,
+    role       TEXT NOT NULL,
+    idx        INTEGER,
+    label      TEXT,
+    layer      TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, tid)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+"""
+
+
+@dataclass(frozen=True)
+class ContainerRec:
+    id: str
+    sandbox_id: str
+    is_sandbox: bool
+    name: str | None = None
+    pod_uid: str | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    cpus: CpuSet | None = None
+    cpus_source: str | None = None
+    mems: str | None = None
+    bundle: str | None = None
+    pid: int | None = None
+    pid_start: int | None = None
+    cgroup: str | None = None
+    runtime_seen: str | None = None
+    kubelet_seen: str | None = None
+    created_at: float = field(default=0.0, compare=False)
+    updated_at: float = field(default=0.0, compare=False)
+
+
+@dataclass(frozen=True)
+class SandboxRec:
+    id: str
+    runtime: str
+    vmm_pid: int | None = None
+    vmm_start: int | None = None
+    pod_uid: str | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    gen: int = 1
+    done_gen: int = 0
+    created_at: float = field(default=0.0, compare=False)
+    updated_at: float = field(default=0.0, compare=False)
+
+    @property
+    def dirty(self) -> bool:
+        return self.gen > self.done_gen
+
+
+@dataclass(frozen=True)
+class ThreadRec:
+    tid: int
+    role: str
+    index: int | None
+    label: str | None
+    layer: str
+
+
+_CONTAINER_COLS = [f for f in ContainerRec.__dataclass_fields__]
+_SANDBOX_COLS = [f for f in SandboxRec.__dataclass_fields__]
+
+
+def _container(row: sqlite3.Row) -> ContainerRec:
+    values = dict(zip(_CONTAINER_COLS, row))
+    values["is_sandbox"] = bool(values["is_sandbox"])
+    values["cpus"] = None if values["cpus"] is None else CpuSet.parse(values["cpus"])
+    return ContainerRec(**values)
+
+
+def _sandbox(row: sqlite3.Row) -> SandboxRec:
+    return SandboxRec(**dict(zip(_SANDBOX_COLS, row)))
+
+
+class Store:
+    """One connection to the state database; cheap to open, so each process opens its own."""
+
+    def __init__(self, state_dir: str, *, timeout: float = 30.0) -> None:
+        self.path = os.path.join(state_dir, "state.db")
+        try:
+            os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        except OSError as err:
+            raise StateError(f"{state_dir}: cannot create state dir: {err.strerror}") from None
+        try:
+            self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        except sqlite3.Error as err:
+            raise StateError(f"{self.path}: {err}") from None
+        self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+        self._ensure_schema()
+
+    def _ensure_schema(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            return
+        if version > SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path}: schema version {version} is newer than this vmpin ({SCHEMA_VERSION})"
+            )
+        # WAL must be switched on outside a transaction; it is persistent once set.
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        with self.transaction():
+            if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                # executescript() would COMMIT the open transaction first: run statements one by one.
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self.db.execute(statement)
+                self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        try:
+            os.chmod(self.path, 0o600)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction: the database lock is taken at the start, not at first write."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        else:
+            self.db.execute("COMMIT")
+
+    # -- containers ----------------------------------------------------------------------
+    def put_container(self, rec: ContainerRec) -> None:
+        """Insert or replace a container and mark its sandbox dirty, in one transaction."""
+        check_id(rec.id, "container id")
+        check_id(rec.sandbox_id, "sandbox id")
+        now = time.time()
+        with self.transaction() as db:
+            old = db.execute("SELECT created_at FROM containers WHERE id=?", (rec.id,)).fetchone()
+            values = {k: getattr(rec, k) for k in _CONTAINER_COLS}
+            values["cpus"] = None if rec.cpus is None else rec.cpus.to_list()
+            values["is_sandbox"] = int(rec.is_sandbox)
+            values["created_at"] = old[0] if old else now
+            values["updated_at"] = now
+            cols = ",".join(_CONTAINER_COLS)
+            marks = ",".join("?" for _ in _CONTAINER_COLS)
+            db.execute(
+                f"INSERT OR REPLACE INTO containers ({cols}) VALUES ({marks})",
+                [values[k] for k in _CONTAINER_COLS],
+            )
+            self._bump(db, rec.sandbox_id, now)
+
+    def set_container_cpus(
+        self, container_id: str, cpus: CpuSet | None, source: str, **seen: str | None
+    ) -> ContainerRec:
+        """Record a container's new CPU set (an update) and mark its sandbox dirty."""
+        allowed = {"runtime_seen", "kubelet_seen"}
+        if set(seen) - allowed:
+            raise ValueError(f"unknown columns {set(seen) - allowed}")
+        now = time.time()
+        with self.transaction() as db:
+            row = db.execute("SELECT sandbox_id FROM containers WHERE id=?", (container_id,))
+            found = row.fetchone()
+            if found is None:
+                raise StateError(f"unknown container {container_id!r}")
+            sets = ["cpus=?", "cpus_source=?", "updated_at=?"] + [f"{k}=?" for k in seen]
+            db.execute(
+                f"UPDATE containers SET {','.join(sets)} WHERE id=?",
+                [None if cpus is None else cpus.to_list(), source, now, *seen.values(), container_id],
+            )
+            self._bump(db, found[0], now)
+        rec = self.container(container_id)
+        assert rec is not None
+        return rec
+
+    def note_seen(self, container_id: str, **seen: str | None) -> None:
+        """Remember what a runtime or kubelet last said, without changing the desired set."""
+        allowed = {"runtime_seen", "kubelet_seen", "cgroup"}
+        if not seen or set(seen) - allowed:
+            raise ValueError(f"bad columns {set(seen)}")
+        sets = ",".join(f"{k}=?" for k in seen)
+        with self.transaction() as db:
+            db.execute(f"UPDATE containers SET {sets} WHERE id=?", [*seen.values(), container_id])
+
+    def container(self, container_id: str) -> ContainerRec | None:
+        cols = ",".join(_CONTAINER_COLS)
+        row = self.db.execute(f"SELECT {cols} FROM containers WHERE id=?", (container_id,))
+        found = row.fetchone()
+        return _container(found) if found else None
+
+    def container_by_bundle(self, bundle: str) -> ContainerRec | None:
+        cols = ",".join(_CONTAINER_COLS)
+        row = self.db.execute(f"SELECT {cols} FROM containers WHERE bundle=?", (bundle,))
+        found = row.fetchone()
+        return _container(found) if found else None
+
+    def containers(self, sandbox_id: str | None = None) -> list[ContainerRec]:
+        cols = ",".join(_CONTAINER_COLS)
+        if sandbox_id is None:
+            rows = self.db.execute(f"SELECT {cols} FROM containers ORDER BY sandbox_id, id")
+        else:
+            rows = self.db.execute(
+                f"SELECT {cols} FROM containers WHERE sandbox_id=? ORDER BY id", (sandbox_id,)
+            )
+        return [_container(r) for r in rows.fetchall()]
+
+    def delete_container(self, container_id: str) -> ContainerRec | None:
+        """Forget a container; forgetting a sandbox container forgets its whole sandbox."""
+        rec = self.container(container_id)
+        if rec is None:
+            return None
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("DELETE FROM containers WHERE id=?", (container_id,))
+            if rec.is_sandbox:
+                db.execute("DELETE FROM containers WHERE sandbox_id=?", (rec.sandbox_id,))
+                db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
+                db.execute("DELETE FROM threads WHERE sandbox_id=?", (rec.sandbox_id,))
+            else:
+                left = db.execute(
+                    "SELECT COUNT(*) FROM containers WHERE sandbox_id=?", (rec.sandbox_id,)
+                ).fetchone()[0]
+                if left == 0:
+                    db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
+                    db.execute("DELETE FROM threads WHERE sandbox_id=?", (rec.sandbox_id,))
+                else:
+                    self._bump(db, rec.sandbox_id, now)
+        return rec
+
+    # -- sandboxes -----------------------------------------------------------------------
+    def put_sandbox(self, rec: SandboxRec) -> None:
+        """Insert a sandbox, or update its runtime/VMM/pod fields, and mark it dirty."""
+        check_id(rec.id, "sandbox id")
+        now = time.time()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO sandboxes (id, runtime, vmm_pid, vmm_start, pod_uid, pod_name,"
+                " pod_namespace, gen, done_gen, created_at, updated_at)"
+                " VALUES (?,?,?,?,?,?,?,1,0,?,?)"
+                " ON CONFLICT(id) DO UPDATE SET runtime=excluded.runtime,"
+                " vmm_pid=COALESCE(excluded.vmm_pid, vmm_pid),"
+                " vmm_start=COALESCE(excluded.vmm_start, vmm_start),"
+                " pod_uid=COALESCE(excluded.pod_uid, pod_uid),"
+                " pod_name=COALESCE(excluded.pod_name, pod_name),"
+                " pod_namespace=COALESCE(excluded.pod_namespace, pod_namespace),"
+                " gen=gen+1, updated_at=excluded.updated_at",
+                (rec.id, rec.runtime, rec.vmm_pid, rec.vmm_start, rec.pod_uid, rec.pod_name,
+                 rec.pod_namespace, now, now),
+            )
+
+    def set_vmm(self, sandbox_id: str, vmm_pid: int | None, vmm_start: int | None) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE sandboxes SET vmm_pid=?, vmm_start=?, updated_at=? WHERE id=?",
+                (vmm_pid, vmm_start, time.time(), sandbox_id),
+            )
+
+    def sandbox(self, sandbox_id: str) -> SandboxRec | None:
+        cols = ",".join(_SANDBOX_COLS)
+        row = self.db.execute(f"SELECT {cols} FROM sandboxes WHERE id=?", (sandbox_id,))
+        found = row.fetchone()
+        return _sandbox(found) if found else None
+
+    def sandboxes(self) -> list[SandboxRec]:
+        cols = ",".join(_SANDBOX_COLS)
+        rows = self.db.execute(f"SELECT {cols} FROM sandboxes ORDER BY id").fetchall()
+        return [_sandbox(r) for r in rows]
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM containers WHERE sandbox_id=?", (sandbox_id,))
+            db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
+            db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
+
+    def mark_dirty(self, sandbox_ids: Iterable[str] | None = None) -> None:
+        """Bump generations: of the given sandboxes, or of all (after an agent restart)."""
+        now = time.time()
+        with self.transaction() as db:
+            if sandbox_ids is None:
+                db.execute("UPDATE sandboxes SET gen=gen+1, updated_at=?", (now,))
+            else:
+                for sid in sandbox_ids:
+                    self._bump(db, sid, now)
+
+    def dirty(self) -> list[tuple[str, int]]:
+        rows = self.db.execute("SELECT id, gen FROM sandboxes WHERE gen > done_gen ORDER BY id")
+        return [(r[0], r[1]) for r in rows.fetchall()]
+
+    def mark_done(self, sandbox_id: str, gen: int) -> None:
+        """Record that the sandbox was planned from generation ``gen`` (never moves back)."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE sandboxes SET done_gen=MAX(done_gen, ?) WHERE id=?", (gen, sandbox_id)
+            )
+
+    @staticmethod
+    def _bump(db: sqlite3.Connection, sandbox_id: str, now: float) -> None:
+        db.execute("UPDATE sandboxes SET gen=gen+1, updated_at=? WHERE id=?", (now, sandbox_id))
+
+    # -- remembered thread roles -----------------------------------------------------------
+    def threads(self, sandbox_id: str, vmm_pid: int, vmm_start: int) -> dict[int, ThreadRec]:
+        rows = self.db.execute(
+            "SELECT tid, role, idx, label, layer FROM threads"
+            " WHERE sandbox_id=? AND vmm_pid=? AND vmm_start=?",
+            (sandbox_id, vmm_pid, vmm_start),
+        ).fetchall()
+        return {r[0]: ThreadRec(*r) for r in rows}
+
+    def save_threads(
+        self, sandbox_id: str, vmm_pid: int, vmm_start: int, threads: Iterable[ThreadRec]
+    ) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
+            db.executemany(
+                "INSERT INTO threads VALUES (?,?,?,?,?,?,?,?)",
+                [(sandbox_id, vmm_pid, vmm_start, t.tid, t.role, t.index, t.label, t.layer)
+                 for t in threads],
+            )
+
+    # -- meta ----------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
