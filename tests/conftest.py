@@ -16,7 +16,11 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def vmpin_cmd() -> list[str]:
-    """How tests run the CLI: the installed console script when present, else the module."""
+    """How tests run the CLI: the console script beside this interpreter (a venv's bin/, which
+    need not be on PATH), else the one on PATH, else the module."""
+    beside = os.path.join(os.path.dirname(sys.executable), "vmpin")
+    if os.access(beside, os.X_OK):
+        return [beside]
     exe = shutil.which("vmpin")
     return [exe] if exe else [sys.executable, "-m", "vmpin"]
 

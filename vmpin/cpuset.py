@@ -40,6 +40,9 @@ class CpuSet:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("CpuSet is immutable")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("CpuSet is immutable")
+
     # -- parsing -------------------------------------------------------------------------
     @classmethod
     def parse(cls, text: str) -> CpuSet:

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vmpin.cpuset import CpuSet
 from vmpin.errors import CpuSetError, SpecError
@@ -41,8 +40,7 @@ from vmpin.ids import check_id
 STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
 
 
-@dataclass(frozen=True, slots=True)
-class State:
+class State(NamedTuple):
     id: str
     status: str
     pid: int | None
@@ -51,16 +49,14 @@ class State:
     oci_version: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Resources:
+class Resources(NamedTuple):
     """The CPU part of an OCI LinuxResources object; ``None`` = not set."""
 
     cpus: CpuSet | None = None
     mems: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
+class Identity(NamedTuple):
     container_id: str
     sandbox_id: str
     is_sandbox: bool
@@ -153,8 +149,7 @@ def parse_resources_json(text: str | bytes, where: str) -> Resources:
     return parse_resources(_obj(_loads(text, where), where), where)
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
+class Config(NamedTuple):
     resources: Resources
     annotations: dict[str, str]
 

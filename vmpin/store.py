@@ -22,7 +22,7 @@ import sqlite3
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vmpin.cpuset import CpuSet
 from vmpin.errors import StateError
@@ -81,8 +81,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
 
 
-@dataclass(frozen=True)
-class ContainerRec:
+class ContainerRec(NamedTuple):
     id: str
     sandbox_id: str
     is_sandbox: bool
@@ -99,12 +98,11 @@ class ContainerRec:
     cgroup: str | None = None
     runtime_seen: str | None = None
     kubelet_seen: str | None = None
-    created_at: float = field(default=0.0, compare=False)
-    updated_at: float = field(default=0.0, compare=False)
+    created_at: float = 0.0
+    updated_at: float = 0.0
 
 
-@dataclass(frozen=True)
-class SandboxRec:
+class SandboxRec(NamedTuple):
     id: str
     runtime: str
     vmm_pid: int | None = None
@@ -114,16 +112,15 @@ class SandboxRec:
     pod_namespace: str | None = None
     gen: int = 1
     done_gen: int = 0
-    created_at: float = field(default=0.0, compare=False)
-    updated_at: float = field(default=0.0, compare=False)
+    created_at: float = 0.0
+    updated_at: float = 0.0
 
     @property
     def dirty(self) -> bool:
         return self.gen > self.done_gen
 
 
-@dataclass(frozen=True)
-class ThreadRec:
+class ThreadRec(NamedTuple):
     tid: int
     role: str
     index: int | None
@@ -131,8 +128,8 @@ class ThreadRec:
     layer: str
 
 
-_CONTAINER_COLS = [f for f in ContainerRec.__dataclass_fields__]
-_SANDBOX_COLS = [f for f in SandboxRec.__dataclass_fields__]
+_CONTAINER_COLS = list(ContainerRec._fields)
+_SANDBOX_COLS = list(SandboxRec._fields)
 
 
 def _container(row: sqlite3.Row) -> ContainerRec:

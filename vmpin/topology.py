@@ -16,15 +16,13 @@ Two sysfs facts shape the model:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vmpin.cpuset import EMPTY, CpuSet
 from vmpin.errors import TopologyError
 
 
-@dataclass(frozen=True, slots=True)
-class CpuInfo:
+class CpuInfo(NamedTuple):
     cpu: int
     #: node-unique core key: the lowest CPU among the core's SMT threads.
     core: int
@@ -38,14 +36,13 @@ class CpuInfo:
     siblings: CpuSet
 
 
-@dataclass(frozen=True)
-class Topology:
+class Topology(NamedTuple):
     cpus: Mapping[int, CpuInfo]
     online: CpuSet
     offline: CpuSet = EMPTY
     isolated: CpuSet = EMPTY
     #: CPUs ordered for placement; computed from ``cpus``.
-    order: tuple[int, ...] = field(default=(), compare=False)
+    order: tuple[int, ...] = ()
 
     @classmethod
     def build(

@@ -1,0 +1,425 @@
+"""The ``vmpin`` command line: parse options, call the reconciler or the store, print.
+
+Each command is a few lines; tables are for people, ``--json`` for scripts (keys as in
+DESIGN.md, CPU lists always in Linux list format).  :func:`run` is the one place a
+``VmpinError`` becomes a one-line message and an exit code (2 for bad input or state, 1 for
+"audit found violations" / "agent not answering").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any, Optional
+
+import click
+import typer
+
+from vmpin import __version__
+from vmpin.cpuset import CpuSet
+from vmpin.errors import SpecError, StateError, VmpinError
+from vmpin.paths import HostPaths
+from vmpin.reconciler import Reconciler, SandboxReport
+from vmpin.store import ContainerRec, Store
+
+app = typer.Typer(
+    name="vmpin",
+    help="Pin Kata sandboxes' QEMU threads and plain containers to the CPUs kubelet gave them.\n\n"
+    "Global options must come before the command, e.g. `vmpin --state-dir /tmp/s containers`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+guest_app = typer.Typer(help="Guest side: run inside the VM from Kata's guest_hook_path.")
+app.add_typer(guest_app, name="guest")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+
+
+class Ctx:
+    def __init__(self, paths: HostPaths, helpers: str | None, housekeeping: str | None,
+                 vcpus: str | None, guest_float: str | None) -> None:
+        self.paths = paths
+        self._policy = (helpers, housekeeping, vcpus)
+        self._guest_float = guest_float
+
+    def store(self) -> Store:
+        return Store(self.paths.state_dir)
+
+    def reconciler(self, store: Store | None = None) -> Reconciler:
+        from vmpin.settings import guest_float, policy_from
+
+        helpers, hk, vcpus = self._policy
+        return Reconciler(
+            self.paths, store or self.store(),
+            policy=policy_from(helpers=helpers, housekeeping=hk, vcpus=vcpus),
+            float_policy=guest_float(value=self._guest_float),
+        )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"vmpin {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    state_dir: Annotated[str, typer.Option(envvar="VMPIN_STATE_DIR",
+                                           help="Where vmpin keeps its SQLite state.")] = "/run/vmpin",
+    vm_dir: Annotated[str, typer.Option(envvar="VMPIN_VM_DIR",
+                                        help="Kata's VM dir: <vm-dir>/<sandbox>/{pid,qmp.sock}.")] = "/run/vc/vm",
+    proc_root: Annotated[str, typer.Option(envvar="VMPIN_PROC_ROOT", help="procfs root.")] = "/proc",
+    sysfs_root: Annotated[str, typer.Option(envvar="VMPIN_SYSFS_ROOT", help="sysfs root.")] = "/sys",
+    cgroup_root: Annotated[str, typer.Option(envvar="VMPIN_CGROUP_ROOT",
+                                             help="cgroup filesystem root.")] = "/sys/fs/cgroup",
+    runc_root: Annotated[str, typer.Option(envvar="VMPIN_RUNC_ROOT",
+                                           help="runc's state root (runc --root).")] = "/run/runc",
+    kubelet_state: Annotated[str, typer.Option(
+        envvar="VMPIN_KUBELET_STATE",
+        help="kubelet's cpu_manager_state (read only).")] = "/var/lib/kubelet/cpu_manager_state",
+    publish_dir: Annotated[str, typer.Option(
+        envvar="VMPIN_PUBLISH_DIR",
+        help="Host dir shared with each guest, where guest maps are published.",
+    )] = "/run/kata-containers/shared/sandboxes",
+    helper_policy: Annotated[Optional[str], typer.Option(
+        envvar="VMPIN_HELPER_POLICY",
+        help="Emulator/iothread/vhost placement: share (the sandbox mask), isolate, none.")] = None,
+    housekeeping: Annotated[Optional[str], typer.Option(
+        envvar="VMPIN_HOUSEKEEPING", help="CPU list for helper threads under 'isolate'.")] = None,
+    vcpu_policy: Annotated[Optional[str], typer.Option(
+        envvar="VMPIN_VCPU_POLICY", help="auto (1:1 where correct) or float.")] = None,
+    guest_float: Annotated[Optional[str], typer.Option(
+        envvar="VMPIN_GUEST_FLOAT",
+        help="Guest map under a floating plan: all vCPUs, or a proportional share.")] = None,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Pin Kata sandboxes' QEMU threads and plain containers to the CPUs kubelet gave them."""
+    paths = HostPaths(state_dir=state_dir, vm_dir=vm_dir, proc=proc_root, sys=sysfs_root,
+                      cgroup=cgroup_root, runc_root=runc_root, kubelet_state=kubelet_state,
+                      publish_dir=publish_dir)
+    ctx.obj = Ctx(paths, helper_policy, housekeeping, vcpu_policy, guest_float)
+
+
+def _emit(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[("-" if v is None or v == "" else str(v)) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    typer.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)).rstrip())
+    for r in cells:
+        typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _cpus(c: CpuSet | None) -> str | None:
+    return None if c is None else c.to_list()
+
+
+def _runtimes(store: Store) -> dict[str, str]:
+    return {s.id: s.runtime for s in store.sandboxes()}
+
+
+def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "sandbox": c.sandbox_id,
+        "name": c.name,
+        "cpus": _cpus(c.cpus),
+        "runtime": runtime,
+        "is_sandbox": c.is_sandbox,
+        "pod_uid": c.pod_uid,
+        "pod_name": c.pod_name,
+        "pod_namespace": c.pod_namespace,
+        "cpus_source": c.cpus_source,
+        "pid": c.pid,
+    }
+
+
+# -- hook (dispatched by vmpin.entry without importing this module; here for --help) --------
+@app.command(context_settings={"ignore_unknown_options": True})
+def hook(
+    stage: Annotated[str, typer.Argument(help="prestart, createRuntime, createContainer, "
+                                              "startContainer, poststart or poststop.")],
+    strict: Annotated[bool, typer.Option("--strict", help="Fail the container start on any "
+                                                          "problem (default: fail open).")] = False,
+) -> None:
+    """OCI hook: read the OCI state on stdin, record/forget the container, re-pin its sandbox.
+
+    Fail-open by default: a problem prints one line on stderr and exits 0.
+    """
+    from vmpin.hook import main as hook_main
+
+    ctx = click.get_current_context().find_root().obj
+    opts = dict(ctx.paths._asdict())
+    raise typer.Exit(hook_main(opts, [stage] + (["--strict"] if strict else [])))
+
+
+@app.command()
+def update(
+    ctx: typer.Context,
+    container: Annotated[str, typer.Argument(help="Container id.")],
+    cpuset_cpus: Annotated[Optional[str], typer.Option(
+        "--cpuset-cpus", help="New CPU list, e.g. 0-3,8 (as runc update).")] = None,
+    resources: Annotated[Optional[str], typer.Option(
+        "-r", "--resources",
+        help="OCI LinuxResources JSON file, or - for stdin (as runc update -r).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Record a container's new CPU set (CRI UpdateContainerResources) and re-pin its sandbox."""
+    from vmpin.update import update_container
+
+    c: Ctx = ctx.obj
+    if (cpuset_cpus is None) == (resources is None):
+        raise SpecError("give exactly one of --cpuset-cpus LIST or -r FILE|-")
+    result = update_container(c.paths, container, cpuset_cpus=cpuset_cpus, resources=resources,
+                              reconciler_factory=c.reconciler)
+    if as_json:
+        _emit(result)
+    else:
+        typer.echo(f"{result['id']}: cpus {result['cpus'] or '-'} "
+                   f"(sandbox {result['sandbox']}: {result['applied_by']})")
+
+
+@app.command()
+def containers(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """List tracked containers with their CPU sets."""
+    with ctx.obj.store() as store:
+        runtimes = _runtimes(store)
+        rows = [container_json(c, runtimes.get(c.sandbox_id)) for c in store.containers()]
+    if as_json:
+        _emit(rows)
+        return
+    _table(["id", "sandbox", "name", "cpus", "runtime", "source"],
+           [[r["id"], r["sandbox"], r["name"], r["cpus"], r["runtime"], r["cpus_source"]]
+            for r in rows])
+
+
+@app.command()
+def sandboxes(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """List tracked sandboxes: runtime, VMM pid, mask (union of container CPU sets)."""
+    with ctx.obj.store() as store:
+        out = []
+        for s in store.sandboxes():
+            ctrs = store.containers(s.id)
+            mask = CpuSet.union_all(c.cpus for c in ctrs if c.cpus is not None)
+            out.append({
+                "id": s.id, "runtime": s.runtime,
+                "vmm_pid": s.vmm_pid if s.vmm_start is not None else None,
+                "mask": mask.to_list(),
+                "containers": [{"id": c.id, "name": c.name, "cpus": _cpus(c.cpus),
+                                "is_sandbox": c.is_sandbox} for c in ctrs],
+                "pod_uid": s.pod_uid, "pod_name": s.pod_name, "pod_namespace": s.pod_namespace,
+                "dirty": s.dirty,
+            })
+    if as_json:
+        _emit(out)
+        return
+    _table(["id", "runtime", "vmm_pid", "mask", "containers"],
+           [[s["id"], s["runtime"], s["vmm_pid"], s["mask"], len(s["containers"])] for s in out])
+
+
+def show_json(r: SandboxReport) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "runtime": r.runtime,
+        "vmm_pid": r.vmm_pid,
+        "mask": r.mask.to_list(),
+        "mode": r.mode,
+        "reason": r.reason,
+        "layers": r.layers,
+        "threads": [t.to_json() for t in r.threads],
+        "guest_map": r.guest_map,
+        "containers": [{"id": c.id, "name": c.name, "cpus": _cpus(c.cpus)} for c in r.containers],
+        "notes": r.notes,
+        "errors": r.errors,
+    }
+
+
+def _one(ctx: typer.Context, sandbox: str) -> SandboxReport:
+    with ctx.obj.store() as store:
+        rec = store.sandbox(sandbox)
+        if rec is None:
+            raise StateError(f"unknown sandbox {sandbox!r} (see `vmpin sandboxes`)")
+        return ctx.obj.reconciler(store).reconcile_sandbox(rec, apply=False)
+
+
+@app.command()
+def show(ctx: typer.Context, sandbox: Annotated[str, typer.Argument(help="Sandbox id.")],
+         as_json: JsonOpt = False) -> None:
+    """One sandbox: its threads with role, desired and actual affinity, and its guest map."""
+    r = _one(ctx, sandbox)
+    if as_json:
+        _emit(show_json(r))
+        return
+    typer.echo(f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
+               f"mask {r.mask.to_list() or '-'}")
+    typer.echo(f"plan    {r.mode}: {r.reason}")
+    if r.layers:
+        typer.echo(f"threads classified by: {', '.join(r.layers)}")
+    _table(["tid", "role", "index", "name", "desired", "actual", "state"],
+           [[t.tid, t.role, t.index, t.name, _cpus(t.desired), _cpus(t.actual), t.action]
+            for t in r.threads])
+    if r.guest_map:
+        for cid, m in r.guest_map["containers"].items():
+            typer.echo(f"guest   {cid}: host {m['host_cpus'] or '-'} -> vCPUs {m['guest_cpus']}"
+                       f"{'' if m['exact'] else ' (not exact: ' + m['reason'] + ')'}")
+    for n in r.notes + r.errors:
+        typer.echo(f"note    {n}")
+
+
+@app.command("guest-map")
+def guest_map(ctx: typer.Context, container: Annotated[str, typer.Argument(help="Container id.")],
+              as_json: JsonOpt = False) -> None:
+    """A container's host CPUs and the guest vCPUs they are under the current plan."""
+    with ctx.obj.store() as store:
+        c = store.container(container)
+        if c is None:
+            raise StateError(f"unknown container {container!r} (see `vmpin containers`)")
+        sb = store.sandbox(c.sandbox_id)
+        if sb is None:
+            raise StateError(f"container {container!r}: sandbox {c.sandbox_id!r} is not tracked")
+        r = ctx.obj.reconciler(store).reconcile_sandbox(sb, apply=False)
+    entry = (r.guest_map or {}).get("containers", {}).get(container)
+    if entry is None:
+        out = {"container": container, "sandbox": c.sandbox_id, "host_cpus": _cpus(c.cpus),
+               "guest_cpus": None, "exact": False, "mode": r.mode,
+               "reason": "no guest map: " + ("a plain container runs in no VM"
+                                            if r.runtime != "kata" else "no VMM/plan yet")}
+    else:
+        out = entry
+    if as_json:
+        _emit(out)
+    else:
+        typer.echo(f"{out['container']} (sandbox {out['sandbox']}): host CPUs "
+                   f"{out['host_cpus'] or '-'} -> guest vCPUs {out['guest_cpus'] or '-'}"
+                   f"{'' if out['exact'] else '  [' + out['reason'] + ']'}")
+
+
+@app.command()
+def topology(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """The host's CPU topology and the order 1:1 plans follow."""
+    from vmpin.sysfs import read_topology
+
+    t = read_topology(ctx.obj.paths.sys)
+    data = t.to_json()
+    if as_json:
+        _emit(data)
+        return
+    typer.echo(f"online {data['online']}  offline {data['offline'] or '-'}  "
+               f"isolated {data['isolated'] or '-'}")
+    typer.echo(f"sockets {data['sockets']}  numa nodes {data['numa_nodes']}  cores "
+               f"{data['cores']}  threads/core {data['threads_per_core']}  "
+               f"L3 groups {data['l3_groups']}")
+    typer.echo(f"order  {','.join(map(str, data['order']))}")
+    _table(["cpu", "core", "socket", "numa", "l3", "siblings"],
+           [[c["cpu"], c["core"], c["socket"], c["numa"], c["l3"], c["siblings"]]
+            for c in data["cpus"]])
+
+
+@app.command()
+def audit(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Compare every tracked thread's actual affinity with its plan; exit 1 on any violation."""
+    with ctx.obj.store() as store:
+        result = ctx.obj.reconciler(store).audit()
+    if as_json:
+        _emit(result)
+    else:
+        for v in result["violations"]:
+            typer.echo(f"VIOLATION sandbox {v['sandbox']} tid {v['tid'] or '-'} {v['role']}: "
+                       f"desired {v['desired']} actual {v['actual']} ({v['reason']})")
+        for e in result["errors"]:
+            typer.echo(f"error     {e}")
+        typer.echo(f"{'ok' if result['ok'] else 'FAIL'}: {result['sandboxes']} sandboxes, "
+                   f"{result['threads']} threads, {len(result['violations'])} violations")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def reconcile(
+    ctx: typer.Context,
+    once: Annotated[bool, typer.Option("--once", help="Run one repair pass and exit.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Repair drift: re-pin whatever differs from the plan, touch nothing already right."""
+    if not once:
+        raise SpecError("reconcile needs --once (the continuous loop is `vmpin serve`)")
+    with ctx.obj.store() as store:
+        reports = ctx.obj.reconciler(store).reconcile(apply=True)
+    out = [{"id": r.id, "runtime": r.runtime, "mode": r.mode, "mask": r.mask.to_list(),
+            "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
+            "vanished": r.vanished, "errors": r.errors,
+            "threads": [t.to_json() for t in r.threads if t.action != "ok"]} for r in reports]
+    if as_json:
+        _emit(out)
+    else:
+        for o in out:
+            state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
+            typer.echo(f"{o['id']}: {o['runtime']} {o['mode']} mask {o['mask'] or '-'}: {state}")
+            for e in o["errors"]:
+                typer.echo(f"  error: {e}")
+    if any(o["errors"] for o in out):
+        raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    ctx: typer.Context,
+    interval: Annotated[float, typer.Option(help="Seconds between full repair passes.")] = 5.0,
+    workers: Annotated[int, typer.Option(help="Worker threads planning dirty sandboxes.")] = 2,
+    metrics_port: Annotated[int, typer.Option(
+        help="Prometheus metrics port on 127.0.0.1 (0 = off).")] = 9464,
+) -> None:
+    """Run the node agent: control socket, coalesced event handling, periodic repair."""
+    from vmpin.agent import serve as serve_agent
+
+    raise typer.Exit(serve_agent(ctx.obj, interval=interval, workers=workers,
+                                 metrics_port=metrics_port))
+
+
+@app.command()
+def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """The agent's health; exit 0 when it answers on its control socket, 1 when not."""
+    from vmpin.control import request
+
+    reply = request(ctx.obj.paths, {"op": "status"}, timeout=2.0)
+    out = reply or {"ok": False, "error": f"no agent answering on {ctx.obj.paths.control_socket}"}
+    if as_json:
+        _emit(out)
+    elif reply:
+        typer.echo(" ".join(f"{k}={v}" for k, v in reply.items()))
+    else:
+        typer.echo(out["error"])
+    if not reply or not reply.get("ok"):
+        raise typer.Exit(1)
+
+
+@guest_app.command("hook")
+def guest_hook(stage: Annotated[str, typer.Argument(help="prestart, poststart or poststop.")]) -> None:
+    """Inside the guest: pin the starting container to its mapped vCPUs (fail-open)."""
+    from vmpin.guest import main as guest_main
+
+    raise typer.Exit(guest_main([stage]))
+
+
+def run(args: list[str]) -> int:
+    """Run the CLI; the one place errors become a message and an exit code."""
+    try:
+        rv = app(args=args, prog_name="vmpin", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        return 1
+    except VmpinError as e:
+        print(f"vmpin: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return rv if isinstance(rv, int) else 0

@@ -1,0 +1,467 @@
+"""The one reconciler: desired state from the store, actual state from the host, repair the diff.
+
+Every entry point goes through here: the hook (one sandbox), ``vmpin update`` (one sandbox),
+``vmpin reconcile --once`` and ``vmpin audit`` (all), and the agent (dirty ones, then all,
+periodically).  It is level-triggered: a pass re-reads everything it needs, plans from the
+full desired state, and writes only where desired and actual differ, so running it twice is
+harmless and running it after a crash repairs whatever the crash interrupted.
+
+One pass over a sandbox:
+
+1. *Refresh the desired state* from the sources that change behind vmpin's back: runc's own
+   state (``runc update`` rewrites it, and fires no hook) and kubelet's checkpoint.  A source
+   is adopted when *its* value changes from what vmpin last saw there, so a ``vmpin update``
+   is not undone by a runtime that never heard of it, and a hand-edit of a cgroup (which
+   changes no source) is drift to repair.
+2. *Forget the vanished*: a runc container whose init process (pid + start time) is gone, a
+   Kata sandbox whose QEMU is gone.
+3. *Plan*: Kata sandboxes through :mod:`vmpin.planner`; runc containers get their own CPU set
+   on their cgroup.
+4. *Apply and verify*: sched_setaffinity per thread (or cpuset.cpus per cgroup), then read
+   back.  A thread that exits mid-pass is skipped; EPERM/EINVAL are reported on that thread.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vmpin import procfs
+from vmpin.affinity import AffinityBackend, SchedAffinity
+from vmpin.cpuset import EMPTY, CpuSet
+from vmpin.errors import HostError, ProcessGone, VmpinError
+from vmpin.paths import HostPaths
+from vmpin.store import ContainerRec, SandboxRec, Store, ThreadRec
+
+if TYPE_CHECKING:
+    from vmpin.planner import Plan, Policy
+    from vmpin.topology import Topology
+
+
+class ThreadReport:
+    """What one pass saw and did for one thread (mutable while the pass runs)."""
+
+    __slots__ = ("action", "actual", "container", "desired", "error", "index", "layer", "name",
+                 "role", "tid")
+
+    def __init__(
+        self, tid: int | None, role: str, index: int | None, name: str | None,
+        desired: CpuSet | None, actual: CpuSet | None, layer: str = "",
+        container: str | None = None, action: str = "ok", error: str | None = None,
+    ) -> None:
+        self.tid, self.role, self.index, self.name = tid, role, index, name
+        self.desired, self.actual, self.layer = desired, actual, layer
+        self.container = container
+        #: ok | pinned | gone | error | unmanaged | drift
+        self.action, self.error = action, error
+
+    def violates(self) -> bool:
+        if self.desired is None or self.actual is None:
+            return False
+        if self.role == "container":
+            # A process may narrow itself inside its container's cpuset; leaving it is drift.
+            return not self.actual.issubset(self.desired)
+        return self.actual != self.desired
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tid": self.tid,
+            "role": self.role,
+            "index": self.index,
+            "name": self.name,
+            "desired": None if self.desired is None else self.desired.to_list(),
+            "actual": None if self.actual is None else self.actual.to_list(),
+            "layer": self.layer,
+            "container": self.container,
+            "action": self.action,
+            "error": self.error,
+        }
+
+
+class SandboxReport:
+    """What one pass saw and did for one sandbox."""
+
+    def __init__(self, id: str, runtime: str, vmm_pid: int | None = None) -> None:
+        self.id, self.runtime, self.vmm_pid = id, runtime, vmm_pid
+        self.mask: CpuSet = EMPTY
+        self.mode = "none"
+        self.reason = ""
+        self.threads: list[ThreadReport] = []
+        self.containers: list[ContainerRec] = []
+        self.plan: Plan | None = None
+        self.layers: list[str] = []
+        self.notes: list[str] = []
+        self.errors: list[str] = []
+        self.cgroup_drift: list[dict[str, Any]] = []
+        self.vanished = False
+        self.guest_map: dict[str, Any] | None = None
+
+    @property
+    def changed(self) -> int:
+        return sum(1 for t in self.threads if t.action == "pinned")
+
+
+def _pid_alive(paths: HostPaths, pid: int | None, start: int | None) -> bool | None:
+    """True/False when we can tell, None when there is nothing to check."""
+    if not pid:
+        return None
+    try:
+        return start is None or procfs.start_time(paths.proc, pid) == start
+    except ProcessGone:
+        return False
+    except HostError:
+        return None
+
+
+class Reconciler:
+    def __init__(
+        self,
+        paths: HostPaths,
+        store: Store | None = None,
+        *,
+        policy: Policy | None = None,
+        affinity: AffinityBackend | None = None,
+        topology: Topology | None = None,
+        qmp_timeout: float = 0.3,
+        float_policy: str = "all",
+        publish: bool = True,
+    ) -> None:
+        self.paths = paths
+        self.store = store if store is not None else Store(paths.state_dir)
+        if policy is None:
+            from vmpin.planner import Policy
+
+            policy = Policy()
+        self.policy = policy
+        self.affinity: AffinityBackend = affinity or SchedAffinity()
+        self._topology = topology
+        self.qmp_timeout = qmp_timeout
+        self.float_policy = float_policy
+        self.publish = publish
+        self._checkpoint_cache: tuple[int, Any] | None = None
+
+    # -- inputs --------------------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            from vmpin.sysfs import read_topology
+
+            self._topology = read_topology(self.paths.sys)
+        return self._topology
+
+    def checkpoint(self) -> Any:
+        """kubelet's cpu_manager_state, re-read only when its mtime changes."""
+        from vmpin.kubelet import read_checkpoint
+
+        try:
+            mtime = os.stat(self.paths.kubelet_state).st_mtime_ns
+        except OSError:
+            self._checkpoint_cache = None
+            return None
+        if self._checkpoint_cache is None or self._checkpoint_cache[0] != mtime:
+            self._checkpoint_cache = (mtime, read_checkpoint(self.paths.kubelet_state))
+        return self._checkpoint_cache[1]
+
+    def shared_pool(self) -> CpuSet | None:
+        if not os.path.exists(self.paths.kubelet_state):
+            return None
+        cp = self.checkpoint()
+        if cp is None or cp.policy != "static" or not cp.default:
+            return None
+        pool: CpuSet = cp.default
+        return pool
+
+    # -- step 1: refresh desired state from runtimes and kubelet ----------------------------
+    def refresh_container(self, rec: ContainerRec, runtime: str) -> ContainerRec | None:
+        """Adopt changes made behind vmpin's back; None when the container is gone."""
+        if runtime == "runc":
+            from vmpin.runcstate import runc_cpus
+
+            seen = runc_cpus(self.paths, rec.id)
+            alive = _pid_alive(self.paths, rec.pid, rec.pid_start)
+            if alive is False and seen is None:
+                self.store.delete_container(rec.id)
+                return None
+            if seen is not None and seen != rec.runtime_seen:
+                if rec.runtime_seen is not None or rec.cpus is None:
+                    rec = self.store.set_container_cpus(
+                        rec.id, CpuSet.parse(seen) if seen else None, "runc", runtime_seen=seen
+                    )
+                else:
+                    self.store.note_seen(rec.id, runtime_seen=seen)
+                    rec = rec._replace(runtime_seen=seen)
+        if rec.pod_uid and rec.name and os.path.exists(self.paths.kubelet_state):
+            from vmpin.kubelet import cpus_for
+
+            cp = self.checkpoint()
+            if cp is not None:
+                want = cpus_for(cp, rec.pod_uid, rec.name)
+                text = None if want is None else want.to_list()
+                if text is not None and text != rec.kubelet_seen:
+                    if rec.kubelet_seen is not None or rec.cpus is None:
+                        rec = self.store.set_container_cpus(
+                            rec.id, want, "kubelet", kubelet_seen=text
+                        )
+                    else:
+                        self.store.note_seen(rec.id, kubelet_seen=text)
+                        rec = rec._replace(kubelet_seen=text)
+        return rec
+
+    # -- the pass ------------------------------------------------------------------------
+    def reconcile(
+        self, sandbox_ids: list[str] | None = None, *, apply: bool = True
+    ) -> list[SandboxReport]:
+        sandboxes = {s.id: s for s in self.store.sandboxes()}
+        wanted = sorted(sandboxes) if sandbox_ids is None else sandbox_ids
+        reports = []
+        for sid in wanted:
+            rec = sandboxes.get(sid) or self.store.sandbox(sid)
+            if rec is None:
+                continue
+            reports.append(self.reconcile_sandbox(rec, apply=apply))
+        return reports
+
+    def reconcile_sandbox(self, rec: SandboxRec, *, apply: bool = True) -> SandboxReport:
+        gen = rec.gen
+        report = SandboxReport(rec.id, rec.runtime, rec.vmm_pid)
+        containers = []
+        for c in self.store.containers(rec.id):
+            refreshed = self.refresh_container(c, rec.runtime)
+            if refreshed is not None:
+                containers.append(refreshed)
+        report.containers = containers
+        if not containers and self.store.sandbox(rec.id) is None:
+            report.vanished = True
+            return report
+        report.mask = CpuSet.union_all(c.cpus for c in containers if c.cpus is not None)
+        try:
+            if rec.runtime == "kata":
+                self._kata(rec, containers, report, apply)
+            else:
+                self._runc(rec, containers, report, apply)
+        except VmpinError as err:
+            report.errors.append(str(err))
+        if apply and not report.vanished:
+            self.store.mark_done(rec.id, gen)
+        return report
+
+    # -- runc: the container's own cgroup ------------------------------------------------------
+    def _runc(
+        self, rec: SandboxRec, containers: list[ContainerRec], report: SandboxReport, apply: bool
+    ) -> None:
+        from vmpin import cgroups
+
+        pool = None
+        report.mode = "cgroup"
+        for c in containers:
+            desired = c.cpus
+            if desired is None:
+                pool = pool if pool is not None else (self.shared_pool() or EMPTY)
+                desired = pool or None
+            ref = None
+            if c.cgroup:
+                ref = cgroups.ref_from_rel(self.paths, c.cgroup)
+            if ref is None or not os.path.isdir(ref.path):
+                ref = cgroups.find_container_cgroup(self.paths, c.id, c.pod_uid, c.pid)
+                if ref is not None and ref.rel != c.cgroup:
+                    self.store.note_seen(c.id, cgroup=ref.rel)
+            if ref is None:
+                if not c.is_sandbox or desired is not None:
+                    report.notes.append(f"container {c.id}: no cgroup found")
+                continue
+            if desired is not None:
+                try:
+                    current = cgroups.read_cpus(ref)
+                    if current != desired:
+                        drift = {"container": c.id, "cgroup": ref.path,
+                                 "desired": desired.to_list(), "actual": current.to_list()}
+                        if apply:
+                            cgroups.write_cpus(ref, desired)
+                            drift["repaired"] = cgroups.read_cpus(ref) == desired
+                        report.cgroup_drift.append(drift)
+                except VmpinError as err:
+                    report.errors.append(f"container {c.id}: {err}")
+            try:
+                tasks = cgroups.tasks(ref)
+            except VmpinError as err:
+                report.errors.append(f"container {c.id}: {err}")
+                continue
+            for tid in tasks:
+                report.threads.append(self._observe_task(tid, c, desired))
+
+    def _observe_task(self, tid: int, c: ContainerRec, desired: CpuSet | None) -> ThreadReport:
+        try:
+            actual: CpuSet | None = procfs.cpus_allowed(self.paths.proc, tid)
+            name: str | None = procfs.comm(self.paths.proc, tid)
+            action = "ok" if desired is not None else "unmanaged"
+        except ProcessGone:
+            actual, name, action = None, None, "gone"
+        t = ThreadReport(tid, "container", None, name, desired, actual, "cgroup", c.id, action)
+        if t.violates():
+            t.action = "drift"
+        return t
+
+    # -- kata: the VMM's threads ---------------------------------------------------------------
+    def _kata(
+        self, rec: SandboxRec, containers: list[ContainerRec], report: SandboxReport, apply: bool
+    ) -> None:
+        from vmpin import vmm as vmm_mod
+        from vmpin.planner import Thread, plan_sandbox
+        from vmpin.threads import classify
+
+        vmm = None
+        if rec.vmm_pid and rec.vmm_start is not None:
+            candidate = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)
+            if vmm_mod.is_same(self.paths, candidate, rec.id):
+                vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=False)
+        if vmm is None:
+            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            if vmm is None:
+                if rec.vmm_pid and rec.vmm_start is not None:
+                    # It had a VMM, and it is gone: the sandbox went away without a poststop.
+                    self.store.delete_sandbox(rec.id)
+                    report.vanished = True
+                    report.notes.append(f"VMM pid {rec.vmm_pid} is gone: sandbox forgotten")
+                else:
+                    report.notes.append("no VMM found yet for this sandbox")
+                return
+            self.store.set_vmm(rec.id, vmm.pid, vmm.start)
+        report.vmm_pid = vmm.pid
+
+        remembered = self.store.threads(rec.id, vmm.pid, vmm.start)
+        try:
+            current = set(procfs.tids(self.paths.proc, vmm.pid))
+        except ProcessGone:
+            report.notes.append(f"VMM pid {vmm.pid} exited during the pass")
+            return
+        if remembered and set(remembered) == current:
+            # Fast path: the same threads as last time, their roles are known; no QMP.
+            threads = [Thread(t.tid, t.role, t.index, t.label) for t in remembered.values()]
+            layers = {t.tid: t.layer for t in remembered.values()}
+            report.layers = sorted({t.layer for t in remembered.values()})
+        else:
+            sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
+            result = classify(self.paths, vmm, sock if os.path.exists(sock) else None,
+                              remembered, qmp_timeout=self.qmp_timeout)
+            threads = [Thread(t.tid, t.role, t.index, t.label) for t in result.threads]
+            layers = {t.tid: t.layer for t in result.threads}
+            report.layers = list(result.layers)
+            report.notes.extend(result.notes)
+            self.store.save_threads(rec.id, vmm.pid, vmm.start, [
+                ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads
+            ])
+
+        others, others_excl = self._others(rec.id)
+        plan = plan_sandbox(
+            self.topology, rec.id, report.mask, threads, self.policy,
+            others=others, others_exclusive=others_excl, shared_pool=self.shared_pool(),
+        )
+        report.plan = plan
+        report.mode, report.reason = plan.mode, plan.reason
+        report.notes.extend(plan.notes)
+        for p in plan.placements:
+            report.threads.append(self._apply_thread(vmm.pid, p.tid, p.role, p.index, p.label,
+                                                     p.desired, layers.get(p.tid, ""), apply))
+        report.guest_map = self._guest_map(plan, containers)
+        if apply and self.publish and report.guest_map is not None:
+            self._publish(rec.id, report.guest_map)
+
+    def _others(self, sandbox_id: str) -> tuple[CpuSet, CpuSet]:
+        from vmpin.planner import exclusive_cpus
+
+        masks: dict[str, CpuSet] = {}
+        for c in self.store.containers():
+            if c.cpus is not None:
+                masks[c.sandbox_id] = masks.get(c.sandbox_id, EMPTY) | c.cpus
+        others = CpuSet.union_all(m for s, m in masks.items() if s != sandbox_id)
+        excl = exclusive_cpus(masks, self.shared_pool())
+        others_excl = CpuSet.union_all(m for s, m in excl.items() if s != sandbox_id)
+        return others, others_excl
+
+    def _apply_thread(
+        self, pid: int, tid: int, role: str, index: int | None, label: str | None,
+        desired: CpuSet | None, layer: str, apply: bool,
+    ) -> ThreadReport:
+        t = ThreadReport(tid, role, index, label, desired, None, layer)
+        try:
+            t.actual = procfs.cpus_allowed(self.paths.proc, pid, tid)
+            if t.name is None:
+                t.name = procfs.comm(self.paths.proc, pid, tid)
+        except ProcessGone:
+            t.action = "gone"
+            return t
+        if desired is None:
+            t.action = "unmanaged"
+            return t
+        if t.actual == desired:
+            return t
+        if not apply:
+            t.action = "drift"
+            return t
+        try:
+            t.actual = self.affinity.set(tid, desired)
+            t.action = "pinned" if t.actual == desired else "error"
+            if t.action == "error":
+                t.error = f"kernel holds {t.actual} after setting {desired}"
+        except ProcessGone:
+            t.action = "gone"
+        except HostError as err:
+            t.action, t.error = "error", str(err)
+        return t
+
+    def _guest_map(self, plan: Plan, containers: list[ContainerRec]) -> dict[str, Any] | None:
+        from vmpin.guestmap import map_sandbox
+
+        ctrs = {c.id: c.cpus for c in containers if not c.is_sandbox or c.cpus is not None}
+        return map_sandbox(plan, ctrs, self.topology, self.float_policy)
+
+    def _publish(self, sandbox_id: str, guest_map: dict[str, Any]) -> None:
+        try:
+            from vmpin.publish import publish_map
+        except ImportError:
+            return
+        publish_map(self.paths, sandbox_id, guest_map)
+
+    # -- audit -----------------------------------------------------------------------------
+    def audit(self) -> dict[str, Any]:
+        from vmpin.planner import exclusive_cpus
+
+        reports = self.reconcile(apply=False)
+        violations: list[dict[str, Any]] = []
+        masks = {r.id: r.mask for r in reports if r.mask}
+        excl = exclusive_cpus(masks, self.shared_pool())
+        for r in reports:
+            for t in r.threads:
+                if t.violates():
+                    violations.append(_violation(r.id, t, "affinity differs from plan"))
+                if t.desired is None or t.actual is None:
+                    continue
+                for other, cpus in excl.items():
+                    if other != r.id and t.actual & cpus:
+                        violations.append(_violation(
+                            r.id, t, f"runs on sandbox {other}'s exclusive CPUs {t.actual & cpus}"))
+            for d in r.cgroup_drift:
+                violations.append({"sandbox": r.id, "tid": None, "role": "container",
+                                   "desired": d["desired"], "actual": d["actual"],
+                                   "container": d["container"], "cgroup": d["cgroup"],
+                                   "reason": "cgroup cpuset.cpus differs from plan"})
+        return {
+            "ok": not violations,
+            "violations": violations,
+            "sandboxes": len(reports),
+            "threads": sum(len(r.threads) for r in reports),
+            "errors": [f"{r.id}: {e}" for r in reports for e in r.errors],
+        }
+
+
+def _violation(sandbox: str, t: ThreadReport, reason: str) -> dict[str, Any]:
+    return {
+        "sandbox": sandbox,
+        "tid": t.tid,
+        "role": t.role,
+        "index": t.index,
+        "desired": None if t.desired is None else t.desired.to_list(),
+        "actual": None if t.actual is None else t.actual.to_list(),
+        "container": t.container,
+        "reason": reason,
+    }

@@ -1,0 +1,77 @@
+"""``vmpin update``: CRI UpdateContainerResources, as vmpin hears it.
+
+Validation happens before anything is written: an unknown container, a malformed list or
+JSON, or CPUs that are not online leave the state exactly as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from vmpin.cpuset import CpuSet
+from vmpin.errors import CpuSetError, SpecError, StateError
+from vmpin.oci import parse_resources_json
+from vmpin.paths import HostPaths
+from vmpin.reconciler import Reconciler
+from vmpin.store import Store
+
+
+def _read_resources(source: str) -> bytes:
+    if source == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(source, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise SpecError(f"{source}: {err.strerror}") from None
+
+
+def parse_update(cpuset_cpus: str | None, resources: str | None) -> CpuSet | None:
+    """The new CPU set; None when the resources carry no cpu.cpus (nothing for vmpin)."""
+    if cpuset_cpus is not None:
+        try:
+            return CpuSet.parse(cpuset_cpus)
+        except CpuSetError as err:
+            raise SpecError(f"--cpuset-cpus: {err}") from None
+    assert resources is not None
+    where = "stdin" if resources == "-" else resources
+    return parse_resources_json(_read_resources(resources), where).cpus
+
+
+def update_container(
+    paths: HostPaths,
+    container_id: str,
+    *,
+    cpuset_cpus: str | None = None,
+    resources: str | None = None,
+    reconciler_factory: Callable[[Store], Reconciler] | None = None,
+) -> dict[str, Any]:
+    cpus = parse_update(cpuset_cpus, resources)
+    with Store(paths.state_dir) as store:
+        rec = store.container(container_id)
+        if rec is None:
+            raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
+        if cpus is None:
+            return {"id": rec.id, "sandbox": rec.sandbox_id, "cpus": None if rec.cpus is None
+                    else rec.cpus.to_list(), "applied_by": "nothing to do: no cpu.cpus given"}
+        if not cpus:
+            raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
+        from vmpin.sysfs import read_topology
+
+        topo = read_topology(paths.sys)
+        topo.check_online(cpus, f"container {container_id}")
+        rec = store.set_container_cpus(container_id, cpus, "update")
+        from vmpin.control import notify
+
+        if notify(paths, [rec.sandbox_id]):
+            applied = "handed to the agent"
+        else:
+            rec_ = (reconciler_factory(store) if reconciler_factory
+                    else Reconciler(paths, store, topology=topo))
+            reports = rec_.reconcile([rec.sandbox_id])
+            errors = [e for r in reports for e in r.errors]
+            applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
+        return {"id": rec.id, "sandbox": rec.sandbox_id, "cpus": cpus.to_list(),
+                "applied_by": applied}
