@@ -1,4 +1,4 @@
-"""vmpin: keep every VM sandbox's QEMU threads, and every plain container, on the CPUs kubelet gave them.
+"""vmpin: keep every VM sandbox's QEMU threads, and every plain container, on their CPUs.
 
 This module stays import-free: the OCI hook imports the package on every container start.
 """

@@ -39,8 +39,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts in
 
 
 class Ctx:
-    def __init__(self, paths: HostPaths, helpers: str | None, housekeeping: str | None,
-                 vcpus: str | None, guest_float: str | None) -> None:
+    def __init__(
+        self,
+        paths: HostPaths,
+        helpers: str | None,
+        housekeeping: str | None,
+        vcpus: str | None,
+        guest_float: str | None,
+    ) -> None:
         self.paths = paths
         self._policy = (helpers, housekeeping, vcpus)
         self._guest_float = guest_float
@@ -53,7 +59,8 @@ class Ctx:
 
         helpers, hk, vcpus = self._policy
         return Reconciler(
-            self.paths, store or self.store(),
+            self.paths,
+            store or self.store(),
             policy=policy_from(helpers=helpers, housekeeping=hk, vcpus=vcpus),
             float_policy=guest_float(value=self._guest_float),
         )
@@ -68,40 +75,80 @@ def _version(value: bool) -> None:
 @app.callback()
 def main(
     ctx: typer.Context,
-    state_dir: Annotated[str, typer.Option(envvar="VMPIN_STATE_DIR",
-                                           help="Where vmpin keeps its SQLite state.")] = "/run/vmpin",
-    vm_dir: Annotated[str, typer.Option(envvar="VMPIN_VM_DIR",
-                                        help="Kata's VM dir: <vm-dir>/<sandbox>/{pid,qmp.sock}.")] = "/run/vc/vm",
-    proc_root: Annotated[str, typer.Option(envvar="VMPIN_PROC_ROOT", help="procfs root.")] = "/proc",
-    sysfs_root: Annotated[str, typer.Option(envvar="VMPIN_SYSFS_ROOT", help="sysfs root.")] = "/sys",
-    cgroup_root: Annotated[str, typer.Option(envvar="VMPIN_CGROUP_ROOT",
-                                             help="cgroup filesystem root.")] = "/sys/fs/cgroup",
-    runc_root: Annotated[str, typer.Option(envvar="VMPIN_RUNC_ROOT",
-                                           help="runc's state root (runc --root).")] = "/run/runc",
-    kubelet_state: Annotated[str, typer.Option(
-        envvar="VMPIN_KUBELET_STATE",
-        help="kubelet's cpu_manager_state (read only).")] = "/var/lib/kubelet/cpu_manager_state",
-    publish_dir: Annotated[str, typer.Option(
-        envvar="VMPIN_PUBLISH_DIR",
-        help="Host dir shared with each guest, where guest maps are published.",
-    )] = "/run/kata-containers/shared/sandboxes",
-    helper_policy: Annotated[Optional[str], typer.Option(
-        envvar="VMPIN_HELPER_POLICY",
-        help="Emulator/iothread/vhost placement: share (the sandbox mask), isolate, none.")] = None,
-    housekeeping: Annotated[Optional[str], typer.Option(
-        envvar="VMPIN_HOUSEKEEPING", help="CPU list for helper threads under 'isolate'.")] = None,
-    vcpu_policy: Annotated[Optional[str], typer.Option(
-        envvar="VMPIN_VCPU_POLICY", help="auto (1:1 where correct) or float.")] = None,
-    guest_float: Annotated[Optional[str], typer.Option(
-        envvar="VMPIN_GUEST_FLOAT",
-        help="Guest map under a floating plan: all vCPUs, or a proportional share.")] = None,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    state_dir: Annotated[
+        str, typer.Option(envvar="VMPIN_STATE_DIR", help="Where vmpin keeps its SQLite state.")
+    ] = "/run/vmpin",
+    vm_dir: Annotated[
+        str,
+        typer.Option(
+            envvar="VMPIN_VM_DIR", help="Kata's VM dir: <vm-dir>/<sandbox>/{pid,qmp.sock}."
+        ),
+    ] = "/run/vc/vm",
+    proc_root: Annotated[
+        str, typer.Option(envvar="VMPIN_PROC_ROOT", help="procfs root.")
+    ] = "/proc",
+    sysfs_root: Annotated[
+        str, typer.Option(envvar="VMPIN_SYSFS_ROOT", help="sysfs root.")
+    ] = "/sys",
+    cgroup_root: Annotated[
+        str, typer.Option(envvar="VMPIN_CGROUP_ROOT", help="cgroup filesystem root.")
+    ] = "/sys/fs/cgroup",
+    runc_root: Annotated[
+        str, typer.Option(envvar="VMPIN_RUNC_ROOT", help="runc's state root (runc --root).")
+    ] = "/run/runc",
+    kubelet_state: Annotated[
+        str,
+        typer.Option(envvar="VMPIN_KUBELET_STATE", help="kubelet's cpu_manager_state (read only)."),
+    ] = "/var/lib/kubelet/cpu_manager_state",
+    publish_dir: Annotated[
+        str,
+        typer.Option(
+            envvar="VMPIN_PUBLISH_DIR",
+            help="Host dir shared with each guest, where guest maps are published.",
+        ),
+    ] = "/run/kata-containers/shared/sandboxes",
+    helper_policy: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="VMPIN_HELPER_POLICY",
+            help="Emulator/iothread/vhost placement: share (the sandbox mask), isolate, none.",
+        ),
+    ] = None,
+    housekeeping: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="VMPIN_HOUSEKEEPING", help="CPU list for helper threads under 'isolate'."
+        ),
+    ] = None,
+    vcpu_policy: Annotated[
+        Optional[str],
+        typer.Option(envvar="VMPIN_VCPU_POLICY", help="auto (1:1 where correct) or float."),
+    ] = None,
+    guest_float: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="VMPIN_GUEST_FLOAT",
+            help="Guest map under a floating plan: all vCPUs, or a proportional share.",
+        ),
+    ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
 ) -> None:
     """Pin Kata sandboxes' QEMU threads and plain containers to the CPUs kubelet gave them."""
-    paths = HostPaths(state_dir=state_dir, vm_dir=vm_dir, proc=proc_root, sys=sysfs_root,
-                      cgroup=cgroup_root, runc_root=runc_root, kubelet_state=kubelet_state,
-                      publish_dir=publish_dir)
+    paths = HostPaths(
+        state_dir=state_dir,
+        vm_dir=vm_dir,
+        proc=proc_root,
+        sys=sysfs_root,
+        cgroup=cgroup_root,
+        runc_root=runc_root,
+        kubelet_state=kubelet_state,
+        publish_dir=publish_dir,
+    )
     ctx.obj = Ctx(paths, helper_policy, housekeeping, vcpu_policy, guest_float)
 
 
@@ -112,9 +159,9 @@ def _emit(data: Any) -> None:
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[("-" if v is None or v == "" else str(v)) for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    typer.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)).rstrip())
+    typer.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for r in cells:
-        typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def _cpus(c: CpuSet | None) -> str | None:
@@ -144,10 +191,18 @@ def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:
 # -- hook (dispatched by vmpin.entry without importing this module; here for --help) --------
 @app.command(context_settings={"ignore_unknown_options": True})
 def hook(
-    stage: Annotated[str, typer.Argument(help="prestart, createRuntime, createContainer, "
-                                              "startContainer, poststart or poststop.")],
-    strict: Annotated[bool, typer.Option("--strict", help="Fail the container start on any "
-                                                          "problem (default: fail open).")] = False,
+    stage: Annotated[
+        str,
+        typer.Argument(
+            help="prestart, createRuntime, createContainer, startContainer, poststart or poststop."
+        ),
+    ],
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict", help="Fail the container start on any problem (default: fail open)."
+        ),
+    ] = False,
 ) -> None:
     """OCI hook: read the OCI state on stdin, record/forget the container, re-pin its sandbox.
 
@@ -164,11 +219,18 @@ def hook(
 def update(
     ctx: typer.Context,
     container: Annotated[str, typer.Argument(help="Container id.")],
-    cpuset_cpus: Annotated[Optional[str], typer.Option(
-        "--cpuset-cpus", help="New CPU list, e.g. 0-3,8 (as runc update).")] = None,
-    resources: Annotated[Optional[str], typer.Option(
-        "-r", "--resources",
-        help="OCI LinuxResources JSON file, or - for stdin (as runc update -r).")] = None,
+    cpuset_cpus: Annotated[
+        Optional[str],
+        typer.Option("--cpuset-cpus", help="New CPU list, e.g. 0-3,8 (as runc update)."),
+    ] = None,
+    resources: Annotated[
+        Optional[str],
+        typer.Option(
+            "-r",
+            "--resources",
+            help="OCI LinuxResources JSON file, or - for stdin (as runc update -r).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Record a container's new CPU set (CRI UpdateContainerResources) and re-pin its sandbox."""
@@ -177,13 +239,20 @@ def update(
     c: Ctx = ctx.obj
     if (cpuset_cpus is None) == (resources is None):
         raise SpecError("give exactly one of --cpuset-cpus LIST or -r FILE|-")
-    result = update_container(c.paths, container, cpuset_cpus=cpuset_cpus, resources=resources,
-                              reconciler_factory=c.reconciler)
+    result = update_container(
+        c.paths,
+        container,
+        cpuset_cpus=cpuset_cpus,
+        resources=resources,
+        reconciler_factory=c.reconciler,
+    )
     if as_json:
         _emit(result)
     else:
-        typer.echo(f"{result['id']}: cpus {result['cpus'] or '-'} "
-                   f"(sandbox {result['sandbox']}: {result['applied_by']})")
+        typer.echo(
+            f"{result['id']}: cpus {result['cpus'] or '-'} "
+            f"(sandbox {result['sandbox']}: {result['applied_by']})"
+        )
 
 
 @app.command()
@@ -195,9 +264,13 @@ def containers(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     if as_json:
         _emit(rows)
         return
-    _table(["id", "sandbox", "name", "cpus", "runtime", "source"],
-           [[r["id"], r["sandbox"], r["name"], r["cpus"], r["runtime"], r["cpus_source"]]
-            for r in rows])
+    _table(
+        ["id", "sandbox", "name", "cpus", "runtime", "source"],
+        [
+            [r["id"], r["sandbox"], r["name"], r["cpus"], r["runtime"], r["cpus_source"]]
+            for r in rows
+        ],
+    )
 
 
 @app.command()
@@ -208,20 +281,34 @@ def sandboxes(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         for s in store.sandboxes():
             ctrs = store.containers(s.id)
             mask = CpuSet.union_all(c.cpus for c in ctrs if c.cpus is not None)
-            out.append({
-                "id": s.id, "runtime": s.runtime,
-                "vmm_pid": s.vmm_pid if s.vmm_start is not None else None,
-                "mask": mask.to_list(),
-                "containers": [{"id": c.id, "name": c.name, "cpus": _cpus(c.cpus),
-                                "is_sandbox": c.is_sandbox} for c in ctrs],
-                "pod_uid": s.pod_uid, "pod_name": s.pod_name, "pod_namespace": s.pod_namespace,
-                "dirty": s.dirty,
-            })
+            out.append(
+                {
+                    "id": s.id,
+                    "runtime": s.runtime,
+                    "vmm_pid": s.vmm_pid if s.vmm_start is not None else None,
+                    "mask": mask.to_list(),
+                    "containers": [
+                        {
+                            "id": c.id,
+                            "name": c.name,
+                            "cpus": _cpus(c.cpus),
+                            "is_sandbox": c.is_sandbox,
+                        }
+                        for c in ctrs
+                    ],
+                    "pod_uid": s.pod_uid,
+                    "pod_name": s.pod_name,
+                    "pod_namespace": s.pod_namespace,
+                    "dirty": s.dirty,
+                }
+            )
     if as_json:
         _emit(out)
         return
-    _table(["id", "runtime", "vmm_pid", "mask", "containers"],
-           [[s["id"], s["runtime"], s["vmm_pid"], s["mask"], len(s["containers"])] for s in out])
+    _table(
+        ["id", "runtime", "vmm_pid", "mask", "containers"],
+        [[s["id"], s["runtime"], s["vmm_pid"], s["mask"], len(s["containers"])] for s in out],
+    )
 
 
 def show_json(r: SandboxReport) -> dict[str, Any]:
@@ -246,36 +333,51 @@ def _one(ctx: typer.Context, sandbox: str) -> SandboxReport:
         rec = store.sandbox(sandbox)
         if rec is None:
             raise StateError(f"unknown sandbox {sandbox!r} (see `vmpin sandboxes`)")
-        return ctx.obj.reconciler(store).reconcile_sandbox(rec, apply=False)
+        report: SandboxReport = ctx.obj.reconciler(store).reconcile_sandbox(rec, apply=False)
+        return report
 
 
 @app.command()
-def show(ctx: typer.Context, sandbox: Annotated[str, typer.Argument(help="Sandbox id.")],
-         as_json: JsonOpt = False) -> None:
+def show(
+    ctx: typer.Context,
+    sandbox: Annotated[str, typer.Argument(help="Sandbox id.")],
+    as_json: JsonOpt = False,
+) -> None:
     """One sandbox: its threads with role, desired and actual affinity, and its guest map."""
     r = _one(ctx, sandbox)
     if as_json:
         _emit(show_json(r))
         return
-    typer.echo(f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
-               f"mask {r.mask.to_list() or '-'}")
+    typer.echo(
+        f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
+        f"mask {r.mask.to_list() or '-'}"
+    )
     typer.echo(f"plan    {r.mode}: {r.reason}")
     if r.layers:
         typer.echo(f"threads classified by: {', '.join(r.layers)}")
-    _table(["tid", "role", "index", "name", "desired", "actual", "state"],
-           [[t.tid, t.role, t.index, t.name, _cpus(t.desired), _cpus(t.actual), t.action]
-            for t in r.threads])
+    _table(
+        ["tid", "role", "index", "name", "desired", "actual", "state"],
+        [
+            [t.tid, t.role, t.index, t.name, _cpus(t.desired), _cpus(t.actual), t.action]
+            for t in r.threads
+        ],
+    )
     if r.guest_map:
         for cid, m in r.guest_map["containers"].items():
-            typer.echo(f"guest   {cid}: host {m['host_cpus'] or '-'} -> vCPUs {m['guest_cpus']}"
-                       f"{'' if m['exact'] else ' (not exact: ' + m['reason'] + ')'}")
+            typer.echo(
+                f"guest   {cid}: host {m['host_cpus'] or '-'} -> vCPUs {m['guest_cpus']}"
+                f"{'' if m['exact'] else ' (not exact: ' + m['reason'] + ')'}"
+            )
     for n in r.notes + r.errors:
         typer.echo(f"note    {n}")
 
 
 @app.command("guest-map")
-def guest_map(ctx: typer.Context, container: Annotated[str, typer.Argument(help="Container id.")],
-              as_json: JsonOpt = False) -> None:
+def guest_map(
+    ctx: typer.Context,
+    container: Annotated[str, typer.Argument(help="Container id.")],
+    as_json: JsonOpt = False,
+) -> None:
     """A container's host CPUs and the guest vCPUs they are under the current plan."""
     with ctx.obj.store() as store:
         c = store.container(container)
@@ -287,18 +389,26 @@ def guest_map(ctx: typer.Context, container: Annotated[str, typer.Argument(help=
         r = ctx.obj.reconciler(store).reconcile_sandbox(sb, apply=False)
     entry = (r.guest_map or {}).get("containers", {}).get(container)
     if entry is None:
-        out = {"container": container, "sandbox": c.sandbox_id, "host_cpus": _cpus(c.cpus),
-               "guest_cpus": None, "exact": False, "mode": r.mode,
-               "reason": "no guest map: " + ("a plain container runs in no VM"
-                                            if r.runtime != "kata" else "no VMM/plan yet")}
+        out = {
+            "container": container,
+            "sandbox": c.sandbox_id,
+            "host_cpus": _cpus(c.cpus),
+            "guest_cpus": None,
+            "exact": False,
+            "mode": r.mode,
+            "reason": "no guest map: "
+            + ("a plain container runs in no VM" if r.runtime != "kata" else "no VMM/plan yet"),
+        }
     else:
         out = entry
     if as_json:
         _emit(out)
     else:
-        typer.echo(f"{out['container']} (sandbox {out['sandbox']}): host CPUs "
-                   f"{out['host_cpus'] or '-'} -> guest vCPUs {out['guest_cpus'] or '-'}"
-                   f"{'' if out['exact'] else '  [' + out['reason'] + ']'}")
+        typer.echo(
+            f"{out['container']} (sandbox {out['sandbox']}): host CPUs "
+            f"{out['host_cpus'] or '-'} -> guest vCPUs {out['guest_cpus'] or '-'}"
+            f"{'' if out['exact'] else '  [' + out['reason'] + ']'}"
+        )
 
 
 @app.command()
@@ -311,15 +421,23 @@ def topology(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     if as_json:
         _emit(data)
         return
-    typer.echo(f"online {data['online']}  offline {data['offline'] or '-'}  "
-               f"isolated {data['isolated'] or '-'}")
-    typer.echo(f"sockets {data['sockets']}  numa nodes {data['numa_nodes']}  cores "
-               f"{data['cores']}  threads/core {data['threads_per_core']}  "
-               f"L3 groups {data['l3_groups']}")
+    typer.echo(
+        f"online {data['online']}  offline {data['offline'] or '-'}  "
+        f"isolated {data['isolated'] or '-'}"
+    )
+    typer.echo(
+        f"sockets {data['sockets']}  numa nodes {data['numa_nodes']}  cores "
+        f"{data['cores']}  threads/core {data['threads_per_core']}  "
+        f"L3 groups {data['l3_groups']}"
+    )
     typer.echo(f"order  {','.join(map(str, data['order']))}")
-    _table(["cpu", "core", "socket", "numa", "l3", "siblings"],
-           [[c["cpu"], c["core"], c["socket"], c["numa"], c["l3"], c["siblings"]]
-            for c in data["cpus"]])
+    _table(
+        ["cpu", "core", "socket", "numa", "l3", "siblings"],
+        [
+            [c["cpu"], c["core"], c["socket"], c["numa"], c["l3"], c["siblings"]]
+            for c in data["cpus"]
+        ],
+    )
 
 
 @app.command()
@@ -331,12 +449,16 @@ def audit(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         _emit(result)
     else:
         for v in result["violations"]:
-            typer.echo(f"VIOLATION sandbox {v['sandbox']} tid {v['tid'] or '-'} {v['role']}: "
-                       f"desired {v['desired']} actual {v['actual']} ({v['reason']})")
+            typer.echo(
+                f"VIOLATION sandbox {v['sandbox']} tid {v['tid'] or '-'} {v['role']}: "
+                f"desired {v['desired']} actual {v['actual']} ({v['reason']})"
+            )
         for e in result["errors"]:
             typer.echo(f"error     {e}")
-        typer.echo(f"{'ok' if result['ok'] else 'FAIL'}: {result['sandboxes']} sandboxes, "
-                   f"{result['threads']} threads, {len(result['violations'])} violations")
+        typer.echo(
+            f"{'ok' if result['ok'] else 'FAIL'}: {result['sandboxes']} sandboxes, "
+            f"{result['threads']} threads, {len(result['violations'])} violations"
+        )
     if not result["ok"]:
         raise typer.Exit(1)
 
@@ -352,10 +474,19 @@ def reconcile(
         raise SpecError("reconcile needs --once (the continuous loop is `vmpin serve`)")
     with ctx.obj.store() as store:
         reports = ctx.obj.reconciler(store).reconcile(apply=True)
-    out = [{"id": r.id, "runtime": r.runtime, "mode": r.mode, "mask": r.mask.to_list(),
+    out = [
+        {
+            "id": r.id,
+            "runtime": r.runtime,
+            "mode": r.mode,
+            "mask": r.mask.to_list(),
             "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
-            "vanished": r.vanished, "errors": r.errors,
-            "threads": [t.to_json() for t in r.threads if t.action != "ok"]} for r in reports]
+            "vanished": r.vanished,
+            "errors": r.errors,
+            "threads": [t.to_json() for t in r.threads if t.action != "ok"],
+        }
+        for r in reports
+    ]
     if as_json:
         _emit(out)
     else:
@@ -373,14 +504,16 @@ def serve(
     ctx: typer.Context,
     interval: Annotated[float, typer.Option(help="Seconds between full repair passes.")] = 5.0,
     workers: Annotated[int, typer.Option(help="Worker threads planning dirty sandboxes.")] = 2,
-    metrics_port: Annotated[int, typer.Option(
-        help="Prometheus metrics port on 127.0.0.1 (0 = off).")] = 9464,
+    metrics_port: Annotated[
+        int, typer.Option(help="Prometheus metrics port on 127.0.0.1 (0 = off).")
+    ] = 9464,
 ) -> None:
     """Run the node agent: control socket, coalesced event handling, periodic repair."""
     from vmpin.agent import serve as serve_agent
 
-    raise typer.Exit(serve_agent(ctx.obj, interval=interval, workers=workers,
-                                 metrics_port=metrics_port))
+    raise typer.Exit(
+        serve_agent(ctx.obj, interval=interval, workers=workers, metrics_port=metrics_port)
+    )
 
 
 @app.command()
@@ -401,7 +534,9 @@ def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @guest_app.command("hook")
-def guest_hook(stage: Annotated[str, typer.Argument(help="prestart, poststart or poststop.")]) -> None:
+def guest_hook(
+    stage: Annotated[str, typer.Argument(help="prestart, poststart or poststop.")],
+) -> None:
     """Inside the guest: pin the starting container to its mapped vCPUs (fail-open)."""
     from vmpin.guest import main as guest_main
 

@@ -18,7 +18,9 @@ from typing import Any
 from vmpin.paths import HostPaths
 
 
-def request(paths: HostPaths, message: dict[str, Any], timeout: float = 1.0) -> dict[str, Any] | None:
+def request(
+    paths: HostPaths, message: dict[str, Any], timeout: float = 1.0
+) -> dict[str, Any] | None:
     """Send one request; the reply, or None when no agent answered."""
     path = paths.control_socket
     if not os.path.exists(path):

@@ -79,7 +79,9 @@ class CpuSet:
             if not word or len(word) > 8 or not _is_hex(word):
                 raise CpuSetError(f"invalid CPU mask {text!r}: word {word!r} is not 1-8 hex digits")
             if i > 0 and len(word) != 8:
-                raise CpuSetError(f"invalid CPU mask {text!r}: inner word {word!r} must be 8 digits")
+                raise CpuSetError(
+                    f"invalid CPU mask {text!r}: inner word {word!r} must be 8 digits"
+                )
             value = (value << 32) | int(word, 16)
         return cls._from_int(value, text)
 

@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         if rest[:1] == ["hook"] and "--help" not in rest:
             from vmpin.hook import main as hook_main
 
-            return hook_main(opts, rest[1:])
+            code: int = hook_main(opts, rest[1:])
+            return code
         if rest[:2] == ["guest", "hook"] and "--help" not in rest:
             from vmpin.guest import main as guest_main
 
-            return guest_main(rest[2:])
+            guest_code: int = guest_main(rest[2:])
+            return guest_code
     from vmpin.cli import run
 
     return run(args)

@@ -55,27 +55,56 @@ def map_container(
     if plan.nvcpus == 0:
         return GuestMap(container_id, sid, host_cpus, every, False, plan.mode, "no vCPU known")
     if host_cpus is None:
-        return GuestMap(container_id, sid, None, every, False, plan.mode,
-                        "container has no CPU set: all vCPUs")
+        return GuestMap(
+            container_id, sid, None, every, False, plan.mode, "container has no CPU set: all vCPUs"
+        )
     if plan.vcpu_map:
         guest = CpuSet(i for i, h in plan.vcpu_map.items() if h in host_cpus)
         covered = CpuSet(h for h in plan.vcpu_map.values())
         missing = host_cpus - covered
         if guest and not missing:
-            return GuestMap(container_id, sid, host_cpus, guest, True, plan.mode,
-                            f"1:1: host CPUs {host_cpus} are guest vCPUs {guest}")
+            return GuestMap(
+                container_id,
+                sid,
+                host_cpus,
+                guest,
+                True,
+                plan.mode,
+                f"1:1: host CPUs {host_cpus} are guest vCPUs {guest}",
+            )
         if guest:
-            return GuestMap(container_id, sid, host_cpus, guest, False, plan.mode,
-                            f"host CPUs {missing} have no vCPU pinned 1:1")
+            return GuestMap(
+                container_id,
+                sid,
+                host_cpus,
+                guest,
+                False,
+                plan.mode,
+                f"host CPUs {missing} have no vCPU pinned 1:1",
+            )
     if float_policy == "proportional" and plan.mask and order:
         share = max(1, round(plan.nvcpus * len(host_cpus & plan.mask) / len(plan.mask)))
         first = min((order.index(c) for c in host_cpus if c in order), default=0)
         start = min(round(first * plan.nvcpus / len(plan.mask)), plan.nvcpus - share)
         guest = CpuSet(range(start, start + share))
-        return GuestMap(container_id, sid, host_cpus, guest, False, plan.mode,
-                        f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs")
-    return GuestMap(container_id, sid, host_cpus, every, False, plan.mode,
-                    f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs")
+        return GuestMap(
+            container_id,
+            sid,
+            host_cpus,
+            guest,
+            False,
+            plan.mode,
+            f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs",
+        )
+    return GuestMap(
+        container_id,
+        sid,
+        host_cpus,
+        every,
+        False,
+        plan.mode,
+        f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs",
+    )
 
 
 def guest_siblings(plan: Plan, topology: Topology) -> list[list[int]]:
@@ -95,8 +124,10 @@ def map_sandbox(
 ) -> dict[str, object]:
     """The whole sandbox's map, as published to the guest and shown by ``vmpin show``."""
     order = topology.ordered(plan.mask)
-    maps = [map_container(plan, cid, cpus, float_policy=float_policy, order=order)
-            for cid, cpus in sorted(containers.items())]
+    maps = [
+        map_container(plan, cid, cpus, float_policy=float_policy, order=order)
+        for cid, cpus in sorted(containers.items())
+    ]
     return {
         "sandbox": plan.sandbox_id,
         "mode": plan.mode,

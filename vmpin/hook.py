@@ -34,6 +34,7 @@ from vmpin.paths import HostPaths
 from vmpin.store import ContainerRec, SandboxRec, Store
 
 CREATE_STAGES = ("prestart", "createRuntime", "createContainer")
+HOST_PID_STAGES = ("prestart", "createRuntime", "poststart")
 
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
 
@@ -45,7 +46,7 @@ def main(opts: dict[str, str], args: list[str]) -> int:
     try:
         if len(rest) != 1 or stage not in STAGES:
             raise SpecError(f"bad stage {stage!r}: {USAGE}")
-        paths = HostPaths.from_env(**opts)
+        paths = HostPaths.from_env(opts)
         if sys.stdin is None or sys.stdin.isatty():
             raise SpecError("no OCI state on stdin")
         data = sys.stdin.buffer.read()
@@ -54,8 +55,7 @@ def main(opts: dict[str, str], args: list[str]) -> int:
     except VmpinError as err:
         print(f"vmpin hook {stage or '?'}: {err}", file=sys.stderr)
     except Exception as err:  # fail-open means *any* failure, not only the foreseen ones
-        print(f"vmpin hook {stage or '?'}: unexpected {type(err).__name__}: {err}",
-              file=sys.stderr)
+        print(f"vmpin hook {stage or '?'}: unexpected {type(err).__name__}: {err}", file=sys.stderr)
     return 1 if strict else 0
 
 
@@ -113,56 +113,72 @@ def _detect_runtime(paths: HostPaths, sandbox_id: str, hint_pid: int | None) -> 
 
 
 def record(paths: HostPaths, store: Store, stage: str, state: State) -> str | None:
+    """Record a container at its first create stage; later stages only re-check its sandbox."""
     existing = store.container_by_bundle(state.bundle) if state.bundle else None
-    if existing is not None and stage not in CREATE_STAGES:
-        return existing.sandbox_id  # already known: just make sure the sandbox is right
+    if existing is None and stage in CREATE_STAGES:
+        existing = store.container(state.id)
+    # Only prestart and createRuntime run in the host's pid namespace: createContainer and
+    # startContainer see the container's own (pid 1), and Kata's pid is the VMM's.
+    host_pid = state.pid if stage in HOST_PID_STAGES else None
+    if existing is not None:
+        if host_pid and existing.pid is None and _runtime_of(store, existing) == "runc":
+            pid_start = _start_time(paths, host_pid)
+            store.put_container(existing._replace(pid=host_pid, pid_start=pid_start))
+        return existing.sandbox_id
     if not state.bundle:
         raise SpecError(f"hook {stage}: state has no bundle")
     config = read_config(state.bundle)
     annotations = {**config.annotations, **state.annotations}
     ident = _identity(state, annotations)
     sandbox = store.sandbox(ident.sandbox_id)
-    runtime = sandbox.runtime if sandbox else _detect_runtime(paths, ident.sandbox_id, state.pid)
-    old = existing or store.container(ident.container_id)
-    pid, pid_start = None, None
-    if runtime == "runc" and state.pid:
-        from vmpin import procfs
-
-        try:
-            pid, pid_start = state.pid, procfs.start_time(paths.proc, state.pid)
-        except VmpinError:
-            pid, pid_start = state.pid, None
-    if sandbox is None or (ident.is_sandbox and sandbox.pod_uid is None and ident.pod_uid):
+    runtime = sandbox.runtime if sandbox else _detect_runtime(paths, ident.sandbox_id, host_pid)
+    pid = host_pid if runtime == "runc" else None
+    if sandbox is None:
         # For Kata the state pid may be the VMM: kept as an unverified hint (no start time).
-        hint = state.pid if runtime == "kata" else None
-        store.put_sandbox(SandboxRec(
-            ident.sandbox_id, runtime, hint, None, ident.pod_uid, ident.pod_name,
-            ident.pod_namespace,
-        ))
-    rec = ContainerRec(
-        id=ident.container_id,
-        sandbox_id=ident.sandbox_id,
-        is_sandbox=ident.is_sandbox,
-        name=ident.name,
-        pod_uid=ident.pod_uid,
-        pod_name=ident.pod_name,
-        pod_namespace=ident.pod_namespace,
-        cpus=config.resources.cpus,
-        cpus_source="spec",
-        mems=config.resources.mems,
-        bundle=state.bundle,
-        pid=pid,
-        pid_start=pid_start,
-    )
-    if old is not None:
-        # A later create stage of a known container: keep what updates and sources taught us.
-        rec = rec._replace(
-            cpus=old.cpus, cpus_source=old.cpus_source, runtime_seen=old.runtime_seen,
-            kubelet_seen=old.kubelet_seen, cgroup=old.cgroup,
-            pid=pid or old.pid, pid_start=pid_start if pid else old.pid_start,
+        hint = host_pid if runtime == "kata" else None
+        store.put_sandbox(
+            SandboxRec(
+                ident.sandbox_id,
+                runtime,
+                hint,
+                None,
+                ident.pod_uid,
+                ident.pod_name,
+                ident.pod_namespace,
+            )
         )
-    store.put_container(rec)
+    store.put_container(
+        ContainerRec(
+            id=ident.container_id,
+            sandbox_id=ident.sandbox_id,
+            is_sandbox=ident.is_sandbox,
+            name=ident.name,
+            pod_uid=ident.pod_uid,
+            pod_name=ident.pod_name,
+            pod_namespace=ident.pod_namespace,
+            cpus=config.resources.cpus,
+            cpus_source="spec",
+            mems=config.resources.mems,
+            bundle=state.bundle,
+            pid=pid,
+            pid_start=_start_time(paths, pid) if pid else None,
+        )
+    )
     return ident.sandbox_id
+
+
+def _runtime_of(store: Store, rec: ContainerRec) -> str | None:
+    sandbox = store.sandbox(rec.sandbox_id)
+    return sandbox.runtime if sandbox else None
+
+
+def _start_time(paths: HostPaths, pid: int) -> int | None:
+    from vmpin import procfs
+
+    try:
+        return procfs.start_time(paths.proc, pid)
+    except VmpinError:
+        return None
 
 
 def forget(store: Store, state: State) -> str | None:
@@ -173,9 +189,7 @@ def forget(store: Store, state: State) -> str | None:
         # By id only when the id is the container's own: a Kata poststop of a non-sandbox
         # container carries the sandbox id, and must not tear the whole sandbox down.
         ident = identify(state.id, state.annotations) if state.annotations else None
-        if candidate is not None and (
-            ident is None or ident.is_sandbox == candidate.is_sandbox
-        ):
+        if candidate is not None and (ident is None or ident.is_sandbox == candidate.is_sandbox):
             rec = candidate
     if rec is None:
         return None
@@ -190,10 +204,11 @@ def sync(paths: HostPaths, store: Store, sandbox_ids: list[str]) -> None:
     if notify(paths, sandbox_ids):
         return
     from vmpin.reconciler import Reconciler
-
     from vmpin.settings import guest_float, policy_from
 
-    rec = Reconciler(paths, store, policy=policy_from(), float_policy=guest_float(), qmp_timeout=0.1)
+    rec = Reconciler(
+        paths, store, policy=policy_from(), float_policy=guest_float(), qmp_timeout=0.1
+    )
     for report in rec.reconcile(sandbox_ids):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

@@ -7,15 +7,15 @@ the hook path).
 Every CRI flavour names the same facts differently; :func:`identify` folds them into one
 :class:`Identity`.  Sources, first match wins per field:
 
-==================  ===========================================  =============================
-fact                containerd (CRI)                             CRI-O and podman (libpod)
-==================  ===========================================  =============================
-is sandbox          io.kubernetes.cri.container-type=sandbox     io.kubernetes.cri-o.ContainerType=sandbox
-sandbox id          io.kubernetes.cri.sandbox-id                 io.kubernetes.cri-o.SandboxID
-pod uid             io.kubernetes.cri.sandbox-uid                io.kubernetes.pod.uid
-pod name / ns       io.kubernetes.cri.sandbox-name / -namespace  io.kubernetes.pod.name / .namespace
-container name      io.kubernetes.cri.container-name             io.kubernetes.container.name
-==================  ===========================================  =============================
+==============  =========================================  ==================================
+fact            containerd (CRI), io.kubernetes.cri.*      CRI-O and podman (libpod)
+==============  =========================================  ==================================
+is sandbox      container-type=sandbox                     io.kubernetes.cri-o.ContainerType
+sandbox id      sandbox-id                                 io.kubernetes.cri-o.SandboxID
+pod uid         sandbox-uid                                io.kubernetes.pod.uid
+pod name / ns   sandbox-name / sandbox-namespace           io.kubernetes.pod.name / .namespace
+container name  container-name                             io.kubernetes.container.name
+==============  =========================================  ==================================
 
 Kata's own ``io.katacontainers.pkg.oci.container_type`` (pod_sandbox / pod_container) and
 dockershim's ``io.kubernetes.docker.type`` / ``io.kubernetes.sandbox.id`` are understood too.

@@ -1,8 +1,9 @@
 """HostPaths: the roots of every host file vmpin reads or writes, built once and passed down.
 
 Tests point the same adapters at fixture trees or temporary dirs; nothing below the entry
-points reads an environment variable or assumes "/proc".  Lean on purpose: the hook imports it (a NamedTuple, not a dataclass: ``dataclasses`` pulls in
-``inspect``, ~10 ms of the hook's budget).
+points reads an environment variable or assumes "/proc".  Lean on purpose: the hook imports
+it.  A NamedTuple, not a dataclass: ``dataclasses`` pulls in ``inspect``, ~10 ms of the hook's
+budget.
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ class HostPaths(NamedTuple):
     publish_dir: str = DEFAULTS["publish_dir"]
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: str | None) -> HostPaths:
+    def from_env(
+        cls, overrides: Mapping[str, str | None] | None = None, env: Mapping[str, str] | None = None
+    ) -> HostPaths:
         """Options given explicitly win over the environment, which wins over the defaults."""
         env = os.environ if env is None else env
         values = {k: env.get(v) or DEFAULTS[k] for k, v in ENVVARS.items()}
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(overrides or {}) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown path options {sorted(unknown)}")
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls(**values)
 
     @property

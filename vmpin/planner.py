@@ -14,6 +14,8 @@ The rules, and the failure each one prevents:
   for the containers, are pinned 1:1 and the boot vCPUs float over the mask, so every
   container CPU still has exactly one guest vCPU and the guest map stays exact.
   #vCPUs < |mask|: float (a 1:1 subset would leave container CPUs with no vCPU behind them).
+- **isolcpus**: CPUs the kernel keeps free of general work are for vCPUs only; helper threads
+  stay on the non-isolated part of their set whenever there is one.
 - **Emulator, iothreads, vhost**: policy ``share`` = the mask; ``isolate`` = the configured
   housekeeping CPUs minus every other sandbox's exclusive CPUs (falling back to the mask, with
   a note, when nothing is left); ``none`` = unmanaged.
@@ -52,14 +54,14 @@ class Policy(NamedTuple):
 class Thread(NamedTuple):
     tid: int
     role: str
-    index: int | None = None
+    idx: int | None = None
     label: str | None = None
 
 
 class Placement(NamedTuple):
     tid: int
     role: str
-    index: int | None
+    idx: int | None
     label: str | None
     #: None = vmpin leaves this thread alone.
     desired: CpuSet | None
@@ -73,7 +75,7 @@ class Plan(NamedTuple):
     nvcpus: int
     placements: tuple[Placement, ...] = ()
     #: vCPU index -> host CPU, for the vCPUs pinned 1:1.
-    vcpu_map: Mapping[int, int] = {}  # noqa: RUF012 (never mutated)
+    vcpu_map: Mapping[int, int] = {}
     notes: tuple[str, ...] = ()
 
     def desired(self, tid: int) -> CpuSet | None:
@@ -106,7 +108,7 @@ def plan_sandbox(
     """
     policy.check()
     notes: list[str] = []
-    vcpus = sorted((t for t in threads if t.role == "vcpu"), key=lambda t: (t.index or 0, t.tid))
+    vcpus = sorted((t for t in threads if t.role == "vcpu"), key=lambda t: (t.idx or 0, t.tid))
     n = len(vcpus)
     effective = mask
     floating_reason = ""
@@ -116,9 +118,13 @@ def plan_sandbox(
             floating_reason = "no container has a CPU set: floating over the shared pool"
         else:
             return Plan(
-                sandbox_id, EMPTY, "none",
-                "no container has a CPU set and no shared pool is known: left as the runtime made it",
-                n, tuple(Placement(t.tid, t.role, t.index, t.label, None) for t in threads),
+                sandbox_id,
+                EMPTY,
+                "none",
+                "no container has a CPU set and no shared pool is known:"
+                " left as the runtime made it",
+                n,
+                tuple(Placement(t.tid, t.role, t.idx, t.label, None) for t in threads),
             )
     offline = effective - topology.online
     if offline:
@@ -126,8 +132,12 @@ def plan_sandbox(
         effective = effective & topology.online
         if not effective:
             return Plan(
-                sandbox_id, mask, "none", f"every CPU of the mask ({mask}) is offline", n,
-                tuple(Placement(t.tid, t.role, t.index, t.label, None) for t in threads),
+                sandbox_id,
+                mask,
+                "none",
+                f"every CPU of the mask ({mask}) is offline",
+                n,
+                tuple(Placement(t.tid, t.role, t.idx, t.label, None) for t in threads),
                 notes=tuple(notes),
             )
 
@@ -146,13 +156,14 @@ def plan_sandbox(
         reason = f"CPUs {shared_with_others} are shared with other sandboxes: no 1:1 pin there"
     elif n == m:
         mode, reason = "1:1", f"{n} vCPUs on {m} CPUs"
-        vcpu_map = {v.index if v.index is not None else i: order[i] for i, v in enumerate(vcpus)}
+        vcpu_map = {v.idx if v.idx is not None else i: order[i] for i, v in enumerate(vcpus)}
     elif n > m:
         mode = "partial"
         reason = f"{n} vCPUs on {m} CPUs: the last {m} pinned 1:1, {n - m} float over the mask"
-        pinned = vcpus[n - m:]
-        vcpu_map = {v.index if v.index is not None else n - m + i: order[i]
-                    for i, v in enumerate(pinned)}
+        pinned = vcpus[n - m :]
+        vcpu_map = {
+            v.idx if v.idx is not None else n - m + i: order[i] for i, v in enumerate(pinned)
+        }
     else:
         mode = "float"
         reason = f"{n} vCPUs on {m} CPUs: fewer vCPUs than CPUs, floating over the mask"
@@ -168,11 +179,17 @@ def plan_sandbox(
             helper_set = effective
     else:
         helper_set = effective
+    if helper_set is not None and helper_set & topology.isolated:
+        housekeeping_part = helper_set - topology.isolated
+        if housekeeping_part:
+            helper_set = housekeeping_part
+        else:
+            notes.append(f"helper threads on isolated CPUs {helper_set}: no other CPU is allowed")
 
     placements: list[Placement] = []
     pinned_by_tid = {}
     for i, v in enumerate(vcpus):
-        idx = v.index if v.index is not None else i
+        idx = v.idx if v.idx is not None else i
         if idx in vcpu_map:
             pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
     for t in threads:
@@ -182,7 +199,7 @@ def plan_sandbox(
             raise PlanError(f"thread {t.tid}: role 'container' is planned per container, not here")
         else:
             desired = helper_set
-        placements.append(Placement(t.tid, t.role, t.index, t.label, desired))
+        placements.append(Placement(t.tid, t.role, t.idx, t.label, desired))
     _check_no_double_pin(vcpu_map)
     return Plan(sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes))
 

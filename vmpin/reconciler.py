@@ -41,13 +41,31 @@ if TYPE_CHECKING:
 class ThreadReport:
     """What one pass saw and did for one thread (mutable while the pass runs)."""
 
-    __slots__ = ("action", "actual", "container", "desired", "error", "index", "layer", "name",
-                 "role", "tid")
+    __slots__ = (
+        "action",
+        "actual",
+        "container",
+        "desired",
+        "error",
+        "index",
+        "layer",
+        "name",
+        "role",
+        "tid",
+    )
 
     def __init__(
-        self, tid: int | None, role: str, index: int | None, name: str | None,
-        desired: CpuSet | None, actual: CpuSet | None, layer: str = "",
-        container: str | None = None, action: str = "ok", error: str | None = None,
+        self,
+        tid: int | None,
+        role: str,
+        index: int | None,
+        name: str | None,
+        desired: CpuSet | None,
+        actual: CpuSet | None,
+        layer: str = "",
+        container: str | None = None,
+        action: str = "ok",
+        error: str | None = None,
     ) -> None:
         self.tid, self.role, self.index, self.name = tid, role, index, name
         self.desired, self.actual, self.layer = desired, actual, layer
@@ -223,7 +241,9 @@ class Reconciler:
 
     def reconcile_sandbox(self, rec: SandboxRec, *, apply: bool = True) -> SandboxReport:
         gen = rec.gen
-        report = SandboxReport(rec.id, rec.runtime, rec.vmm_pid)
+        # a vmm_pid without a start time is an unverified hint from a hook, not a VMM
+        verified = rec.vmm_pid if rec.vmm_start is not None else None
+        report = SandboxReport(rec.id, rec.runtime, verified)
         containers = []
         for c in self.store.containers(rec.id):
             refreshed = self.refresh_container(c, rec.runtime)
@@ -273,8 +293,12 @@ class Reconciler:
                 try:
                     current = cgroups.read_cpus(ref)
                     if current != desired:
-                        drift = {"container": c.id, "cgroup": ref.path,
-                                 "desired": desired.to_list(), "actual": current.to_list()}
+                        drift: dict[str, Any] = {
+                            "container": c.id,
+                            "cgroup": ref.path,
+                            "desired": desired.to_list(),
+                            "actual": current.to_list(),
+                        }
                         if apply:
                             cgroups.write_cpus(ref, desired)
                             drift["repaired"] = cgroups.read_cpus(ref) == desired
@@ -307,7 +331,7 @@ class Reconciler:
     ) -> None:
         from vmpin import vmm as vmm_mod
         from vmpin.planner import Thread, plan_sandbox
-        from vmpin.threads import classify
+        from vmpin.threads import VmmThread, classify
 
         vmm = None
         if rec.vmm_pid and rec.vmm_start is not None:
@@ -336,32 +360,59 @@ class Reconciler:
             return
         if remembered and set(remembered) == current:
             # Fast path: the same threads as last time, their roles are known; no QMP.
-            threads = [Thread(t.tid, t.role, t.index, t.label) for t in remembered.values()]
+            threads = [Thread(t.tid, t.role, t.idx, t.label) for t in remembered.values()]
             layers = {t.tid: t.layer for t in remembered.values()}
             report.layers = sorted({t.layer for t in remembered.values()})
         else:
             sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
-            result = classify(self.paths, vmm, sock if os.path.exists(sock) else None,
-                              remembered, qmp_timeout=self.qmp_timeout)
+            result = classify(
+                self.paths,
+                vmm,
+                sock if os.path.exists(sock) else None,
+                {
+                    t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer)
+                    for t in remembered.values()
+                },
+                qmp_timeout=self.qmp_timeout,
+            )
             threads = [Thread(t.tid, t.role, t.index, t.label) for t in result.threads]
             layers = {t.tid: t.layer for t in result.threads}
             report.layers = list(result.layers)
             report.notes.extend(result.notes)
-            self.store.save_threads(rec.id, vmm.pid, vmm.start, [
-                ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads
-            ])
+            self.store.save_threads(
+                rec.id,
+                vmm.pid,
+                vmm.start,
+                [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads],
+            )
 
         others, others_excl = self._others(rec.id)
         plan = plan_sandbox(
-            self.topology, rec.id, report.mask, threads, self.policy,
-            others=others, others_exclusive=others_excl, shared_pool=self.shared_pool(),
+            self.topology,
+            rec.id,
+            report.mask,
+            threads,
+            self.policy,
+            others=others,
+            others_exclusive=others_excl,
+            shared_pool=self.shared_pool(),
         )
         report.plan = plan
         report.mode, report.reason = plan.mode, plan.reason
         report.notes.extend(plan.notes)
         for p in plan.placements:
-            report.threads.append(self._apply_thread(vmm.pid, p.tid, p.role, p.index, p.label,
-                                                     p.desired, layers.get(p.tid, ""), apply))
+            report.threads.append(
+                self._apply_thread(
+                    vmm.pid,
+                    p.tid,
+                    p.role,
+                    p.idx,
+                    p.label,
+                    p.desired,
+                    layers.get(p.tid, ""),
+                    apply,
+                )
+            )
         report.guest_map = self._guest_map(plan, containers)
         if apply and self.publish and report.guest_map is not None:
             self._publish(rec.id, report.guest_map)
@@ -379,8 +430,15 @@ class Reconciler:
         return others, others_excl
 
     def _apply_thread(
-        self, pid: int, tid: int, role: str, index: int | None, label: str | None,
-        desired: CpuSet | None, layer: str, apply: bool,
+        self,
+        pid: int,
+        tid: int,
+        role: str,
+        index: int | None,
+        label: str | None,
+        desired: CpuSet | None,
+        layer: str,
+        apply: bool,
     ) -> ThreadReport:
         t = ThreadReport(tid, role, index, label, desired, None, layer)
         try:
@@ -438,13 +496,26 @@ class Reconciler:
                     continue
                 for other, cpus in excl.items():
                     if other != r.id and t.actual & cpus:
-                        violations.append(_violation(
-                            r.id, t, f"runs on sandbox {other}'s exclusive CPUs {t.actual & cpus}"))
+                        violations.append(
+                            _violation(
+                                r.id,
+                                t,
+                                f"runs on sandbox {other}'s exclusive CPUs {t.actual & cpus}",
+                            )
+                        )
             for d in r.cgroup_drift:
-                violations.append({"sandbox": r.id, "tid": None, "role": "container",
-                                   "desired": d["desired"], "actual": d["actual"],
-                                   "container": d["container"], "cgroup": d["cgroup"],
-                                   "reason": "cgroup cpuset.cpus differs from plan"})
+                violations.append(
+                    {
+                        "sandbox": r.id,
+                        "tid": None,
+                        "role": "container",
+                        "desired": d["desired"],
+                        "actual": d["actual"],
+                        "container": d["container"],
+                        "cgroup": d["cgroup"],
+                        "reason": "cgroup cpuset.cpus differs from plan",
+                    }
+                )
         return {
             "ok": not violations,
             "violations": violations,

@@ -21,7 +21,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import NamedTuple
 
 from vmpin.cpuset import CpuSet
@@ -123,7 +123,7 @@ class SandboxRec(NamedTuple):
 class ThreadRec(NamedTuple):
     tid: int
     role: str
-    index: int | None
+    idx: int | None
     label: str | None
     layer: str
 
@@ -133,14 +133,14 @@ _SANDBOX_COLS = list(SandboxRec._fields)
 
 
 def _container(row: sqlite3.Row) -> ContainerRec:
-    values = dict(zip(_CONTAINER_COLS, row))
+    values = dict(zip(_CONTAINER_COLS, row, strict=True))
     values["is_sandbox"] = bool(values["is_sandbox"])
     values["cpus"] = None if values["cpus"] is None else CpuSet.parse(values["cpus"])
     return ContainerRec(**values)
 
 
 def _sandbox(row: sqlite3.Row) -> SandboxRec:
-    return SandboxRec(**dict(zip(_SANDBOX_COLS, row)))
+    return SandboxRec(**dict(zip(_SANDBOX_COLS, row, strict=True)))
 
 
 class Store:
@@ -152,6 +152,12 @@ class Store:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
         except OSError as err:
             raise StateError(f"{state_dir}: cannot create state dir: {err.strerror}") from None
+        try:
+            # Create the file 0600 before SQLite does: it would use 0644, and the -wal and -shm
+            # files it creates next copy the database file's mode.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        except OSError as err:
+            raise StateError(f"{self.path}: {err.strerror}") from None
         try:
             self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
         except sqlite3.Error as err:
@@ -173,15 +179,13 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         with self.transaction():
             if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                # executescript() would COMMIT the open transaction first: run statements one by one.
+                # executescript() would COMMIT the open transaction: run statements one by one.
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self.db.execute(statement)
                 self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        try:
+        with suppress(OSError):
             os.chmod(self.path, 0o600)
-        except OSError:
-            pass
 
     def close(self) -> None:
         self.db.close()
@@ -241,7 +245,13 @@ class Store:
             sets = ["cpus=?", "cpus_source=?", "updated_at=?"] + [f"{k}=?" for k in seen]
             db.execute(
                 f"UPDATE containers SET {','.join(sets)} WHERE id=?",
-                [None if cpus is None else cpus.to_list(), source, now, *seen.values(), container_id],
+                [
+                    None if cpus is None else cpus.to_list(),
+                    source,
+                    now,
+                    *seen.values(),
+                    container_id,
+                ],
             )
             self._bump(db, found[0], now)
         rec = self.container(container_id)
@@ -319,8 +329,17 @@ class Store:
                 " pod_name=COALESCE(excluded.pod_name, pod_name),"
                 " pod_namespace=COALESCE(excluded.pod_namespace, pod_namespace),"
                 " gen=gen+1, updated_at=excluded.updated_at",
-                (rec.id, rec.runtime, rec.vmm_pid, rec.vmm_start, rec.pod_uid, rec.pod_name,
-                 rec.pod_namespace, now, now),
+                (
+                    rec.id,
+                    rec.runtime,
+                    rec.vmm_pid,
+                    rec.vmm_start,
+                    rec.pod_uid,
+                    rec.pod_name,
+                    rec.pod_namespace,
+                    now,
+                    now,
+                ),
             )
 
     def set_vmm(self, sandbox_id: str, vmm_pid: int | None, vmm_start: int | None) -> None:
@@ -388,8 +407,10 @@ class Store:
             db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
             db.executemany(
                 "INSERT INTO threads VALUES (?,?,?,?,?,?,?,?)",
-                [(sandbox_id, vmm_pid, vmm_start, t.tid, t.role, t.index, t.label, t.layer)
-                 for t in threads],
+                [
+                    (sandbox_id, vmm_pid, vmm_start, t.tid, t.role, t.idx, t.label, t.layer)
+                    for t in threads
+                ],
             )
 
     # -- meta ----------------------------------------------------------------------------

@@ -54,8 +54,12 @@ def update_container(
         if rec is None:
             raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
         if cpus is None:
-            return {"id": rec.id, "sandbox": rec.sandbox_id, "cpus": None if rec.cpus is None
-                    else rec.cpus.to_list(), "applied_by": "nothing to do: no cpu.cpus given"}
+            return {
+                "id": rec.id,
+                "sandbox": rec.sandbox_id,
+                "cpus": None if rec.cpus is None else rec.cpus.to_list(),
+                "applied_by": "nothing to do: no cpu.cpus given",
+            }
         if not cpus:
             raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
         from vmpin.sysfs import read_topology
@@ -68,10 +72,17 @@ def update_container(
         if notify(paths, [rec.sandbox_id]):
             applied = "handed to the agent"
         else:
-            rec_ = (reconciler_factory(store) if reconciler_factory
-                    else Reconciler(paths, store, topology=topo))
+            rec_ = (
+                reconciler_factory(store)
+                if reconciler_factory
+                else Reconciler(paths, store, topology=topo)
+            )
             reports = rec_.reconcile([rec.sandbox_id])
             errors = [e for r in reports for e in r.errors]
             applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
-        return {"id": rec.id, "sandbox": rec.sandbox_id, "cpus": cpus.to_list(),
-                "applied_by": applied}
+        return {
+            "id": rec.id,
+            "sandbox": rec.sandbox_id,
+            "cpus": cpus.to_list(),
+            "applied_by": applied,
+        }

@@ -1,0 +1,237 @@
+"""Table-driven placement tests over the fixture topologies (tests/fixtures/sysfs)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from vmpin.cpuset import CpuSet
+from vmpin.errors import PlanError
+from vmpin.guestmap import guest_siblings, map_container, map_sandbox
+from vmpin.planner import Policy, Thread, check_global, exclusive_cpus, plan_sandbox
+from vmpin.sysfs import read_topology
+from vmpin.topology import Topology
+
+from .conftest import FIXTURES
+
+
+@cache
+def topo(name: str) -> Topology:
+    return read_topology(str(FIXTURES / "sysfs" / name))
+
+
+def threads(nvcpus: int, *, iothreads: int = 1, vhost: int = 0) -> list[Thread]:
+    out = [Thread(1000, "emulator")]
+    out += [Thread(2000 + i, "vcpu", i) for i in range(nvcpus)]
+    out += [Thread(3000 + i, "iothread", None, f"io{i}") for i in range(iothreads)]
+    out += [Thread(4000 + i, "vhost", None, f"vhost-{i}") for i in range(vhost)]
+    return out
+
+
+def cs(text: str) -> CpuSet:
+    return CpuSet.parse(text)
+
+
+def vcpu_pins(plan) -> dict[int, str]:  # type: ignore[no-untyped-def]
+    return {p.idx: p.desired.to_list() for p in plan.placements if p.role == "vcpu"}
+
+
+# name, topology, mask, nvcpus, expected mode, expected vCPU -> desired
+CASES = [
+    # Xeon: siblings are n and n+56; a 4-CPU mask of two whole cores maps vCPU pairs to cores.
+    (
+        "xeon-1to1-two-cores",
+        "xeon-gold-6258r-2s",
+        "8-9,64-65",
+        4,
+        "1:1",
+        {0: "8", 1: "64", 2: "9", 3: "65"},
+    ),
+    ("xeon-single-cpu", "xeon-gold-6258r-2s", "30", 1, "1:1", {0: "30"}),
+    (
+        "xeon-more-vcpus-partial",
+        "xeon-gold-6258r-2s",
+        "8,64",
+        3,
+        "partial",
+        {0: "8,64", 1: "8", 2: "64"},
+    ),
+    ("xeon-fewer-vcpus-float", "xeon-gold-6258r-2s", "8-11", 2, "float", {0: "8-11", 1: "8-11"}),
+    # across sockets: socket 0's CPUs come first in topology order.
+    ("xeon-cross-socket", "xeon-gold-6258r-2s", "27,28", 2, "1:1", {0: "27", 1: "28"}),
+    # EPYC 7313: several L3 groups per socket; siblings n and n+32.
+    ("epyc-1to1", "amd-epyc-7313-2s", "0-1,32-33", 4, "1:1", {0: "0", 1: "32", 2: "1", 3: "33"}),
+    ("epyc-two-ccx", "amd-epyc-7313-2s", "3-4", 2, "1:1", {0: "3", 1: "4"}),
+    ("no-smt-1to1", "no-smt-server", "4-7", 4, "1:1", {0: "4", 1: "5", 2: "6", 3: "7"}),
+    ("no-smt-partial", "no-smt-server", "4", 2, "partial", {0: "4", 1: "4"}),
+    # offline CPUs in a mask are left out, with a note
+    ("offline-dropped", "offline-isolated", "0,6", 1, "1:1", {0: "0"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "tname", "mask", "n", "mode", "pins"), CASES, ids=[c[0] for c in CASES]
+)
+def test_vcpu_plans(
+    name: str, tname: str, mask: str, n: int, mode: str, pins: dict[int, str]
+) -> None:
+    plan = plan_sandbox(topo(tname), "sb", cs(mask), threads(n))
+    assert plan.mode == mode, plan.reason
+    assert vcpu_pins(plan) == pins
+    # every thread lands inside the (online part of the) mask under the default policy
+    for p in plan.placements:
+        assert p.desired is not None and p.desired.issubset(plan.mask)
+    # never two vCPUs 1:1 on one CPU
+    assert len(set(plan.vcpu_map.values())) == len(plan.vcpu_map)
+
+
+def test_offline_cpus_are_noted() -> None:
+    plan = plan_sandbox(topo("offline-isolated"), "sb", cs("0,6"), threads(1))
+    assert plan.mask == cs("0")
+    assert any("not online" in n for n in plan.notes)
+
+
+def test_all_offline_is_none() -> None:
+    plan = plan_sandbox(topo("offline-isolated"), "sb", cs("6-7"), threads(1))
+    assert plan.mode == "none"
+    assert all(p.desired is None for p in plan.placements)
+
+
+def test_smt_pairs_follow_cores() -> None:
+    t = topo("xeon-gold-6258r-2s")
+    plan = plan_sandbox(t, "sb", cs("0-3,56-59"), threads(8))
+    assert plan.mode == "1:1"
+    # guest vCPUs (0,1), (2,3)... are host SMT pairs
+    assert guest_siblings(plan, t) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_no_mask_no_pool_leaves_alone() -> None:
+    plan = plan_sandbox(topo("no-smt-server"), "sb", CpuSet(), threads(2))
+    assert plan.mode == "none"
+    assert all(p.desired is None for p in plan.placements)
+
+
+def test_no_mask_floats_over_shared_pool() -> None:
+    plan = plan_sandbox(topo("no-smt-server"), "sb", CpuSet(), threads(2), shared_pool=cs("0-3"))
+    assert plan.mode == "float"
+    assert all(p.desired == cs("0-3") for p in plan.placements)
+    assert plan.vcpu_map == {}
+
+
+def test_shared_cpus_never_pinned_1to1() -> None:
+    # Two sandboxes on one shared pool: both float; neither claims a CPU 1:1.
+    t = topo("no-smt-server")
+    a = plan_sandbox(t, "a", cs("0-1"), threads(2), others=cs("0-1"))
+    b = plan_sandbox(t, "b", cs("0-1"), threads(2), others=cs("0-1"))
+    assert a.mode == b.mode == "float"
+    assert check_global([a, b]) == []
+
+
+def test_check_global_finds_double_pins() -> None:
+    t = topo("no-smt-server")
+    a = plan_sandbox(t, "a", cs("0-1"), threads(2))
+    b = plan_sandbox(t, "b", cs("0-1"), threads(2))
+    assert check_global([a, b])
+
+
+@pytest.mark.parametrize(
+    ("policy", "others_excl", "expected"),
+    [
+        (Policy("share"), "", "4-7"),
+        (Policy("isolate", cs("0-1")), "", "0-1"),
+        (Policy("isolate", cs("0-3")), "2-3", "0-1"),  # never on another sandbox's exclusive CPUs
+        (Policy("isolate", cs("2-3")), "2-3", "4-7"),  # nothing left: falls back to the mask
+        (Policy("none"), "", None),
+    ],
+)
+def test_helper_policy(policy: Policy, others_excl: str, expected: str | None) -> None:
+    plan = plan_sandbox(
+        topo("no-smt-server"),
+        "sb",
+        cs("4-7"),
+        threads(4, vhost=1),
+        policy,
+        others_exclusive=cs(others_excl),
+    )
+    for p in plan.placements:
+        if p.role != "vcpu":
+            assert (None if p.desired is None else p.desired.to_list()) == expected
+    assert plan.mode == "1:1"
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(PlanError):
+        Policy("bogus").check()
+    with pytest.raises(PlanError):
+        Policy("isolate").check()
+    with pytest.raises(PlanError):
+        Policy(vcpus="sometimes").check()
+
+
+def test_vcpu_float_policy() -> None:
+    plan = plan_sandbox(topo("no-smt-server"), "sb", cs("4-7"), threads(4), Policy(vcpus="float"))
+    assert plan.mode == "float"
+    assert set(vcpu_pins(plan).values()) == {"4-7"}
+
+
+def test_exclusive_cpus() -> None:
+    ex = exclusive_cpus({"a": cs("0-3"), "b": cs("2-5"), "c": cs("8")}, cs("8-9"))
+    assert ex == {"a": cs("0-1"), "b": cs("4-5"), "c": CpuSet()}
+
+
+# -- guest map --------------------------------------------------------------------------------
+def test_guest_map_exact_under_1to1() -> None:
+    t = topo("xeon-gold-6258r-2s")
+    plan = plan_sandbox(t, "sb", cs("8,64,9,65"), threads(4))
+    a = map_container(plan, "a", cs("8,64"))
+    b = map_container(plan, "b", cs("9,65"))
+    assert (a.guest_cpus, a.exact) == (cs("0-1"), True)
+    assert (b.guest_cpus, b.exact) == (cs("2-3"), True)
+
+
+def test_guest_map_partial_is_exact_for_containers() -> None:
+    plan = plan_sandbox(topo("no-smt-server"), "sb", cs("4-5"), threads(3))
+    m = map_container(plan, "a", cs("4-5"))
+    assert m.exact and m.guest_cpus == cs("1-2")
+
+
+def test_guest_map_floating_is_honest() -> None:
+    t = topo("no-smt-server")
+    plan = plan_sandbox(t, "sb", cs("4-7"), threads(2))
+    m = map_container(plan, "a", cs("4-5"))
+    assert m.guest_cpus == cs("0-1") and not m.exact
+    prop = map_container(
+        plan, "a", cs("6-7"), float_policy="proportional", order=t.ordered(plan.mask)
+    )
+    assert prop.guest_cpus == cs("1") and not prop.exact
+
+
+def test_guest_map_follows_updates() -> None:
+    t = topo("no-smt-server")
+    grow = plan_sandbox(t, "sb", cs("4-7"), threads(4))
+    assert (
+        map_sandbox(grow, {"a": cs("4-5"), "b": cs("6-7")}, t)["containers"]["b"]["guest_cpus"]
+        == "2-3"
+    )
+    shrink = plan_sandbox(t, "sb", cs("4-5"), threads(4))  # mask shrank under 4 vCPUs
+    m = map_sandbox(shrink, {"a": cs("4-5")}, t)["containers"]["a"]
+    assert m["guest_cpus"] == "2-3" and m["exact"]
+    assert shrink.mode == "partial"
+
+
+def test_guest_map_no_cpus() -> None:
+    plan = plan_sandbox(topo("no-smt-server"), "sb", cs("4-5"), threads(2))
+    m = map_container(plan, "pause", None)
+    assert m.guest_cpus == cs("0-1") and not m.exact
+
+
+def test_helpers_avoid_isolated_cpus() -> None:
+    # offline-isolated: isolcpus=2-3; helper threads keep off them when the mask allows
+    t = topo("offline-isolated")
+    plan = plan_sandbox(t, "sb", cs("1-3"), threads(3))
+    helpers = {p.desired for p in plan.placements if p.role != "vcpu"}
+    assert helpers == {cs("1")}
+    only_isolated = plan_sandbox(t, "sb", cs("2-3"), threads(2))
+    assert {p.desired for p in only_isolated.placements if p.role != "vcpu"} == {cs("2-3")}
+    assert any("isolated" in n for n in only_isolated.notes)
