@@ -124,7 +124,12 @@ def _pid_alive(paths: HostPaths, pid: int | None, start: int | None) -> bool | N
     if not pid:
         return None
     try:
-        return start is None or procfs.start_time(paths.proc, pid) == start
+        fields = procfs.stat_fields(paths.proc, pid)
+        # A zombie (state Z) keeps its pid and start time until reaped, but runs nothing:
+        # runc delete leaves the init that way for a moment.
+        if fields[2] in ("Z", "X"):
+            return False
+        return start is None or int(fields[21]) == start
     except ProcessGone:
         return False
     except HostError:
@@ -261,7 +266,9 @@ class Reconciler:
                 self._runc(rec, containers, report, apply)
         except VmpinError as err:
             report.errors.append(str(err))
-        if apply and not report.vanished:
+        if apply and not report.vanished and gen > rec.done_gen:
+            # (an idle sandbox is already done at gen: skipping the no-op write keeps the
+            # store's cpu_masks() cache valid across a periodic pass)
             self.store.mark_done(rec.id, gen)
         return report
 
@@ -418,16 +425,21 @@ class Reconciler:
             self._publish(rec.id, report.guest_map)
 
     def _others(self, sandbox_id: str) -> tuple[CpuSet, CpuSet]:
-        from vmpin.planner import exclusive_cpus
+        """Other sandboxes' CPUs, and those of them exclusive to one other sandbox.
 
-        masks: dict[str, CpuSet] = {}
-        for c in self.store.containers():
-            if c.cpus is not None:
-                masks[c.sandbox_id] = masks.get(c.sandbox_id, EMPTY) | c.cpus
-        others = CpuSet.union_all(m for s, m in masks.items() if s != sandbox_id)
-        excl = exclusive_cpus(masks, self.shared_pool())
-        others_excl = CpuSet.union_all(m for s, m in excl.items() if s != sandbox_id)
-        return others, others_excl
+        Same result as ``planner.exclusive_cpus`` over every mask, in O(sandboxes) rather
+        than O(sandboxes^2) per call: a CPU is exclusive to some other sandbox when exactly
+        one mask holds it, that mask is not ours, and it is not in the shared pool.
+        """
+        masks = self.store.cpu_masks()
+        mine = masks.get(sandbox_id, EMPTY)
+        holders: dict[int, int] = {}
+        for mask in masks.values():
+            for cpu in mask:
+                holders[cpu] = holders.get(cpu, 0) + 1
+        others = CpuSet({c for c, n in holders.items() if n - (c in mine) > 0})
+        others_excl = CpuSet({c for c, n in holders.items() if n == 1 and c not in mine})
+        return others, others_excl - (self.shared_pool() or EMPTY)
 
     def _apply_thread(
         self,

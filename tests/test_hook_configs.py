@@ -1,0 +1,135 @@
+"""The ready-made hook configs under hooks/: well-formed, and runnable where this machine can tell.
+
+The containerd base spec is run for real under runc (its hooks pointed at a recorder, its
+rootfs at busybox), and the Kata guest hook script is run with a stand-in ``vmpin``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import runc_util
+from tests.runc_util import HOST_STAGES, RuncSession, new_id
+from vmpin.oci import STAGES
+from vmpin.paths import HostPaths
+
+HOOKS = Path(__file__).resolve().parent.parent / "hooks"
+GUEST = HOOKS / "kata-guest" / "usr" / "share" / "oci" / "hooks"
+_MISSING = runc_util.missing()
+
+
+def check_hook(hook: dict[str, object], stage: str) -> None:
+    assert hook["path"] == "/usr/local/bin/vmpin"
+    assert hook["args"] == ["vmpin", "hook", stage]
+    timeout = hook.get("timeout")
+    assert timeout is None or (isinstance(timeout, int) and timeout > 0)
+
+
+def test_oci_hooks_d() -> None:
+    files = sorted((HOOKS / "oci-hooks.d").glob("*.json"))
+    stages = []
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert doc["version"] == "1.0.0"
+        assert doc["when"] == {"always": True}
+        assert len(doc["stages"]) == 1, f"{f.name}: the stage is in args, so one per file"
+        stage = doc["stages"][0]
+        check_hook(doc["hook"], stage)
+        stages.append(stage)
+    assert sorted(stages) == ["poststart", "poststop", "prestart"]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "create_stage"), [("runc", "createRuntime"), ("kata", "prestart")]
+)
+def test_containerd_base_specs(runtime: str, create_stage: str) -> None:
+    spec = json.loads((HOOKS / "containerd" / f"base-runtime-spec-{runtime}.json").read_text())
+    assert set(spec["hooks"]) == {create_stage, "poststart", "poststop"}
+    for stage, hooks in spec["hooks"].items():
+        assert stage in STAGES and stage != "startContainer"
+        assert len(hooks) == 1
+        check_hook(hooks[0], stage)
+    # a whole spec, not a patch: containerd starts every container from it
+    assert {m["destination"] for m in spec["mounts"]} >= {"/proc", "/dev", "/sys"}
+    assert spec["linux"]["namespaces"]
+
+
+def test_containerd_snippet_names_the_files() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    doc = tomllib.loads((HOOKS / "containerd" / "config.toml.snippet").read_text())
+    runtimes = doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    for runtime in ("runc", "kata"):
+        name = Path(runtimes[runtime]["base_runtime_spec"]).name
+        assert name == f"base-runtime-spec-{runtime}.json"
+        assert (HOOKS / "containerd" / name).exists()
+
+
+def test_kata_guest_layout() -> None:
+    for stage in ("prestart", "poststart", "poststop"):
+        script = GUEST / stage / "vmpin-guest"
+        mode = os.lstat(script).st_mode
+        # the agent skips symlinks and files without an execute bit
+        assert stat.S_ISREG(mode) and mode & 0o111
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    toml = (HOOKS / "kata-guest" / "configuration.toml.snippet").read_text()
+    assert tomllib.loads(toml)["hypervisor"]["qemu"]["guest_hook_path"] == "/usr/share/oci/hooks"
+
+
+@pytest.mark.parametrize("stage", ["prestart", "poststart", "poststop"])
+@pytest.mark.parametrize("pass_stage", [True, False])
+def test_kata_guest_script_execs_vmpin(tmp_path: Path, stage: str, pass_stage: bool) -> None:
+    fake = tmp_path / "vmpin"
+    fake.write_text('#!/bin/sh\necho "$@"; cat\n')
+    fake.chmod(0o755)
+    script = GUEST / stage / "vmpin-guest"
+    # as the Kata agent runs it: argv [file name, stage], state on stdin, no PATH
+    argv = [str(script), stage] if pass_stage else [str(script)]
+    out = subprocess.run(
+        argv, input=b'{"id":"c1"}', capture_output=True, env={"VMPIN": str(fake)}, check=True
+    )
+    assert out.stdout.decode().splitlines() == [f"guest hook {stage}", '{"id":"c1"}']
+
+
+@pytest.fixture
+def runc(
+    paths: HostPaths, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RuncSession]:
+    rootfs = runc_util.shared_rootfs(tmp_path_factory.getbasetemp())
+    with RuncSession(paths, tmp_path, rootfs) as session:
+        yield session
+
+
+@pytest.mark.runc
+@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+def test_containerd_runc_base_spec_runs_under_runc(runc: RuncSession, tmp_path: Path) -> None:
+    """The runc base spec is a runnable spec, and its hook stages all fire on the host."""
+    spec = json.loads((HOOKS / "containerd" / "base-runtime-spec-runc.json").read_text())
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    cid = new_id()
+    bundle = runc.bundle(cid, hooks=None)
+    # what containerd's CRI would fill in, then the recorder instead of vmpin
+    spec["root"] = {"path": str(runc.rootfs), "readonly": True}
+    spec["process"]["args"] = ["sleep", "3600"]
+    spec["process"]["env"] = ["PATH=/bin"]
+    for stage, hooks in spec["hooks"].items():
+        assert stage in HOST_STAGES
+        hooks[0] = {
+            "path": "/bin/sh",
+            "args": ["sh", "-c", f'cat > "{rec}/$0.json"', stage],
+            "timeout": hooks[0]["timeout"],
+        }
+    (bundle / "config.json").write_text(json.dumps(spec))
+    pid = runc.run(cid, bundle=bundle)
+    assert runc.state(cid)["status"] == "running"
+    runc.delete(cid)
+    seen = {p.stem: json.loads(p.read_text()) for p in rec.glob("*.json")}
+    assert set(seen) == set(spec["hooks"])
+    assert seen["createRuntime"]["pid"] == pid
