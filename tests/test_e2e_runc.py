@@ -191,3 +191,29 @@ def test_hundred_concurrent_hooks_lose_nothing(env: dict[str, str], tmp_path: Pa
 def test_state_dir_permissions(env: dict[str, str], paths: HostPaths) -> None:
     vmpin(env, "containers")
     assert os.stat(paths.db).st_mode & 0o777 == 0o600
+
+
+def test_kubelet_checkpoint_changes_are_adopted(
+    runc: RuncSession, env: dict[str, str], paths: HostPaths
+) -> None:
+    """kubelet's cpu_manager_state (read only): an entry for (pod uid, name) moves a container."""
+    cid = "vmpin-e2e-k"
+    ann = {"io.kubernetes.cri.container-type": "container",
+           "io.kubernetes.cri.sandbox-id": "podk", "io.kubernetes.cri.sandbox-uid": "uid-k",
+           "io.kubernetes.cri.container-name": "app"}
+    checkpoint = Path(paths.kubelet_state)
+
+    def write(default: str, entry: str | None) -> None:
+        entries = {"uid-k": {"app": entry}} if entry else {}
+        checkpoint.write_text(json.dumps({"policyName": "static", "defaultCpuSet": default,
+                                          "entries": entries, "checksum": 1}))
+
+    write("0-1", "1")
+    pid = runc.run(cid, cpus="1", annotations=ann)
+    assert containers(env)[cid]["cpus"] == "1"
+    write("1", "0")  # kubelet moved the exclusive CPU
+    vmpin(env, "reconcile", "--once")
+    assert containers(env)[cid]["cpus"] == "0"
+    assert containers(env)[cid]["cpus_source"] == "kubelet"
+    assert allowed(pid) == "0" and cgroup_cpus(cid) == "0"
+    assert json.loads(checkpoint.read_text())["checksum"] == 1  # never written by vmpin
