@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,6 +23,11 @@ from vmpin.paths import HostPaths
 pytestmark = pytest.mark.qemu
 
 CRI = "io.kubernetes.cri."
+
+
+def sid(prefix: str) -> str:
+    """A sandbox id no concurrent test run shares (the /proc scan matches -name globally)."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
@@ -120,7 +126,7 @@ def kata(tmp_path: Path, env: dict[str, str]) -> Kata:
 def test_mask_follows_container_cpus(
     qemu: Callable[..., QemuHandle], kata: Kata, debug_threads: bool, qmp_held: bool
 ) -> None:
-    q = qemu("sbx1", smp=2, debug_threads=debug_threads)
+    q = qemu(sid("sbx1"), smp=2, debug_threads=debug_threads)
     holder = hold_qmp(q.qmp_sock) if qmp_held else None
     sock = holder.__enter__() if holder else None
     try:
@@ -131,7 +137,7 @@ def test_mask_follows_container_cpus(
         kata.vmpin("update", "ctr1", "--cpuset-cpus", "0")
         assert set(affinities(q.pid).values()) == {"0"}, affinities(q.pid)
 
-        show = kata.show("sbx1")
+        show = kata.show(q.sandbox_id)
         assert show["mask"] == "0" and show["runtime"] == "kata"
         roles = {t["role"] for t in show["threads"]}  # type: ignore[attr-defined]
         assert "emulator" in roles
@@ -150,7 +156,7 @@ def test_mask_follows_container_cpus(
 def test_two_containers_pin_vcpus_one_to_one_and_audit_repairs(
     qemu: Callable[..., QemuHandle], kata: Kata
 ) -> None:
-    q = qemu("sbx2", smp=2, debug_threads=True)
+    q = qemu(sid("sbx2"), smp=2, debug_threads=True)
     kata.create_sandbox(q)
     kata.create_container(q, "ca", "0")
     kata.create_container(q, "cb", "1")
@@ -161,7 +167,7 @@ def test_two_containers_pin_vcpus_one_to_one_and_audit_repairs(
     others = {aff[t] for t, n in names.items() if not n.startswith("CPU ")}
     assert others == {"0-1"}
 
-    show = kata.show("sbx2")
+    show = kata.show(q.sandbox_id)
     assert show["mode"] == "1:1"
     vcpus = {t["index"]: t["desired"] for t in show["threads"]  # type: ignore[attr-defined]
              if t["role"] == "vcpu"}
@@ -191,22 +197,22 @@ def test_two_containers_pin_vcpus_one_to_one_and_audit_repairs(
 def test_poststop_with_sandbox_id_forgets_only_that_container(
     qemu: Callable[..., QemuHandle], kata: Kata
 ) -> None:
-    q = qemu("sbx3", smp=2)
+    q = qemu(sid("sbx3"), smp=2)
     kata.create_sandbox(q)
     kata.create_container(q, "c0", "0")
     b1 = kata.create_container(q, "c1", "1")
     # Kata's poststop carries the sandbox id; the bundle says which container stopped.
-    kata.hook("poststop", "sbx3", b1, None)
+    kata.hook("poststop", q.sandbox_id, b1, None)
     listed = json.loads(kata.vmpin("containers", "--json").stdout)
-    assert sorted(c["id"] for c in listed) == ["c0", "sbx3"]
+    assert sorted(c["id"] for c in listed) == sorted(["c0", q.sandbox_id])
     assert set(affinities(q.pid).values()) == {"0"}
     # the sandbox's own poststop tears the sandbox down
-    kata.hook("poststop", "sbx3", kata.tmp / "bundles" / "sbx3", None)
+    kata.hook("poststop", q.sandbox_id, kata.tmp / "bundles" / q.sandbox_id, None)
     assert json.loads(kata.vmpin("sandboxes", "--json").stdout) == []
 
 
 def test_vanished_vmm_is_forgotten(qemu: Callable[..., QemuHandle], kata: Kata) -> None:
-    q = qemu("sbx4", smp=1)
+    q = qemu(sid("sbx4"), smp=1)
     kata.create_sandbox(q)
     kata.create_container(q, "c", "1")
     q.kill()
@@ -218,14 +224,15 @@ def test_vanished_vmm_is_forgotten(qemu: Callable[..., QemuHandle], kata: Kata) 
 
 def test_pid_reuse_is_not_trusted(kata: Kata, paths: HostPaths, vm_dir: Path) -> None:
     """A pidfile naming a live process that is not that sandbox's QEMU is ignored."""
-    d = vm_dir / "sbx5"
+    s5 = sid("sbx5")
+    d = vm_dir / s5
     d.mkdir()
     (d / "pid").write_text(str(os.getpid()))
-    b = kata.bundle("sbx5", "sbx5", None, "POD")
-    kata.hook("prestart", "sbx5", b, os.getpid())
-    kata.bundle("c5", "sbx5", "1", "c5")
+    b = kata.bundle(s5, s5, None, "POD")
+    kata.hook("prestart", s5, b, os.getpid())
+    kata.bundle("c5", s5, "1", "c5")
     kata.hook("prestart", "c5", kata.tmp / "bundles" / "c5", None)
     before = os.sched_getaffinity(0)
-    show = kata.show("sbx5")
+    show = kata.show(s5)
     assert show["vmm_pid"] is None and show["threads"] == []
     assert os.sched_getaffinity(0) == before

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import vmpin_cmd
-from tests.runc_util import RuncSession, missing
+from tests.runc_util import RuncSession, missing, new_id
 from vmpin.paths import HostPaths
 
 pytestmark = pytest.mark.runc
@@ -53,7 +53,7 @@ def containers(env: dict[str, str]) -> dict[str, dict[str, object]]:
 
 
 def test_container_lifecycle(runc: RuncSession, env: dict[str, str]) -> None:
-    cid = "vmpin-e2e-a"
+    cid = new_id("vmpin-e2e-a")
     pid = runc.run(cid, cpus="1")
     listed = containers(env)
     assert listed[cid]["cpus"] == "1" and listed[cid]["runtime"] == "runc"
@@ -100,7 +100,7 @@ def test_container_lifecycle(runc: RuncSession, env: dict[str, str]) -> None:
 def test_container_gone_without_poststop_is_forgotten(
     runc: RuncSession, env: dict[str, str], paths: HostPaths
 ) -> None:
-    cid = "vmpin-e2e-b"
+    cid = new_id("vmpin-e2e-b")
     runc.run(cid, cpus="0")
     assert cid in containers(env)
     # delete behind vmpin's back: no poststop hook runs, the process and runc's state go
@@ -119,7 +119,7 @@ def test_container_gone_without_poststop_is_forgotten(
 
 
 def test_update_bad_input_changes_nothing(runc: RuncSession, env: dict[str, str]) -> None:
-    cid = "vmpin-e2e-c"
+    cid = new_id("vmpin-e2e-c")
     runc.run(cid, cpus="1")
     cases = [
         (["update", "nope", "--cpuset-cpus", "0"], "unknown container"),
@@ -197,7 +197,7 @@ def test_kubelet_checkpoint_changes_are_adopted(
     runc: RuncSession, env: dict[str, str], paths: HostPaths
 ) -> None:
     """kubelet's cpu_manager_state (read only): an entry for (pod uid, name) moves a container."""
-    cid = "vmpin-e2e-k"
+    cid = new_id("vmpin-e2e-k")
     ann = {"io.kubernetes.cri.container-type": "container",
            "io.kubernetes.cri.sandbox-id": "podk", "io.kubernetes.cri.sandbox-uid": "uid-k",
            "io.kubernetes.cri.container-name": "app"}

@@ -104,7 +104,8 @@ def main(
         str,
         typer.Option(
             envvar="VMPIN_PUBLISH_DIR",
-            help="Host dir shared with each guest, where guest maps are published.",
+            help="Host dir shared with each guest, where guest maps are published"
+        " (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox} template).",
         ),
     ] = "/run/kata-containers/shared/sandboxes",
     helper_policy: Annotated[
@@ -537,7 +538,11 @@ def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 def guest_hook(
     stage: Annotated[str, typer.Argument(help="prestart, poststart or poststop.")],
 ) -> None:
-    """Inside the guest: pin the starting container to its mapped vCPUs (fail-open)."""
+    """Inside the guest: pin the starting container to its mapped vCPUs (fail-open).
+
+    Options (--strict, --verbose, --widen-parents, --wait, --map): `vmpin guest hook -h`;
+    the channel is described in docs/guest.md.
+    """
     from vmpin.guest import main as guest_main
 
     raise typer.Exit(guest_main([stage]))

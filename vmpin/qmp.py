@@ -73,6 +73,7 @@ class QmpClient:
     # -- session -------------------------------------------------------------------------
     def connect(self) -> dict[str, Any]:
         """Connect and read the greeting within ``timeout`` seconds in total; return it."""
+        self.close()  # a second connect() starts a new session, never leaks the old one
         deadline = time.monotonic() + self.timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = sock

@@ -24,6 +24,7 @@ One pass over a sandbox:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vmpin import procfs
@@ -162,6 +163,8 @@ class Reconciler:
         self.float_policy = float_policy
         self.publish = publish
         self._checkpoint_cache: tuple[int, Any] | None = None
+        #: (the store's cpu_masks() mapping, how many masks hold each CPU)
+        self._holders: tuple[Mapping[str, CpuSet], dict[int, int]] | None = None
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -365,7 +368,7 @@ class Reconciler:
         except ProcessGone:
             report.notes.append(f"VMM pid {vmm.pid} exited during the pass")
             return
-        if remembered and set(remembered) == current:
+        if self._remembered_is_complete(rec.id, vmm.pid, vmm.start, remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             threads = [Thread(t.tid, t.role, t.idx, t.label) for t in remembered.values()]
             layers = {t.tid: t.layer for t in remembered.values()}
@@ -391,6 +394,10 @@ class Reconciler:
                 vmm.pid,
                 vmm.start,
                 [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads],
+            )
+            self.store.set_meta(
+                _missing_key(rec.id, vmm.pid, vmm.start),
+                ",".join(map(str, result.missing_vcpus)),
             )
 
         others, others_excl = self._others(rec.id)
@@ -424,6 +431,28 @@ class Reconciler:
         if apply and self.publish and report.guest_map is not None:
             self._publish(rec.id, report.guest_map)
 
+    def _remembered_is_complete(
+        self, sid: str, pid: int, start: int, remembered: dict[int, ThreadRec], current: set[int]
+    ) -> bool:
+        """May this pass reuse the last classification instead of classifying again?
+
+        Only when the VMM has exactly the threads it had (vhost workers that are kernel
+        threads, before Linux 6.4, live outside ``task/`` and must merely still exist) and the
+        last pass accounted for every vCPU: a vCPU missed then (busy in the guest, never seen
+        in KVM_RUN) must be looked for again, not frozen as "emulator".
+        """
+        if not remembered:
+            return False
+        outside = set(remembered) - current
+        if set(remembered) - outside != current:
+            return False
+        for tid in outside:
+            if remembered[tid].role != "vhost" or not os.path.exists(
+                os.path.join(self.paths.proc, str(tid))
+            ):
+                return False
+        return not self.store.meta(_missing_key(sid, pid, start))
+
     def _others(self, sandbox_id: str) -> tuple[CpuSet, CpuSet]:
         """Other sandboxes' CPUs, and those of them exclusive to one other sandbox.
 
@@ -432,11 +461,14 @@ class Reconciler:
         one mask holds it, that mask is not ours, and it is not in the shared pool.
         """
         masks = self.store.cpu_masks()
+        if self._holders is None or self._holders[0] is not masks:
+            count: dict[int, int] = {}
+            for mask in masks.values():
+                for cpu in mask:
+                    count[cpu] = count.get(cpu, 0) + 1
+            self._holders = (masks, count)  # valid while the store hands out the same masks
+        holders = self._holders[1]
         mine = masks.get(sandbox_id, EMPTY)
-        holders: dict[int, int] = {}
-        for mask in masks.values():
-            for cpu in mask:
-                holders[cpu] = holders.get(cpu, 0) + 1
         others = CpuSet({c for c, n in holders.items() if n - (c in mine) > 0})
         others_excl = CpuSet({c for c, n in holders.items() if n == 1 and c not in mine})
         return others, others_excl - (self.shared_pool() or EMPTY)
@@ -453,10 +485,12 @@ class Reconciler:
         apply: bool,
     ) -> ThreadReport:
         t = ThreadReport(tid, role, index, label, desired, None, layer)
+        # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
+        owner = pid if role != "vhost" or procfs.exists(self.paths.proc, pid, tid) else tid
         try:
-            t.actual = procfs.cpus_allowed(self.paths.proc, pid, tid)
+            t.actual = procfs.cpus_allowed(self.paths.proc, owner, tid)
             if t.name is None:
-                t.name = procfs.comm(self.paths.proc, pid, tid)
+                t.name = procfs.comm(self.paths.proc, owner, tid)
         except ProcessGone:
             t.action = "gone"
             return t
@@ -535,6 +569,10 @@ class Reconciler:
             "threads": sum(len(r.threads) for r in reports),
             "errors": [f"{r.id}: {e}" for r in reports for e in r.errors],
         }
+
+
+def _missing_key(sandbox_id: str, pid: int, start: int) -> str:
+    return f"missing-vcpus:{sandbox_id}:{pid}:{start}"
 
 
 def _violation(sandbox: str, t: ThreadReport, reason: str) -> dict[str, Any]:

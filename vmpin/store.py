@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
+from types import MappingProxyType
 from typing import NamedTuple
 
 from vmpin.cpuset import CpuSet
@@ -163,6 +164,8 @@ class Store:
         except sqlite3.Error as err:
             raise StateError(f"{self.path}: {err}") from None
         self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+        self._masks: Mapping[str, CpuSet] = MappingProxyType({})
+        self._masks_key: tuple[int, int] | None = None
         self._ensure_schema()
 
     def _ensure_schema(self) -> None:
@@ -174,8 +177,17 @@ class Store:
             raise StateError(
                 f"{self.path}: schema version {version} is newer than this vmpin ({SCHEMA_VERSION})"
             )
-        # WAL must be switched on outside a transaction; it is persistent once set.
-        self.db.execute("PRAGMA journal_mode=WAL")
+        # WAL must be switched on outside a transaction; it is persistent once set.  Processes
+        # opening a fresh database at once race here, and SQLite answers the losers "database
+        # is locked" at once (a lock upgrade: busy_timeout would deadlock), so retry.
+        for attempt in range(1000):
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as err:
+                if attempt == 999:
+                    raise StateError(f"{self.path}: cannot switch to WAL: {err}") from err
+                time.sleep(0.01)
         self.db.execute("PRAGMA synchronous=NORMAL")
         with self.transaction():
             if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
@@ -300,14 +312,14 @@ class Store:
             if rec.is_sandbox:
                 db.execute("DELETE FROM containers WHERE sandbox_id=?", (rec.sandbox_id,))
                 db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
-                db.execute("DELETE FROM threads WHERE sandbox_id=?", (rec.sandbox_id,))
+                self._forget_threads(db, rec.sandbox_id)
             else:
                 left = db.execute(
                     "SELECT COUNT(*) FROM containers WHERE sandbox_id=?", (rec.sandbox_id,)
                 ).fetchone()[0]
                 if left == 0:
                     db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
-                    db.execute("DELETE FROM threads WHERE sandbox_id=?", (rec.sandbox_id,))
+                    self._forget_threads(db, rec.sandbox_id)
                 else:
                     self._bump(db, rec.sandbox_id, now)
         return rec
@@ -364,7 +376,7 @@ class Store:
         with self.transaction() as db:
             db.execute("DELETE FROM containers WHERE sandbox_id=?", (sandbox_id,))
             db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
-            db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
+            self._forget_threads(db, sandbox_id)
 
     def mark_dirty(self, sandbox_ids: Iterable[str] | None = None) -> None:
         """Bump generations: of the given sandboxes, or of all (after an agent restart)."""
@@ -376,6 +388,25 @@ class Store:
                 for sid in sandbox_ids:
                     self._bump(db, sid, now)
 
+    def cpu_masks(self) -> Mapping[str, CpuSet]:
+        """Each sandbox's mask: the union of its containers' CPU sets (sandboxes with none
+        are absent).  Cached until the database changes (``PRAGMA data_version`` moves when
+        another connection commits, ``total_changes`` when this one writes): until then the
+        same read-only mapping is returned, so callers may cache what they derive from it."""
+        key = (self.db.execute("PRAGMA data_version").fetchone()[0], self.db.total_changes)
+        if self._masks_key != key:
+            parsed: dict[str, CpuSet] = {}
+            cpus: dict[str, set[int]] = {}
+            rows = self.db.execute("SELECT sandbox_id, cpus FROM containers WHERE cpus IS NOT NULL")
+            for sid, text in rows.fetchall():
+                cs = parsed.get(text)
+                if cs is None:
+                    cs = parsed[text] = CpuSet.parse(text)
+                cpus.setdefault(sid, set()).update(cs)
+            self._masks = MappingProxyType({sid: CpuSet(c) for sid, c in cpus.items()})
+            self._masks_key = key
+        return self._masks
+
     def dirty(self) -> list[tuple[str, int]]:
         rows = self.db.execute("SELECT id, gen FROM sandboxes WHERE gen > done_gen ORDER BY id")
         return [(r[0], r[1]) for r in rows.fetchall()]
@@ -386,6 +417,11 @@ class Store:
             db.execute(
                 "UPDATE sandboxes SET done_gen=MAX(done_gen, ?) WHERE id=?", (gen, sandbox_id)
             )
+
+    @staticmethod
+    def _forget_threads(db: sqlite3.Connection, sandbox_id: str) -> None:
+        db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
+        db.execute("DELETE FROM meta WHERE key LIKE ?", (f"missing-vcpus:{sandbox_id}:%",))
 
     @staticmethod
     def _bump(db: sqlite3.Connection, sandbox_id: str, now: float) -> None:

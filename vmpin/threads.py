@@ -13,7 +13,9 @@ one that decided it (``layer``):
     With ``-name ...,debug-threads=on`` QEMU names its threads "CPU <n>/KVM" (or /TCG),
     "IO <id>" (comm is cut at 15 bytes: long ids are completed from ``-object iothread``
     on the command line when unambiguous; "IO mon_iothread" is the monitor's own thread, an
-    emulator thread).  Exact.  Kata leaves debug-threads off except in debug mode.
+    emulator thread).  Exact.  Kata leaves debug-threads off except in debug mode.  The names
+    are trusted wherever they match, whatever ``Vmm.debug_threads`` says (``-readconfig`` can
+    turn it on unseen): nothing else names a thread "CPU 0/KVM" inside a QEMU.
     Vhost workers are named by the kernel whatever QEMU does: "vhost-<owner
     tid>"; since Linux 6.4 they are threads of the QEMU process, before that (and again since
     6.17 when the vhost module is set to kthread mode) kernel threads outside it, children of
@@ -249,7 +251,9 @@ def classify(
     qmp_complete = _layer_qmp(st, qmp_socket, qmp_timeout)
     names_have_vcpus = _layer_names(st)
     _layer_vhost_kthreads(st, vhost_kthreads)
-    if not qmp_complete and not (names_have_vcpus and vmm.debug_threads):
+    # QEMU names every vCPU thread or none (debug-threads applies to all, hotplugged too):
+    # one named vCPU means the names are complete, and the KVM layer has nothing to add.
+    if not qmp_complete and not names_have_vcpus:
         _layer_kvm(st, remembered or {}, kvm_retries, kvm_retry_delay)
     _layer_remembered(st, remembered or {})
 

@@ -1,0 +1,623 @@
+"""The node agent (``vmpin serve``): the real process, its socket, its passes, its crashes.
+
+Most tests run the agent as a subprocess exactly as an operator would
+(``vmpin --state-dir D serve --interval 0.5 --metrics-port P``) and kill it by its pid at the
+end.  Sandboxes are registered with the store API; their VMMs are a real QEMU (tests marked
+``qemu``) or bench/fakevmm.py's QEMU-shaped processes where several are needed.  The
+:class:`DirtyQueue` tests are plain unit tests on a fake clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import signal
+import socket
+import sqlite3
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, vmpin_cmd
+from vmpin import control
+from vmpin.affinity import SchedAffinity
+from vmpin.agent import Agent, DirtyQueue
+from vmpin.cpuset import CpuSet
+from vmpin.paths import HostPaths
+from vmpin.reconciler import Reconciler
+from vmpin.store import ContainerRec, SandboxRec, Store
+
+sys.path.insert(0, str(ROOT / "bench"))
+import fakevmm
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def wait_until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def affinities(pid: int) -> dict[int, CpuSet]:
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            out[int(t)] = CpuSet(os.sched_getaffinity(int(t)))
+    return out
+
+
+def all_on(pid: int, cpus: str) -> bool:
+    want = CpuSet.parse(cpus)
+    got = affinities(pid)
+    return bool(got) and all(a == want for a in got.values())
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in body.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    raise KeyError(key)
+
+
+class AgentProc:
+    """``vmpin serve`` as a subprocess; killed by its pid (SIGKILL) if a test leaves it up."""
+
+    def __init__(
+        self, paths: HostPaths, env: dict[str, str], log: Path, interval: float = 0.5
+    ) -> None:
+        self.paths = paths
+        self.port = free_port()
+        self.log = log
+        cmd = [
+            *vmpin_cmd(),
+            "--state-dir",
+            paths.state_dir,
+            "serve",
+            "--interval",
+            str(interval),
+            "--metrics-port",
+            str(self.port),
+        ]
+        self._err = open(log, "ab")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._err)
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        ok = wait_until(
+            lambda: self.proc.poll() is not None or self.status() is not None, timeout, 0.05
+        )
+        if not ok or self.proc.poll() is not None:
+            raise AssertionError(f"agent did not come up:\n{self.log.read_text()}")
+
+    def status(self, sandbox: str | None = None) -> dict[str, object] | None:
+        msg: dict[str, object] = {"op": "status"}
+        if sandbox:
+            msg["sandbox"] = sandbox
+        return control.request(self.paths, msg, timeout=2.0)
+
+    def wait_pass(self, passes: int, timeout: float = 20.0) -> dict[str, object]:
+        """Until ``passes`` full passes have finished and nothing is queued or running."""
+        last: dict[str, object] = {}
+
+        def done() -> bool:
+            nonlocal last
+            last = self.status() or {}
+            return (
+                bool(last)
+                and int(last["passes"]) >= passes
+                and not last["pass_running"]
+                and last["queue"] == 0
+                and last["running"] == 0
+            )  # type: ignore[call-overload]
+
+        assert wait_until(done, timeout, 0.05), last
+        return last
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._err.close()
+
+
+@pytest.fixture
+def agent_factory(
+    paths: HostPaths, env: dict[str, str], tmp_path: Path
+) -> Iterator[Callable[..., AgentProc]]:
+    started: list[AgentProc] = []
+
+    def start(interval: float = 0.5, ready: bool = True) -> AgentProc:
+        a = AgentProc(paths, env, tmp_path / f"agent{len(started)}.log", interval)
+        started.append(a)
+        if ready:
+            a.wait_ready()
+        return a
+
+    try:
+        yield start
+    finally:
+        for a in started:
+            a.kill()
+
+
+@pytest.fixture
+def fake_vmms(vm_dir: Path) -> Iterator[Callable[..., fakevmm.FakeVmm]]:
+    vmms: list[fakevmm.FakeVmm] = []
+
+    def start(sandbox_id: str, vcpus: int = 2) -> fakevmm.FakeVmm:
+        v = fakevmm.start(vm_dir, sandbox_id, vcpus=vcpus)
+        vmms.append(v)
+        return v
+
+    try:
+        yield start
+    finally:
+        for v in vmms:
+            v.kill()
+
+
+def register(store: Store, sid: str, cpus: str | None) -> None:
+    """A Kata sandbox with its pause container and one workload container ``<sid>-app``."""
+    store.put_sandbox(SandboxRec(sid, "kata"))
+    store.put_container(ContainerRec(sid, sid, True, name="pause"))
+    store.put_container(
+        ContainerRec(
+            f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse(cpus) if cpus else None
+        )
+    )
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*vmpin_cmd(), *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+# -- the dirty set, on a fake clock --------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_queue_coalesces_while_queued_and_reruns_once_after_a_running_pass() -> None:
+    clock = Clock()
+    q = DirtyQueue(holdoff=0.1, clock=clock)
+    assert q.add("a", "event", clock.now)
+    assert not q.add("a", "event", clock.now)  # folded into the queued entry
+    work = q.take(timeout=0)
+    assert work is not None and work.sandbox_id == "a" and work.cause == "event"
+    assert q.take(timeout=0) is None
+    # events during the pass: exactly one more pass, after the holdoff
+    assert q.add("a", "event", clock.now)
+    for _ in range(50):
+        assert not q.add("a", "event", clock.now)
+    q.done("a")
+    assert q.take(timeout=0) is None
+    clock.now += 0.1
+    again = q.take(timeout=0)
+    assert again is not None and again.sandbox_id == "a"
+    q.done("a")
+    clock.now += 5
+    assert q.take(timeout=0) is None and q.idle()
+
+
+def test_queue_serves_events_before_background_and_promotes() -> None:
+    clock = Clock()
+    q = DirtyQueue(holdoff=0.1, clock=clock)
+    for sid in ("p1", "p2", "p3"):
+        q.add(sid, "periodic")
+    clock.now += 1
+    q.add("e1", "event", clock.now)
+    q.add("p3", "event", clock.now)  # a queued periodic entry becomes an event
+    order = []
+    while (w := q.take(timeout=0)) is not None:
+        order.append((w.sandbox_id, w.cause))
+        q.done(w.sandbox_id)
+    assert order[:2] == [("e1", "event"), ("p3", "event")]
+    assert sorted(order[2:]) == [("p1", "periodic"), ("p2", "periodic")]
+
+
+def test_queue_backoff_doubles_in_a_storm_and_resets_when_quiet() -> None:
+    clock = Clock()
+    q = DirtyQueue(holdoff=0.1, max_holdoff=1.0, clock=clock)
+    starts = []
+    end = clock.now + 3.0
+    q.add("s", "event", clock.now)
+    while clock.now < end:
+        w = q.take(timeout=0)
+        if w is not None:
+            starts.append(round(clock.now - 100, 2))
+            q.add("s", "event", clock.now)  # the storm goes on during every pass
+            clock.now += 0.005
+            q.done("s")
+        clock.now += 0.01
+    # 0, ~0.1, ~0.3, ~0.7, ~1.5, then once a second: not one pass per event
+    assert 5 <= len(starts) <= 7, starts
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert all(g2 >= g1 for g1, g2 in itertools.pairwise(gaps)), gaps
+    assert max(gaps) <= 1.03
+    while q.take(timeout=0) is not None:
+        q.done("s")
+    clock.now += 1.5  # quiet for longer than the backoff: the next event goes at once
+    q.add("s", "event", clock.now)
+    assert q.take(timeout=0) is not None
+
+
+def test_queue_periodic_pass_does_not_delay_an_event() -> None:
+    clock = Clock()
+    q = DirtyQueue(holdoff=0.1, clock=clock)
+    q.add("a", "periodic")
+    assert q.take(timeout=0) is not None
+    q.add("a", "event", clock.now)  # arrives while the periodic pass runs
+    q.done("a")
+    w = q.take(timeout=0)
+    assert w is not None and w.cause == "event"
+
+
+# -- the real process ------------------------------------------------------------------------------
+def test_serve_status_socket_metrics_and_clean_sigterm(
+    agent_factory: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str]
+) -> None:
+    agent = agent_factory()
+    sock = paths.control_socket
+    st = os.stat(sock)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.getuid()
+
+    out = run_cli(env, "--state-dir", paths.state_dir, "status")
+    assert out.returncode == 0, out.stderr
+    assert "ok=True" in out.stdout and "healthy=True" in out.stdout
+    js = json.loads(run_cli(env, "--state-dir", paths.state_dir, "status", "--json").stdout)
+    assert js["ok"] is True and js["pid"] == agent.proc.pid
+
+    # metrics on loopback, every family the issue asks for
+    body = urllib.request.urlopen(f"http://127.0.0.1:{agent.port}/metrics", timeout=5).read()
+    for family in (
+        "vmpin_sandboxes",
+        "vmpin_containers",
+        "vmpin_threads_pinned",
+        "vmpin_drift_repaired_total",
+        "vmpin_pin_latency_seconds_bucket",
+        "vmpin_errors_total",
+        "vmpin_plans_total",
+        "vmpin_affinity_writes",
+    ):
+        assert f"\n# TYPE {family}".encode() in body or f"\n{family}".encode() in body, family
+
+    # malformed requests get an answer, not a hang, and count as control errors
+    for bad in (
+        b"garbage",
+        b"[1]",
+        b'{"op": "nope"}',
+        b'{"op": "dirty", "sandboxes": ["../x"]}',
+        b'{"op": "dirty", "sandboxes": "x"}',
+    ):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(sock)
+            s.sendall(bad + b"\n")
+            reply = json.loads(s.makefile().readline())
+        assert reply["ok"] is False and reply["error"], bad
+    assert metric(agent.port, "vmpin_errors_total", 'kind="control"') == 5
+
+    # a second agent on the same state dir refuses, and the first keeps answering
+    second = run_cli(env, "--state-dir", paths.state_dir, "serve", "--metrics-port", "0")
+    assert second.returncode != 0
+    assert "another vmpin agent" in second.stderr
+    assert agent.status() is not None
+
+    assert agent.stop(signal.SIGTERM) == 0
+    assert not os.path.lexists(sock)
+    out = run_cli(env, "--state-dir", paths.state_dir, "status")
+    assert out.returncode == 1
+
+    # structured logs: every stderr line is one JSON object
+    lines = agent.log.read_text().splitlines()
+    events = [json.loads(line)["event"] for line in lines]
+    assert events[0] == "agent started" and events[-1] == "agent stopped"
+    assert all({"ts", "level", "event"} <= set(json.loads(line)) for line in lines)
+
+
+def test_stale_socket_is_replaced(
+    agent_factory: Callable[..., AgentProc], paths: HostPaths
+) -> None:
+    Store(paths.state_dir).close()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(paths.control_socket)  # left behind by a kill -9: nobody listens
+    stale.close()
+    assert control.request(paths, {"op": "status"}) is None
+    agent = agent_factory()
+    assert agent.status() is not None
+    assert stat.S_IMODE(os.stat(paths.control_socket).st_mode) == 0o600
+
+
+@pytest.mark.qemu
+def test_real_qemu_update_drift_and_vanish(
+    agent_factory: Callable[..., AgentProc],
+    paths: HostPaths,
+    env: dict[str, str],
+    vm_dir: Path,
+) -> None:
+    from tests.qemu_util import start_qemu
+
+    with (
+        start_qemu(vm_dir, "sbq", smp=2, debug_threads=True) as qemu,
+        Store(paths.state_dir) as store,
+    ):
+        register(store, "sbq", "1")
+        agent = agent_factory()
+        assert wait_until(lambda: all_on(qemu.pid, "1"), 10), affinities(qemu.pid)
+
+        # `vmpin update` hands the sandbox to the agent, which re-pins every QEMU thread
+        out = run_cli(env, "update", "sbq-app", "--cpuset-cpus", "0")
+        assert out.returncode == 0, out.stderr
+        assert "handed to the agent" in out.stdout
+        assert wait_until(lambda: all_on(qemu.pid, "0"), 10), affinities(qemu.pid)
+        assert metric(agent.port, "vmpin_pin_latency_seconds_count") >= 1
+
+        # drift behind vmpin's back: one vCPU moved by hand, repaired by a periodic pass
+        vcpus = [
+            t
+            for t in qemu.tids()
+            if "CPU 1/KVM" in Path(f"/proc/{qemu.pid}/task/{t}/comm").read_text()
+        ]
+        assert vcpus
+        os.sched_setaffinity(vcpus[0], {1})
+        assert wait_until(lambda: all_on(qemu.pid, "0"), 10), affinities(qemu.pid)
+        assert wait_until(
+            lambda: metric(agent.port, "vmpin_drift_repaired_total", 'kind="thread"') >= 1, 5
+        )
+        st = agent.status("sbq")
+        assert st is not None and st["sandbox"]["threads_pinned"] == len(qemu.tids())  # type: ignore[index]
+        assert metric(agent.port, "vmpin_sandboxes", 'runtime="kata"') == 1
+        assert metric(agent.port, "vmpin_containers", 'runtime="kata"') == 2
+
+        # the VMM vanishes without a poststop: the next pass forgets the sandbox
+        qemu.kill()
+        assert wait_until(lambda: store.sandbox("sbq") is None, 10)
+        assert wait_until(
+            lambda: metric(agent.port, "vmpin_drift_repaired_total", 'kind="vanished"') == 1, 5
+        )
+        assert wait_until(lambda: (agent.status() or {}).get("sandboxes") == 0, 5)
+        assert agent.stop() == 0
+
+
+@pytest.mark.qemu
+def test_storm_of_1000_updates_costs_a_handful_of_plans(
+    agent_factory: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
+) -> None:
+    from tests.qemu_util import start_qemu
+
+    with (
+        start_qemu(vm_dir, "storm", smp=2, debug_threads=True) as qemu,
+        Store(paths.state_dir) as store,
+    ):
+        register(store, "storm", "0-1")
+        agent = agent_factory()
+        agent.wait_pass(1)
+        before = agent.status("storm")
+        assert before is not None and before["sandbox"] is not None
+        event_plans_before = metric(agent.port, "vmpin_plans_total", 'cause="event"')
+        passes_before = int(before["passes"])  # type: ignore[call-overload]
+
+        masks = ["0", "1", "0-1"]
+        t0 = time.monotonic()
+        for i in range(1000):
+            store.set_container_cpus("storm-app", CpuSet.parse(masks[i % 3]), "update")
+            assert control.notify(paths, ["storm"])
+        last = "1"  # the storm's last word
+        store.set_container_cpus("storm-app", CpuSet.parse(last), "update")
+        assert control.notify(paths, ["storm"])
+        storm_s = time.monotonic() - t0
+
+        assert wait_until(lambda: all_on(qemu.pid, last), 10), affinities(qemu.pid)
+        assert wait_until(lambda: store.dirty() == [], 10)
+        after = agent.status("storm")
+        assert after is not None
+        event_plans = metric(agent.port, "vmpin_plans_total", 'cause="event"') - event_plans_before
+        plans = int(after["sandbox"]["plans"]) - int(before["sandbox"]["plans"])  # type: ignore[index]
+        periodic = int(after["passes"]) - passes_before  # type: ignore[call-overload]
+        print(
+            f"storm {storm_s:.2f}s: 1001 updates -> {event_plans:.0f} event plans, "
+            f"{plans} plans in all ({periodic} periodic passes ran meanwhile)"
+        )
+        # passes start at 0, 0.1, 0.3, 0.7, 1.5 s, then once a second (backoff 0.1 s doubling
+        # to 1 s): five for a one-second storm, not a thousand
+        assert 1 <= event_plans <= 3 + math.log2(1 + storm_s / 0.1) + storm_s
+        assert plans <= event_plans + periodic + 1
+        assert metric(agent.port, "vmpin_events_total") >= 1001
+        # nothing is left to do: the last update is what is pinned, and stays so
+        time.sleep(1.0)
+        assert all_on(qemu.pid, last)
+        rec = store.sandbox("storm")
+        assert rec is not None and rec.done_gen == rec.gen
+        assert agent.stop() == 0
+
+
+def test_kill9_mid_churn_then_restart_is_clean(
+    agent_factory: Callable[..., AgentProc],
+    paths: HostPaths,
+    env: dict[str, str],
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+) -> None:
+    rng = random.Random(7)
+    store = Store(paths.state_dir)
+    live: dict[str, fakevmm.FakeVmm] = {}
+    want: dict[str, str] = {}  # container -> the CPU list it was last given
+    serial = [0]
+
+    def create(store: Store) -> None:
+        sid = f"ch{serial[0]}"
+        serial[0] += 1
+        live[sid] = fake_vmms(sid, vcpus=2)
+        cpus = rng.choice(["0", "1", "0-1"])
+        register(store, sid, cpus)
+        want[f"{sid}-app"] = cpus
+        control.notify(paths, [sid])
+
+    for _ in range(6):
+        create(store)
+    agent = agent_factory()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    lost = [0]
+
+    def churn() -> None:
+        # sqlite connections belong to one thread: the churn opens its own, as a hook would
+        try:
+            store = Store(paths.state_dir)
+            while not stop.is_set():
+                r = rng.random()
+                if r < 0.8:
+                    sid = rng.choice(sorted(live))
+                    cpus = rng.choice(["0", "1", "0-1"])
+                    store.set_container_cpus(f"{sid}-app", CpuSet.parse(cpus), "update")
+                    want[f"{sid}-app"] = cpus
+                    if not control.notify(paths, [sid]):
+                        lost[0] += 1  # the agent is dead: nobody applies this one
+                elif r < 0.9 and len(live) > 3:
+                    sid = rng.choice(sorted(live))
+                    live.pop(sid).kill()
+                    store.delete_container(sid)  # poststop of the pause container
+                    want.pop(f"{sid}-app")
+                    control.notify(paths, [sid])
+                else:
+                    create(store)
+                time.sleep(0.002)
+            store.close()
+        except BaseException as err:  # surfaced in the test thread
+            errors.append(err)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        time.sleep(1.0)
+        os.kill(agent.proc.pid, signal.SIGKILL)  # mid-churn, wherever it is
+        agent.proc.wait()
+        time.sleep(0.5)  # churn goes on with nobody applying it
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    assert lost[0] > 0  # updates were stored while no agent ran
+    assert os.path.lexists(paths.control_socket)  # the dead agent's socket is still there
+
+    again = agent_factory()
+    st = again.wait_pass(1)
+    assert st["last_pass_cause"] == "startup"
+    audit = run_cli(env, "audit", "--json")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    result = json.loads(audit.stdout)
+    assert result["ok"] and result["sandboxes"] == len(live)
+    assert store.dirty() == []
+    # nothing lost: every container holds the CPUs it was last given, and its VMM runs there
+    for cid, cpus in want.items():
+        rec = store.container(cid)
+        assert rec is not None and rec.cpus == CpuSet.parse(cpus), cid
+    for sid, vmm in live.items():
+        mask = CpuSet.parse(want[f"{sid}-app"])
+        assert all(a.issubset(mask) for a in affinities(vmm.pid).values()), sid
+    check = sqlite3.connect(paths.db).execute("PRAGMA integrity_check").fetchone()
+    assert check == ("ok",)
+    store.close()
+    assert again.stop() == 0
+
+
+class CountingAffinity:
+    def __init__(self) -> None:
+        self.inner = SchedAffinity()
+        self.sets = 0
+
+    def get(self, tid: int) -> CpuSet:
+        return self.inner.get(tid)
+
+    def set(self, tid: int, cpus: CpuSet) -> CpuSet:
+        self.sets += 1
+        return self.inner.set(tid, cpus)
+
+
+def test_idle_pass_makes_no_affinity_call(
+    paths: HostPaths, fake_vmms: Callable[..., fakevmm.FakeVmm]
+) -> None:
+    with Store(paths.state_dir) as store:
+        for i in range(4):
+            fake_vmms(f"idle{i}", vcpus=2)
+            register(store, f"idle{i}", str(i % 2))
+    counter = CountingAffinity()
+    agent = Agent(
+        paths,
+        lambda s: Reconciler(paths, s, affinity=counter),
+        interval=3600,
+        workers=2,
+        metrics_port=0,
+    )
+    agent.start()
+    try:
+        assert wait_until(
+            lambda: agent.status()["passes"] == 1 and not agent.status()["pass_running"], 10
+        )
+        assert counter.sets == 4 * 4  # main, 2 vCPUs, 1 iothread per sandbox
+        counter.sets = 0
+        for n in (2, 3):
+            assert agent.full_pass("periodic")
+            assert wait_until(
+                lambda n=n: (
+                    agent.status()["passes"] == n  # type: ignore[misc]
+                    and not agent.status()["pass_running"]
+                ),
+                10,
+            )
+        assert counter.sets == 0
+        st = agent.status()
+        assert st["last_pass_repaired"] == 0 and st["threads_pinned"] == 16
+    finally:
+        agent.request_stop()
+        assert agent.shutdown() == 0
+
+
+def test_hook_path_does_not_import_the_agent() -> None:
+    code = (
+        "import sys, vmpin.entry, vmpin.hook, vmpin.control; "
+        "print(sorted(m for m in sys.modules if m.startswith(('prometheus', 'vmpin.agent', "
+        "'vmpin.metrics'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"

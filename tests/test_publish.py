@@ -1,0 +1,240 @@
+"""The host half of the guest channel (vmpin.publish): where, what, atomically, only on change.
+
+Every test writes a real file under a temporary publish dir laid out like Kata's
+``/run/kata-containers/shared/sandboxes/<sandbox>/mounts/``, and reads it back with the
+guest's own reader (vmpin.guest), the contract's other half.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vmpin import guest, publish
+from vmpin.cpuset import CpuSet
+from vmpin.errors import HostError, IdError
+from vmpin.guestmap import map_sandbox
+from vmpin.paths import HostPaths
+from vmpin.planner import Thread, plan_sandbox
+from vmpin.sysfs import read_topology
+from vmpin.topology import Topology
+
+from .conftest import FIXTURES
+
+SID = "sb-1"
+
+
+def cs(text: str) -> CpuSet:
+    return CpuSet.parse(text)
+
+
+@cache
+def xeon() -> Topology:
+    return read_topology(str(FIXTURES / "sysfs" / "xeon-gold-6258r-2s"))
+
+
+def sandbox_map(containers: dict[str, str | None], mask: str = "8,64,9,65") -> dict[str, Any]:
+    """A real map: the planner's 1:1 plan on a 2-socket Xeon (SMT siblings 8/64, 9/65)."""
+    topo = xeon()
+    threads = [Thread(1000, "emulator")] + [Thread(2000 + i, "vcpu", i) for i in range(4)]
+    plan = plan_sandbox(topo, SID, cs(mask), threads)
+    return map_sandbox(plan, {c: None if v is None else cs(v) for c, v in containers.items()}, topo)
+
+
+@pytest.fixture
+def shared(paths: HostPaths) -> Path:
+    """Kata's per-sandbox shared dir (``mounts/``), as the runtime would have made it."""
+    d = Path(paths.publish_dir) / SID / "mounts"
+    d.mkdir(parents=True)
+    return d
+
+
+def test_default_location_is_kata_shared_dir(paths: HostPaths) -> None:
+    assert publish.map_path(paths, SID) == os.path.join(
+        paths.publish_dir, SID, "mounts", "vmpin", "guest-map.json"
+    )
+    assert HostPaths().publish_dir == "/run/kata-containers/shared/sandboxes"
+    # ... which the guest sees under its shared containers dir
+    assert publish.guest_path() == guest.DEFAULT_GUEST_MAP
+    assert guest.DEFAULT_GUEST_MAP == "/run/kata-containers/shared/containers/vmpin/guest-map.json"
+
+
+def test_content(paths: HostPaths, shared: Path) -> None:
+    gm = sandbox_map({"a": "8,64", "b": "9,65", "pause": None})
+    res = publish.publish_map(paths, SID, gm, now=1700000000.0)
+    assert res.written and res.generation == 1 and res.path == str(shared / "vmpin/guest-map.json")
+    doc = json.loads(Path(res.path).read_text())
+    assert doc["version"] == 1 and doc["sandbox"] == SID
+    assert doc["generation"] == 1 and doc["published_at"] == 1700000000.0
+    assert doc["mode"] == "1:1" and doc["nvcpus"] == 4
+    assert doc["vcpu_to_host"] == {"0": 8, "1": 64, "2": 9, "3": 65}
+    assert doc["siblings"] == [[0, 1], [2, 3]]
+    a = doc["containers"]["a"]
+    assert (a["guest_cpus"], a["host_cpus"], a["exact"], a["generation"]) == (
+        "0-1",
+        "8,64",
+        True,
+        1,
+    )
+    assert doc["containers"]["b"]["guest_cpus"] == "2-3"
+    pause = doc["containers"]["pause"]
+    assert pause["host_cpus"] is None and pause["guest_cpus"] == "0-3" and not pause["exact"]
+    # Each entry is what `vmpin guest-map CONTAINER --json` prints, plus its generation.
+    for cid, entry in gm["containers"].items():
+        assert {k: v for k, v in doc["containers"][cid].items() if k != "generation"} == entry
+    assert os.stat(res.path).st_mode & 0o777 == 0o644
+
+
+def test_parseable_by_the_guest_reader(paths: HostPaths, shared: Path) -> None:
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9,65"}))
+    m = guest.read_map(res.path)
+    a = guest.lookup(m, "a")
+    b = guest.lookup(m, "b")
+    assert a is not None and a.guest_cpus == frozenset({0, 1}) and a.exact and a.generation == 1
+    assert b is not None and b.guest_cpus == frozenset({2, 3})
+    assert guest.lookup(m, "nope") is None
+
+
+def test_unchanged_is_not_rewritten(paths: HostPaths, shared: Path) -> None:
+    gm = sandbox_map({"a": "8,64", "b": "9,65"})
+    first = publish.publish_map(paths, SID, gm)
+    before = os.stat(first.path)
+    again = publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9,65"}))
+    after = os.stat(first.path)
+    assert not again.written and again.reason == "unchanged" and again.generation == 1
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_change_bumps_generation_per_entry(paths: HostPaths, shared: Path) -> None:
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9,65"}))
+    # b's CPUs move to a floating share; a's entry is untouched and keeps its generation
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9"}))
+    assert res.written and res.generation == 2
+    doc = json.loads(Path(res.path).read_text())
+    assert doc["generation"] == 2
+    assert doc["containers"]["a"]["generation"] == 1
+    assert doc["containers"]["b"]["generation"] == 2 and doc["containers"]["b"]["guest_cpus"] == "2"
+    # a container that left is gone from the map
+    res3 = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert res3.generation == 3 and set(guest.read_map(res3.path)["containers"]) == {"a"}  # type: ignore[arg-type]
+
+
+def test_atomic_replace(paths: HostPaths, shared: Path) -> None:
+    """A reader holding the old file keeps a whole old map; the new one is a new inode."""
+    first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    with open(first.path) as old:
+        ino = os.fstat(old.fileno()).st_ino
+        publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+        assert json.loads(old.read())["containers"]["a"]["guest_cpus"] == "0-1"
+    assert os.stat(first.path).st_ino != ino
+    assert json.loads(Path(first.path).read_text())["containers"]["a"]["guest_cpus"] == "2-3"
+    assert os.listdir(os.path.dirname(first.path)) == ["guest-map.json"]  # no temp files left
+
+
+def test_failed_rename_keeps_old_map(paths: HostPaths, shared: Path, mocker: Any) -> None:
+    """A fault at the rename (disk full, EIO) leaves the old map whole and no temp file."""
+    first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    old = Path(first.path).read_bytes()
+    mocker.patch("vmpin.publish.os.replace", side_effect=OSError(5, "Input/output error"))
+    with pytest.raises(HostError, match="Input/output error"):
+        publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert Path(first.path).read_bytes() == old
+    assert os.listdir(os.path.dirname(first.path)) == ["guest-map.json"]
+
+
+def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path) -> None:
+    (shared / "vmpin").mkdir()
+    stale = shared / "vmpin" / ".guest-map.json.999999.deadbeef.tmp"
+    stale.write_text("{half")
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert not stale.exists()
+
+
+def test_corrupt_map_is_replaced(paths: HostPaths, shared: Path) -> None:
+    (shared / "vmpin").mkdir()
+    (shared / "vmpin" / "guest-map.json").write_text("{not json")
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert res.written and res.generation == 1
+    assert guest.lookup(guest.read_map(res.path), "a") is not None
+
+
+def test_not_shared_writes_nothing(paths: HostPaths) -> None:
+    """No mounts/ dir: Kata shares nothing with this guest (or the sandbox is gone)."""
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert not res.written and "not shared" in res.reason
+    assert not os.path.exists(paths.publish_dir)  # nothing created, nothing left behind
+
+
+def test_location_configurable(tmp_path: Path) -> None:
+    # another publish dir
+    p = HostPaths(publish_dir=str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere" / SID / "mounts").mkdir(parents=True)
+    res = publish.publish_map(p, SID, sandbox_map({"a": "8,64"}))
+    assert res.written and res.path.startswith(str(tmp_path / "elsewhere" / SID / "mounts"))
+    # a template for the map's directory ...
+    (tmp_path / "guests" / SID).mkdir(parents=True)
+    t = HostPaths(publish_dir=str(tmp_path / "guests" / "{sandbox}" / "vmpin"))
+    res = publish.publish_map(t, SID, sandbox_map({"a": "8,64"}))
+    assert res.path == str(tmp_path / "guests" / SID / "vmpin" / "guest-map.json")
+    assert res.written
+    # ... or for the file itself
+    f = HostPaths(
+        publish_dir=str(tmp_path / "guests" / "{sandbox}" / "cpus" / "map-{sandbox}.json")
+    )
+    res = publish.publish_map(f, SID, sandbox_map({"a": "8,64"}))
+    assert res.path == str(tmp_path / "guests" / SID / "cpus" / f"map-{SID}.json")
+    assert guest.read_map(res.path)["sandbox"] == SID
+
+
+def test_location_from_environment(tmp_path: Path) -> None:
+    p = HostPaths.from_env(env={"VMPIN_PUBLISH_DIR": str(tmp_path / "x" / "{sandbox}")})
+    assert publish.map_path(p, SID) == str(tmp_path / "x" / SID / "guest-map.json")
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", ".hidden", ""])
+def test_sandbox_id_cannot_name_another_path(paths: HostPaths, bad: str) -> None:
+    with pytest.raises(IdError):
+        publish.map_path(paths, bad)
+
+
+def test_write_refused_is_a_host_error(paths: HostPaths, shared: Path) -> None:
+    (shared / "vmpin").mkdir()
+    (shared / "vmpin" / "guest-map.json").mkdir()  # a directory where the file should go
+    with pytest.raises(HostError):
+        publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+
+
+def test_remove_map(paths: HostPaths, shared: Path) -> None:
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert publish.remove_map(paths, SID)
+    assert not os.path.exists(res.path) and not (shared / "vmpin").exists()
+    assert shared.is_dir()  # Kata's own dir stays
+    assert not publish.remove_map(paths, SID)
+
+
+def _publish_many(publish_dir: str, n: int, start: int) -> None:
+    p = HostPaths(publish_dir=publish_dir)
+    for i in range(n):
+        cpu = "8,64" if (start + i) % 2 else "9,65"
+        publish.publish_map(p, SID, sandbox_map({"a": cpu}))
+
+
+def test_concurrent_writers(paths: HostPaths, shared: Path) -> None:
+    """Hook processes publishing at once: the map stays whole, generations count each change."""
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_publish_many, args=(paths.publish_dir, 15, k)) for k in range(4)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(60)
+        assert pr.exitcode == 0
+    path = publish.map_path(paths, SID)
+    doc = guest.read_map(path)
+    assert isinstance(doc["generation"], int) and 1 <= doc["generation"] <= 60
+    assert os.listdir(os.path.dirname(path)) == ["guest-map.json"]

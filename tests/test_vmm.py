@@ -1,0 +1,242 @@
+"""Finding a sandbox's QEMU: -name parsing, pidfile, hint and scan, pid reuse.
+
+The parsing tests are tables; the discovery tests start real QEMUs the way Kata does
+(tests/qemu_util.py) and kill each one by its pid at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.qemu_util import QemuHandle, qemu_factory, reap_if_child, wait_until
+from vmpin import procfs
+from vmpin.errors import IdError
+from vmpin.paths import HostPaths
+from vmpin.vmm import (
+    Vmm,
+    find_vmm,
+    iothread_ids,
+    is_same,
+    is_vmm_of,
+    parse_name_option,
+    read_pidfile,
+)
+
+Q = "qemu-system-x86_64"
+
+
+@pytest.fixture
+def qemu(vm_dir: Path) -> Iterator[Callable[..., QemuHandle]]:
+    with qemu_factory(vm_dir) as start:
+        yield start
+
+
+# -- -name ----------------------------------------------------------------------------------
+NAME_CASES = [
+    ([Q, "-name", "sandbox-abc"], ("sandbox-abc", False)),
+    ([Q, "-name", "sandbox-abc,debug-threads=on"], ("sandbox-abc", True)),
+    ([Q, "-name", "guest=sandbox-abc,debug-threads=on"], ("sandbox-abc", True)),
+    ([Q, "-name", "debug-threads=on,guest=sandbox-abc"], ("sandbox-abc", True)),
+    ([Q, "--name", "sandbox-abc,debug-threads=yes"], ("sandbox-abc", True)),
+    ([Q, "-name", "sandbox-abc,debug-threads=off"], ("sandbox-abc", False)),
+    ([Q, "-name", "sandbox-abc,debug-threads"], ("sandbox-abc", True)),
+    ([Q, "-name", "sandbox-abc,process=qemu-abc"], ("sandbox-abc", False)),
+    # ",," escapes a comma inside the value
+    ([Q, "-name", "sandbox-a,,b,debug-threads=on"], ("sandbox-a,b", True)),
+    # -name lists merge; the last value of a key wins
+    ([Q, "-name", "sandbox-abc", "-name", "debug-threads=on"], ("sandbox-abc", True)),
+    ([Q, "-name", "old", "-name", "guest=sandbox-abc"], ("sandbox-abc", False)),
+    ([Q, "-m", "128"], (None, False)),
+    ([Q, "-name"], (None, False)),  # no value: nothing to parse
+    ([], (None, False)),
+    # "-name" only counts as an option, not as the value of another
+    ([Q, "-object", "-name", "-name", "sandbox-x"], ("sandbox-x", False)),
+]
+
+
+@pytest.mark.parametrize(("cmdline", "expected"), NAME_CASES)
+def test_parse_name_option(cmdline: list[str], expected: tuple[str | None, bool]) -> None:
+    assert parse_name_option(cmdline) == expected
+
+
+def test_iothread_ids() -> None:
+    cmd = [
+        Q,
+        "-object",
+        "iothread,id=io0",
+        "-object",
+        "qom-type=iothread,id=io1,poll-max-ns=0",
+        "-object",
+        '{"qom-type":"iothread","id":"io2"}',
+        "-object",
+        "memory-backend-ram,id=mem0,size=128M",
+        "-object",
+        "{not json",
+    ]
+    assert iothread_ids(cmd) == ["io0", "io1", "io2"]
+
+
+# -- pidfile --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"1234\n", 1234),
+        (b"  77  ", 77),
+        (b"", None),
+        (b"\n", None),
+        (b"abc", None),
+        (b"-5", None),
+        (b"0", None),
+        (b"12 34", None),
+        (b"\xff\xfe", None),
+    ],
+)
+def test_read_pidfile(tmp_path: Path, content: bytes, expected: int | None) -> None:
+    f = tmp_path / "pid"
+    f.write_bytes(content)
+    assert read_pidfile(str(f)) == expected
+
+
+def test_read_pidfile_missing(tmp_path: Path) -> None:
+    assert read_pidfile(str(tmp_path / "nope")) is None
+
+
+def test_find_vmm_rejects_bad_sandbox_id(paths: HostPaths) -> None:
+    with pytest.raises(IdError):
+        find_vmm(paths, "../etc")
+
+
+def test_find_vmm_nothing_there(paths: HostPaths) -> None:
+    assert find_vmm(paths, "nosuch", scan=False) is None
+    assert find_vmm(paths, "nosuch") is None
+
+
+@pytest.mark.parametrize("content", ["", "garbage\n", f"{os.getpid()}\n", "999999999\n"])
+def test_find_vmm_without_qemu_never_accepts_the_pidfile(
+    paths: HostPaths, vm_dir: Path, content: str
+) -> None:
+    """Empty, garbage, a live non-QEMU pid (this test), a pid that does not exist: None."""
+    (vm_dir / "sb").mkdir()
+    (vm_dir / "sb" / "pid").write_text(content)
+    assert find_vmm(paths, "sb", scan=False) is None
+    assert find_vmm(paths, "sb", hint_pid=os.getpid()) is None
+
+
+def test_is_same_for_a_non_vmm(paths: HostPaths) -> None:
+    me = Vmm(os.getpid(), procfs.start_time(paths.proc, os.getpid()), (), False)
+    assert not is_same(paths, me)  # no -name at all
+    assert not is_same(paths, me, "sb")
+    assert not is_vmm_of(paths, os.getpid(), "sb")
+
+
+# -- real QEMU ------------------------------------------------------------------------------
+@pytest.mark.qemu
+@pytest.mark.parametrize("debug_threads", [False, True])
+def test_find_by_pidfile(
+    qemu: Callable[..., QemuHandle], paths: HostPaths, debug_threads: bool
+) -> None:
+    q = qemu("sb1", debug_threads=debug_threads, paused=True)
+    vmm = find_vmm(paths, "sb1", scan=False)
+    assert vmm is not None
+    assert vmm.pid == q.pid
+    assert vmm.start == q.start == procfs.start_time(paths.proc, q.pid)
+    assert vmm.debug_threads is debug_threads
+    assert vmm.name == "sandbox-sb1"
+    assert vmm.cmdline[vmm.cmdline.index("-name") + 1].startswith("sandbox-sb1")
+    assert is_same(paths, vmm)
+    assert is_same(paths, Vmm(q.pid, q.start, (), False), "sb1")  # rebuilt from the store
+    assert not is_same(paths, Vmm(q.pid, q.start, (), False), "other")
+    assert not is_same(paths, Vmm(q.pid, q.start + 1, (), False), "sb1")
+    assert is_vmm_of(paths, q.pid, "sb1")
+    assert not is_vmm_of(paths, q.pid, "sb")
+
+
+@pytest.mark.qemu
+@pytest.mark.parametrize("debug_threads", [False, True])
+@pytest.mark.parametrize("how", ["deleted", "renamed", "empty", "garbage"])
+def test_find_by_scan_without_a_usable_pidfile(
+    qemu: Callable[..., QemuHandle], paths: HostPaths, debug_threads: bool, how: str
+) -> None:
+    q = qemu("sb2", debug_threads=debug_threads, paused=True)
+    if how == "deleted":
+        q.pidfile.unlink()
+    elif how == "renamed":
+        q.pidfile.rename(q.dir / "pid.old")
+    else:
+        q.pidfile.write_text("" if how == "empty" else "not a pid\n")
+    assert find_vmm(paths, "sb2", scan=False) is None
+    vmm = find_vmm(paths, "sb2")
+    assert vmm is not None
+    assert (vmm.pid, vmm.start, vmm.debug_threads) == (q.pid, q.start, debug_threads)
+
+
+@pytest.mark.qemu
+def test_stale_pidfile_pointing_at_a_live_non_qemu(
+    qemu: Callable[..., QemuHandle], paths: HostPaths
+) -> None:
+    q = qemu("sb3", paused=True)
+    q.pidfile.write_text(f"{os.getpid()}\n")  # the pid was "reused" by this test process
+    assert find_vmm(paths, "sb3", scan=False) is None
+    vmm = find_vmm(paths, "sb3")
+    assert vmm is not None and vmm.pid == q.pid
+
+
+@pytest.mark.qemu
+def test_find_by_hint_pid(qemu: Callable[..., QemuHandle], paths: HostPaths) -> None:
+    q = qemu("sb4", paused=True)
+    q.pidfile.unlink()
+    vmm = find_vmm(paths, "sb4", hint_pid=q.pid, scan=False)
+    assert vmm is not None and vmm.pid == q.pid
+    assert find_vmm(paths, "sb4", hint_pid=os.getpid(), scan=False) is None
+    # the hint is the QEMU of another sandbox: not ours
+    assert find_vmm(paths, "other", hint_pid=q.pid, scan=False) is None
+
+
+@pytest.mark.qemu
+def test_name_prefix_is_not_a_match(qemu: Callable[..., QemuHandle], paths: HostPaths) -> None:
+    """ "sandbox-a1" is a substring of "sandbox-a1b": the scan must parse, not grep."""
+    long = qemu("a1b", paused=True)
+    long.pidfile.unlink()
+    assert find_vmm(paths, "a1") is None
+    short = qemu("a1", paused=True)
+    short.pidfile.unlink()
+    found_short, found_long = find_vmm(paths, "a1"), find_vmm(paths, "a1b")
+    assert found_short is not None and found_short.pid == short.pid
+    assert found_long is not None and found_long.pid == long.pid
+    # each pidfile pointing at the other sandbox's QEMU is refused
+    (short.dir / "pid").write_text(f"{long.pid}\n")
+    assert find_vmm(paths, "a1", scan=False) is None
+
+
+@pytest.mark.qemu
+def test_pid_reuse_detected_after_kill(qemu: Callable[..., QemuHandle], paths: HostPaths) -> None:
+    q = qemu("sb5", paused=True)
+    vmm = find_vmm(paths, "sb5")
+    assert vmm is not None and is_same(paths, vmm)
+    # SIGKILL without reaping: the zombie keeps pid and start time, but no cmdline
+    os.kill(q.pid, signal.SIGKILL)
+    assert wait_until(lambda: procfs.status(paths.proc, q.pid)["State"].startswith("Z"), 10)
+    assert not is_same(paths, vmm)
+    assert find_vmm(paths, "sb5") is None  # the pidfile names a zombie: refused
+    q.kill()  # reaps it (adopted at launch) and waits until /proc/<pid> is gone
+    assert not os.path.exists(f"/proc/{q.pid}")
+    assert not reap_if_child(q.pid)
+    assert not is_same(paths, vmm)
+    assert find_vmm(paths, "sb5") is None
+
+
+@pytest.mark.qemu
+def test_newest_wins_when_two_qemus_claim_a_sandbox(
+    qemu: Callable[..., QemuHandle], paths: HostPaths, vm_dir: Path
+) -> None:
+    old = qemu("sb6", paused=True)
+    (vm_dir / "sb6").rename(vm_dir / "sb6-old")  # keep the first one's socket out of the way
+    new = qemu("sb6", paused=True)
+    new.pidfile.unlink()
+    vmm = find_vmm(paths, "sb6")
+    assert vmm is not None and vmm.pid == new.pid != old.pid

@@ -1,0 +1,694 @@
+#!/usr/bin/env python3
+"""``vmpin guest hook STAGE``: inside a Kata VM, pin a starting container to its mapped vCPUs.
+
+Kata drops a container's cpuset inside the guest: guest vCPU numbers are not host CPU
+numbers, so the agent cannot apply ``linux.resources.cpu.cpus`` as given, and every container
+of a pod runs on every vCPU.  Under vmpin's 1:1 plan the numbers *are* related (vCPU i runs
+only on host CPU h), so the host publishes each container's vCPUs (:mod:`vmpin.publish`, the
+format in ``docs/guest.md``) in the directory Kata already shares with the guest, and this
+hook, run by the kata-agent from ``guest_hook_path/{prestart,poststart,poststop}/``, applies
+them:
+
+1. read the OCI state on stdin (inside the guest: the container's id, its init pid there,
+   its bundle); Kata's guest container ids are the host ones, which is the map's key;
+2. read the published map (``--map``, else ``$VMPIN_GUEST_MAP``, else
+   :data:`DEFAULT_GUEST_MAP`), find the container;
+3. pin: the container's cpuset cgroup when it has one of its own (found through
+   ``/proc/PID/cgroup``; cgroup v1 cpuset, or v2 with the cpuset controller enabled), because
+   a cgroup covers every process the container will ever start; else every thread's
+   affinity (``sched_setaffinity`` on each ``/proc/PID/task/*``, and on its descendants'),
+   then read back and verify both ways.
+
+cgroup v1 keeps a child's CPUs within its parent's; a vCPU hot-plugged after the parent was
+made is missing there.  The hook does not widen a parent on its own (that changes what every
+sibling may use): it says so, and ``--widen-parents`` lets it widen each ancestor, loudly.
+
+Fail-open, like the host hook: a container never fails to start because of vmpin, so any
+problem is one line on stderr and exit 0; ``--strict`` makes it exit 1.  ``poststop`` has
+nothing to undo.  A non-exact entry (a floating plan: its vCPUs are all vCPUs) is applied as
+given and mentioned only with ``--verbose``.
+
+This file is deliberately self-contained: standard library only (json, os, sys), no import
+of the rest of vmpin, no sqlite3/typer/pydantic/psutil (``tests/test_guest.py`` checks it).
+It runs in a small guest image, where it may be installed as the package or copied as this
+one file (``python3 guest.py prestart`` works too: kata-agent runs a hook with argv
+``[name, stage]``).  The CPU-list parser is therefore a small copy of vmpin.cpuset's rules.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import time
+from typing import Mapping, NamedTuple
+
+#: the published map's format version this reader understands (docs/guest.md).
+FORMAT_VERSION = 1
+#: the map's directory and file name, under the directory Kata shares with the guest.
+MAP_DIRNAME = "vmpin"
+MAP_FILENAME = "guest-map.json"
+#: where Kata shows the host's ``<publish dir>/<sandbox>/mounts/`` inside the guest.
+GUEST_SHARED_DIR = "/run/kata-containers/shared/containers"
+DEFAULT_GUEST_MAP = f"{GUEST_SHARED_DIR}/{MAP_DIRNAME}/{MAP_FILENAME}"
+
+ENV_MAP = "VMPIN_GUEST_MAP"
+ENV_PROC_ROOT = "VMPIN_GUEST_PROC_ROOT"
+ENV_CGROUP_ROOT = "VMPIN_GUEST_CGROUP_ROOT"
+ENV_WAIT = "VMPIN_GUEST_WAIT"
+
+#: every OCI stage; all but poststop pin (pinning twice is harmless, and a later stage
+#: catches a map that was published after the first one ran).
+STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
+
+USAGE = (
+    "usage: vmpin guest hook [--strict] [--verbose] [--widen-parents] [--wait SECONDS]\n"
+    "                        [--map FILE] [--proc-root DIR] [--cgroup-root DIR] STAGE\n"
+    "  STAGE: " + ", ".join(STAGES) + ";\n"
+    "  the container's OCI state (id, pid) on stdin.\n"
+    f"  --map FILE        the published map (${ENV_MAP};\n"
+    f"                    default {DEFAULT_GUEST_MAP})\n"
+    f"  --wait SECONDS    wait up to this long for the map to name the container (${ENV_WAIT})\n"
+    "  --widen-parents   cgroup v1: add the CPUs to ancestors that lack them (never silently)\n"
+    f"  --proc-root DIR, --cgroup-root DIR   other roots, for tests (${ENV_PROC_ROOT},\n"
+    f"                    ${ENV_CGROUP_ROOT}; default /proc, /sys/fs/cgroup)\n"
+    "  --strict          exit 1 on failure (default: one line on stderr, exit 0)\n"
+    "  --verbose         also report what was done, and non-exact maps"
+)
+
+
+class GuestError(Exception):
+    """One failure of the hook; ``str()`` is the line printed on stderr.
+
+    ``fallback`` says whether pinning threads' affinity is still worth a try after a cgroup
+    write failed (not when the cgroup's parent excludes the CPUs: affinity cannot reach
+    them either, and a half-applied affinity would only mislead).
+    """
+
+    def __init__(self, message: str, fallback: bool = True) -> None:
+        super().__init__(message)
+        self.fallback = fallback
+
+
+# -- CPU lists (the Linux list format: "0-3,8") ----------------------------------------------
+def parse_cpus(text: str) -> frozenset[int]:
+    """Parse a Linux CPU list strictly: "" is empty, "0,", "3-0", "1-", "-1" are errors."""
+    text = text.strip()
+    if not text:
+        return frozenset()
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.partition("-")
+        if not _is_number(lo) or (dash and not _is_number(hi)):
+            raise GuestError(f"bad CPU list {text!r}")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise GuestError(f"bad CPU list {text!r}: range {part} runs backwards")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 5
+
+
+def format_cpus(cpus: frozenset[int] | set[int]) -> str:
+    """The Linux list format, ranges collapsed: {0, 1, 2, 5} -> "0-2,5"."""
+    out: list[str] = []
+    run: list[int] = []
+    for cpu in sorted(cpus):
+        if run and cpu == run[-1] + 1:
+            run.append(cpu)
+            continue
+        if run:
+            out.append(_span(run))
+        run = [cpu]
+    if run:
+        out.append(_span(run))
+    return ",".join(out)
+
+
+def _span(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+# -- inputs ----------------------------------------------------------------------------------
+class State(NamedTuple):
+    """What the hook needs from the OCI state: the container's id and its pid (0: none)."""
+
+    id: str
+    pid: int
+    bundle: str
+
+
+class Entry(NamedTuple):
+    """One container's line of the published map, parsed."""
+
+    container: str
+    guest_cpus: frozenset[int]
+    exact: bool
+    mode: str
+    reason: str
+    generation: int
+
+
+def parse_state(data: bytes) -> State:
+    """The OCI state JSON (``{"id", "pid", "bundle", ...}``); pid is optional (poststop)."""
+    try:
+        raw = json.loads(data)
+    except ValueError as err:
+        raise GuestError(f"OCI state on stdin is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise GuestError("OCI state on stdin is not a JSON object")
+    cid = raw.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise GuestError("OCI state on stdin has no container id")
+    pid = raw.get("pid") or 0
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
+        raise GuestError(f"OCI state of {cid}: bad pid {pid!r}")
+    bundle = raw.get("bundle")
+    return State(cid, pid, bundle if isinstance(bundle, str) else "")
+
+
+def read_map(path: str) -> dict[str, object]:
+    """Read and check the published map: a JSON object of :data:`FORMAT_VERSION`.
+
+    Unknown keys are ignored (a newer host may add some); another ``version`` is refused,
+    because the host bumps it only when old readers would misread the file.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise GuestError(
+            f"no guest map at {path} (vmpin on the host has not published one "
+            "for this sandbox, or Kata shares no directory with the guest)"
+        ) from None
+    except OSError as err:
+        raise GuestError(f"cannot read guest map {path}: {err.strerror}") from None
+    try:
+        raw = json.loads(data)
+    except ValueError as err:
+        raise GuestError(f"guest map {path} is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise GuestError(f"guest map {path} is not a JSON object")
+    version = raw.get("version")
+    if version != FORMAT_VERSION:
+        raise GuestError(
+            f"guest map {path} has version {version!r}; this reader knows {FORMAT_VERSION}"
+        )
+    if not isinstance(raw.get("containers"), dict):
+        raise GuestError(f"guest map {path} has no containers object")
+    return raw
+
+
+def lookup(guest_map: dict[str, object], container_id: str) -> Entry | None:
+    """The container's entry, None when the map does not name it."""
+    containers = guest_map.get("containers")
+    item = containers.get(container_id) if isinstance(containers, dict) else None
+    if item is None:
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("guest_cpus"), str):
+        raise GuestError(f"guest map entry of {container_id} has no guest_cpus list")
+    generation = item.get("generation", guest_map.get("generation", 0))
+    return Entry(
+        container_id,
+        parse_cpus(item["guest_cpus"]),
+        item.get("exact") is True,
+        str(item.get("mode", "")),
+        str(item.get("reason", "")),
+        generation if isinstance(generation, int) else 0,
+    )
+
+
+# -- procfs ------------------------------------------------------------------------------------
+def _read(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+def task_ids(proc: str, pid: int) -> list[int]:
+    """The thread ids of ``pid``; raises GuestError when the process is gone."""
+    try:
+        return sorted(
+            int(t) for t in os.listdir(os.path.join(proc, str(pid), "task")) if t.isdigit()
+        )
+    except OSError:
+        raise GuestError(f"process {pid} is gone") from None
+
+
+def children(proc: str, pid: int, tid: int) -> list[int]:
+    """Children of one thread (``task/TID/children``, CONFIG_PROC_CHILDREN); [] if unknown."""
+    try:
+        text = _read(os.path.join(proc, str(pid), "task", str(tid), "children"))
+    except OSError:
+        return []
+    return [int(c) for c in text.split() if c.isdigit()]
+
+
+def cpus_allowed(proc: str, tid: int) -> frozenset[int] | None:
+    """``Cpus_allowed_list`` of a task (``/proc/TID`` works for any thread); None if gone."""
+    try:
+        text = _read(os.path.join(proc, str(tid), "status"))
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_cpus(line.partition(":")[2])
+    return None
+
+
+# -- cgroups ---------------------------------------------------------------------------------
+class Cgroup(NamedTuple):
+    """A cpuset cgroup: version, its directory, its path below the hierarchy's root."""
+
+    version: int
+    path: str
+    rel: str
+    root: str
+
+    @property
+    def cpus_file(self) -> str:
+        return os.path.join(self.path, "cpuset.cpus")
+
+    @property
+    def effective_file(self) -> str:
+        name = "cpuset.effective_cpus" if self.version == 1 else "cpuset.cpus.effective"
+        return os.path.join(self.path, name)
+
+    @property
+    def tasks_file(self) -> str:
+        return os.path.join(self.path, "tasks" if self.version == 1 else "cgroup.threads")
+
+
+def find_cgroup(proc: str, cgroup_root: str, pid: int) -> Cgroup | None:
+    """The cpuset cgroup of ``pid``, None when it has none of its own.
+
+    A v1 ``cpuset`` line wins over v2's ``0::`` line (a controller is bound to one hierarchy
+    at a time).  The hierarchy's root ("/") counts as none: it is the whole VM, not the
+    container, and v1 does not let anyone write it anyway.
+    """
+    try:
+        lines = _read(os.path.join(proc, str(pid), "cgroup")).splitlines()
+    except OSError:
+        raise GuestError(f"process {pid} is gone") from None
+    v2_rel = None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        # A cgroup removed under the process shows "/path (deleted)".
+        rel = rel.removesuffix(" (deleted)")
+        if hid == "0" and controllers == "":
+            v2_rel = rel
+        elif "cpuset" in controllers.split(","):
+            if rel == "/":
+                return None
+            # Usually mounted at <root>/cpuset; co-mounted ones at <root>/<controller list>.
+            for mount in ("cpuset", controllers):
+                root = os.path.join(cgroup_root, mount)
+                path = os.path.join(root, rel.lstrip("/"))
+                if os.path.exists(os.path.join(path, "cpuset.cpus")):
+                    return Cgroup(1, path, rel, root)
+            return None
+    if v2_rel is None or v2_rel == "/":
+        return None
+    pure = os.path.exists(os.path.join(cgroup_root, "cgroup.controllers"))
+    root = cgroup_root if pure else os.path.join(cgroup_root, "unified")
+    path = os.path.join(root, v2_rel.lstrip("/"))
+    try:
+        enabled = _read(os.path.join(path, "cgroup.controllers")).split()
+    except OSError:
+        return None
+    return Cgroup(2, path, v2_rel, root) if "cpuset" in enabled else None
+
+
+def _write_cpus(path: str, cpus: frozenset[int]) -> None:
+    with open(path, "w") as f:
+        f.write(format_cpus(cpus) + "\n")
+
+
+def _errno_text(err: OSError) -> str:
+    return f"{errno.errorcode.get(err.errno or 0, '?')} ({err.strerror})"
+
+
+def ancestors(cg: Cgroup) -> list[Cgroup]:
+    """The cgroup's ancestors below the hierarchy's root, outermost first."""
+    out: list[Cgroup] = []
+    rel = os.path.dirname(cg.rel.rstrip("/"))
+    while rel not in ("/", ""):
+        out.append(cg._replace(path=os.path.join(cg.root, rel.lstrip("/")), rel=rel))
+        rel = os.path.dirname(rel)
+    return out[::-1]
+
+
+def widen_ancestors(cg: Cgroup, cpus: frozenset[int]) -> list[str]:
+    """Add ``cpus`` to every ancestor that lacks them, outermost first; what was widened.
+
+    v1 checks each write against the parent, hence the order.  A v2 ancestor with an empty
+    ``cpuset.cpus`` inherits its parent's and is left as it is.
+    """
+    done: list[str] = []
+    for up in ancestors(cg):
+        try:
+            have = parse_cpus(_read(up.cpus_file))
+        except OSError as err:
+            raise GuestError(f"reading {up.cpus_file}: {_errno_text(err)}", False) from None
+        if (cg.version == 2 and not have) or cpus <= have:
+            continue
+        wider = have | cpus
+        try:
+            _write_cpus(up.cpus_file, wider)
+        except OSError as err:
+            raise GuestError(
+                f"widening {up.cpus_file} to {format_cpus(wider)}: {_errno_text(err)}", False
+            ) from None
+        done.append(f"{up.cpus_file} {format_cpus(have)} -> {format_cpus(wider)}")
+    return done
+
+
+def _parent_lacks(cg: Cgroup, cpus: frozenset[int]) -> tuple[Cgroup, frozenset[int]] | None:
+    """v1 only: the parent and its CPUs when they do not include ``cpus``, else None."""
+    parents = ancestors(cg)
+    if cg.version != 1 or not parents:
+        return None
+    try:
+        have = parse_cpus(_read(parents[-1].cpus_file))
+    except (OSError, GuestError):
+        return None
+    return None if cpus <= have else (parents[-1], have)
+
+
+def pin_cgroup(cg: Cgroup, cpus: frozenset[int], widen_parents: bool) -> list[str]:
+    """Set the cgroup's ``cpuset.cpus`` and check the effective set; notes for the report."""
+    notes: list[str] = []
+    want = format_cpus(cpus)
+    try:
+        _write_cpus(cg.cpus_file, cpus)
+    except OSError as err:
+        # cgroup v1 answers EACCES (not EINVAL) when a child would exceed its parent.
+        lacks = _parent_lacks(cg, cpus) if err.errno in (errno.EACCES, errno.EPERM) else None
+        if lacks is None:
+            raise GuestError(f"cannot set {cg.cpus_file} to {want}: {_errno_text(err)}") from None
+        parent, have = lacks
+        if not widen_parents:
+            raise GuestError(
+                f"cannot set {cg.cpus_file} to {want}: cgroup v1 keeps a child within its "
+                f"parent, and {parent.cpus_file} is {format_cpus(have) or '(empty)'}; "
+                "not widened (--widen-parents would)",
+                fallback=False,
+            ) from None
+        notes += ["widened " + w for w in widen_ancestors(cg, cpus)]
+        try:
+            _write_cpus(cg.cpus_file, cpus)
+        except OSError as err2:
+            raise GuestError(
+                f"cannot set {cg.cpus_file} to {want} even after widening its "
+                f"parents: {_errno_text(err2)}",
+                fallback=False,
+            ) from None
+    effective = read_effective(cg)
+    if effective != cpus:
+        # v2 accepts any list and intersects it with the parent's: say who narrowed it.
+        raise GuestError(
+            f"{cg.cpus_file} set to {want}, but the kernel gives "
+            f"{format_cpus(effective) or '(none)'} (an ancestor's cpuset lacks "
+            "CPUs; not widened)",
+            fallback=False,
+        )
+    return notes
+
+
+def read_effective(cg: Cgroup) -> frozenset[int]:
+    """The CPUs the cgroup's tasks may use (asked for, within every ancestor's)."""
+    # v1 before Linux 3.16 has no effective_cpus: there, what was written is what holds.
+    for name in (cg.effective_file, cg.cpus_file):
+        try:
+            return parse_cpus(_read(name))
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise GuestError(f"reading back {name}: {_errno_text(err)}") from None
+    raise GuestError(f"{cg.path} has no cpuset files any more (container removed?)")
+
+
+def cgroup_tasks(cg: Cgroup) -> list[int]:
+    try:
+        return sorted({int(t) for t in _read(cg.tasks_file).split()})
+    except OSError as err:
+        raise GuestError(f"reading {cg.tasks_file}: {_errno_text(err)}") from None
+
+
+# -- affinity ---------------------------------------------------------------------------------
+def set_affinity(tid: int, cpus: frozenset[int]) -> bool:
+    """sched_setaffinity on one thread; False when it exited meanwhile (nothing to pin)."""
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:
+        return False
+    except OSError as err:
+        hint = (
+            " (offline vCPU, or outside the task's cpuset cgroup)"
+            if err.errno == errno.EINVAL
+            else ""
+        )
+        raise GuestError(
+            f"sched_setaffinity({tid}, {format_cpus(cpus)}): {_errno_text(err)}{hint}"
+        ) from None
+    return True
+
+
+def process_tree(proc: str, pid: int) -> list[int]:
+    """Every thread of ``pid`` and of its descendants (best effort for the latter)."""
+    seen_pids = {pid}
+    todo = [pid]
+    tids: list[int] = []
+    while todo:
+        p = todo.pop()
+        try:
+            threads = task_ids(proc, p)
+        except GuestError:
+            if p == pid:
+                raise
+            continue
+        tids.extend(threads)
+        for t in threads:
+            for child in children(proc, p, t):
+                if child not in seen_pids:
+                    seen_pids.add(child)
+                    todo.append(child)
+    return tids
+
+
+def pin_threads(proc: str, pid: int, cpus: frozenset[int]) -> int:
+    """Pin every thread of the process tree, again until no new thread shows up; how many.
+
+    A thread created while we work inherits its creator's mask, pinned or not; a few rounds
+    catch the ones that were born from a thread before it was pinned.
+    """
+    done: set[int] = set()
+    for _ in range(5):
+        new = [t for t in process_tree(proc, pid) if t not in done]
+        if not new:
+            break
+        for tid in new:
+            if set_affinity(tid, cpus):
+                done.add(tid)
+    return len(done)
+
+
+def verify_tasks(proc: str, tids: list[int], cpus: frozenset[int], fix: bool) -> int:
+    """Every live task's ``Cpus_allowed_list`` must be ``cpus``; with ``fix`` try once more."""
+    checked = 0
+    for tid in tids:
+        actual = cpus_allowed(proc, tid)
+        if actual is None:
+            continue  # exited
+        if actual != cpus and fix and set_affinity(tid, cpus):
+            actual = cpus_allowed(proc, tid)
+            if actual is None:
+                continue
+        if actual != cpus:
+            raise GuestError(
+                f"task {tid} runs on vCPUs {format_cpus(actual)} after pinning to "
+                f"{format_cpus(cpus)}"
+            )
+        checked += 1
+    return checked
+
+
+# -- the pin -----------------------------------------------------------------------------------
+class Result(NamedTuple):
+    method: str  # "cgroup" | "affinity"
+    where: str
+    tasks: int
+    notes: tuple[str, ...]
+
+
+def pin(
+    proc: str, cgroup_root: str, pid: int, cpus: frozenset[int], widen_parents: bool = False
+) -> Result:
+    """Pin process ``pid``'s container to ``cpus``: its cgroup when it has one, else threads.
+
+    When the cgroup cannot be written for a reason affinity does not share (a read-only
+    cgroupfs, say), the threads are pinned instead and a note says why.
+    """
+    if not cpus:
+        raise GuestError("the map gives no vCPU")
+    cg = find_cgroup(proc, cgroup_root, pid)
+    cg_err: GuestError | None = None
+    if cg is not None:
+        try:
+            notes = pin_cgroup(cg, cpus, widen_parents)
+            n = verify_tasks(proc, cgroup_tasks(cg), cpus, fix=True)
+            return Result("cgroup", cg.path, n, tuple(notes))
+        except GuestError as err:
+            if not err.fallback:
+                raise
+            cg_err = err
+    try:
+        pin_threads(proc, pid, cpus)
+        n = verify_tasks(proc, process_tree(proc, pid), cpus, fix=True)
+    except GuestError as err:
+        if cg_err is None:
+            raise
+        raise GuestError(f"{cg_err}; pinning its threads failed too: {err}") from None
+    notes = [] if cg_err is None else [f"cgroup not pinned ({cg_err}), threads were"]
+    return Result("affinity", f"pid {pid}", n, tuple(notes))
+
+
+# -- the hook ---------------------------------------------------------------------------------
+class Options(NamedTuple):
+    stage: str
+    strict: bool
+    verbose: bool
+    widen_parents: bool
+    wait: float
+    map_path: str
+    proc: str
+    cgroup_root: str
+
+
+def parse_args(args: list[str], env: Mapping[str, str] | None = None) -> Options:
+    """Options in any order around STAGE; each path also from its environment variable."""
+    env = os.environ if env is None else env
+    flags = {"--strict": False, "--verbose": False, "-v": False, "--widen-parents": False}
+    values = {
+        "--map": env.get(ENV_MAP) or DEFAULT_GUEST_MAP,
+        "--proc-root": env.get(ENV_PROC_ROOT) or "/proc",
+        "--cgroup-root": env.get(ENV_CGROUP_ROOT) or "/sys/fs/cgroup",
+        "--wait": env.get(ENV_WAIT) or "0",
+    }
+    stages: list[str] = []
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        if name in flags and not eq:
+            flags[name] = True
+        elif name in values:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise GuestError(f"{name} needs a value")
+                i += 1
+                value = args[i]
+            values[name] = value
+        elif args[i].startswith("-"):
+            raise GuestError(f"unknown option {args[i]}")
+        else:
+            stages.append(args[i])
+        i += 1
+    if len(stages) != 1 or stages[0] not in STAGES:
+        raise GuestError(f"expected one STAGE of {', '.join(STAGES)}, got {stages or 'none'}")
+    try:
+        wait = float(values["--wait"])
+    except ValueError:
+        raise GuestError(f"--wait {values['--wait']!r} is not a number of seconds") from None
+    return Options(
+        stages[0],
+        flags["--strict"],
+        flags["--verbose"] or flags["-v"],
+        flags["--widen-parents"],
+        max(0.0, wait),
+        values["--map"],
+        values["--proc-root"],
+        values["--cgroup-root"],
+    )
+
+
+def find_entry(path: str, container_id: str, wait: float) -> Entry:
+    """The container's entry, polling up to ``wait`` seconds for the host to publish it.
+
+    The host publishes from its own hooks, which may finish after the agent starts this
+    one; and virtio-fs may serve a cached directory entry for about a second.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            entry = lookup(read_map(path), container_id)
+            if entry is not None:
+                return entry
+            err = GuestError(f"container {container_id} is not in the guest map {path}")
+        except GuestError as e:
+            err = e
+        if time.monotonic() >= deadline:
+            raise err
+        time.sleep(0.1)
+
+
+class Report(NamedTuple):
+    """What one invocation did: a line for ``--verbose``, notes that are always shown."""
+
+    line: str
+    notes: tuple[str, ...] = ()
+
+
+def run(opts: Options, data: bytes) -> Report | None:
+    """Handle one invocation; None when there was nothing to do (poststop)."""
+    if opts.stage == "poststop":
+        return None  # the container's cgroup and threads are gone: nothing to undo
+    state = parse_state(data)
+    if not state.pid:
+        raise GuestError(f"OCI state of {state.id} has no pid")
+    entry = find_entry(opts.map_path, state.id, opts.wait)
+    result = pin(opts.proc, opts.cgroup_root, state.pid, entry.guest_cpus, opts.widen_parents)
+    line = (
+        f"container {state.id} pinned to vCPUs {format_cpus(entry.guest_cpus)} "
+        f"({result.method}: {result.where}, {result.tasks} tasks)"
+    )
+    if not entry.exact:
+        line += f"; map not exact ({entry.mode}: {entry.reason})"
+    return Report(line, result.notes)
+
+
+def main(args: list[str]) -> int:
+    """The hook's entry point (``vmpin guest hook ARGS``); returns the exit status."""
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return 0
+    strict = "--strict" in args
+    stage = next((a for a in args if a in STAGES), "?")
+    try:
+        opts = parse_args(args)
+        if sys.stdin is None or sys.stdin.isatty():
+            raise GuestError("no OCI state on stdin")
+        report = run(opts, sys.stdin.buffer.read())
+        if report is not None and (opts.verbose or report.notes):
+            # Notes (a widened parent, a cgroup left unwritten) are shown without --verbose
+            # too: they are changes or failures someone should see.
+            print(
+                f"vmpin guest hook {stage}: " + "; ".join([report.line, *report.notes]),
+                file=sys.stderr,
+            )
+        return 0
+    except GuestError as err:
+        print(f"vmpin guest hook {stage}: {err}", file=sys.stderr)
+    except Exception as err:  # fail-open means *any* failure, not only the foreseen ones
+        print(f"vmpin guest hook {stage}: unexpected {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if strict else 0
+
+
+if __name__ == "__main__":
+    # Run as a copied file: kata-agent execs a hook with argv [name, stage]; the shipped
+    # wrapper (hooks/kata-guest/.../vmpin-guest) with "guest hook STAGE", as for the package.
+    argv = sys.argv[1:]
+    sys.exit(main(argv[2:] if argv[:2] == ["guest", "hook"] else argv))
