@@ -105,7 +105,7 @@ def main(
         typer.Option(
             envvar="VMPIN_PUBLISH_DIR",
             help="Host dir shared with each guest, where guest maps are published"
-        " (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox} template).",
+            " (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox} template).",
         ),
     ] = "/run/kata-containers/shared/sandboxes",
     helper_policy: Annotated[
