@@ -575,14 +575,9 @@ def _missing_key(sandbox_id: str, pid: int, start: int) -> str:
     return f"missing-vcpus:{sandbox_id}:{pid}:{start}"
 
 
+_VIOLATION_KEYS = ("tid", "role", "index", "desired", "actual", "container")
+
+
 def _violation(sandbox: str, t: ThreadReport, reason: str) -> dict[str, Any]:
-    return {
-        "sandbox": sandbox,
-        "tid": t.tid,
-        "role": t.role,
-        "index": t.index,
-        "desired": None if t.desired is None else t.desired.to_list(),
-        "actual": None if t.actual is None else t.actual.to_list(),
-        "container": t.container,
-        "reason": reason,
-    }
+    seen = t.to_json()
+    return {"sandbox": sandbox, **{k: seen[k] for k in _VIOLATION_KEYS}, "reason": reason}

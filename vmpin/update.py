@@ -7,6 +7,7 @@ JSON, or CPUs that are not online leave the state exactly as it was.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,17 @@ def parse_update(cpuset_cpus: str | None, resources: str | None) -> CpuSet | Non
     return parse_resources_json(_read_resources(resources), where).cpus
 
 
+def _wait_done(store: Store, sandbox_id: str, gen: int, timeout: float) -> bool:
+    """Wait until the sandbox was planned from generation ``gen`` or later (or is gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = store.sandbox(sandbox_id)
+        if rec is None or rec.done_gen >= gen:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def update_container(
     paths: HostPaths,
     container_id: str,
@@ -47,7 +59,11 @@ def update_container(
     cpuset_cpus: str | None = None,
     resources: str | None = None,
     reconciler_factory: Callable[[Store], Reconciler] | None = None,
+    wait: float = 10.0,
 ) -> dict[str, Any]:
+    """Record the new set, then re-pin: through the agent when one answers (waiting until it
+    has planned from this write, so that the command returning means the threads moved), else
+    in this process."""
     cpus = parse_update(cpuset_cpus, resources)
     with Store(paths.state_dir) as store:
         rec = store.container(container_id)
@@ -67,10 +83,12 @@ def update_container(
         topo = read_topology(paths.sys)
         topo.check_online(cpus, f"container {container_id}")
         rec = store.set_container_cpus(container_id, cpus, "update")
+        sandbox = store.sandbox(rec.sandbox_id)
+        gen = sandbox.gen if sandbox else 0
         from vmpin.control import notify
 
-        if notify(paths, [rec.sandbox_id]):
-            applied = "handed to the agent"
+        if notify(paths, [rec.sandbox_id]) and _wait_done(store, rec.sandbox_id, gen, wait):
+            applied = "re-pinned by the agent"
         else:
             rec_ = (
                 reconciler_factory(store)
