@@ -195,7 +195,8 @@ def hook(
     stage: Annotated[
         str,
         typer.Argument(
-            help="prestart, createRuntime, createContainer, startContainer, poststart or poststop."
+            metavar="STAGE",
+            help="prestart, createRuntime, createContainer, startContainer, poststart or poststop.",
         ),
     ],
     strict: Annotated[
@@ -219,7 +220,7 @@ def hook(
 @app.command()
 def update(
     ctx: typer.Context,
-    container: Annotated[str, typer.Argument(help="Container id.")],
+    container: Annotated[str, typer.Argument(metavar="CONTAINER", help="Container id.")],
     cpuset_cpus: Annotated[
         Optional[str],
         typer.Option("--cpuset-cpus", help="New CPU list, e.g. 0-3,8 (as runc update)."),
@@ -341,7 +342,7 @@ def _one(ctx: typer.Context, sandbox: str) -> SandboxReport:
 @app.command()
 def show(
     ctx: typer.Context,
-    sandbox: Annotated[str, typer.Argument(help="Sandbox id.")],
+    sandbox: Annotated[str, typer.Argument(metavar="SANDBOX", help="Sandbox id.")],
     as_json: JsonOpt = False,
 ) -> None:
     """One sandbox: its threads with role, desired and actual affinity, and its guest map."""
@@ -376,7 +377,7 @@ def show(
 @app.command("guest-map")
 def guest_map(
     ctx: typer.Context,
-    container: Annotated[str, typer.Argument(help="Container id.")],
+    container: Annotated[str, typer.Argument(metavar="CONTAINER", help="Container id.")],
     as_json: JsonOpt = False,
 ) -> None:
     """A container's host CPUs and the guest vCPUs they are under the current plan."""
@@ -536,7 +537,7 @@ def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 @guest_app.command("hook")
 def guest_hook(
-    stage: Annotated[str, typer.Argument(help="prestart, poststart or poststop.")],
+    stage: Annotated[str, typer.Argument(metavar="STAGE", help="prestart, poststart or poststop.")],
 ) -> None:
     """Inside the guest: pin the starting container to its mapped vCPUs (fail-open).
 
