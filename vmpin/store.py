@@ -155,8 +155,13 @@ class Store:
             raise StateError(f"{state_dir}: cannot create state dir: {err.strerror}") from None
         try:
             # Create the file 0600 before SQLite does: it would use 0644, and the -wal and -shm
-            # files it creates next copy the database file's mode.
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+            # files it creates next copy the database file's mode.  Only when it is missing
+            # (O_EXCL): closing any fd of an open database drops every POSIX lock this process
+            # holds on it, so another process would take over the WAL under the feet of this
+            # process's other connections (the agent's workers) -- they then read a stale WAL.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
         except OSError as err:
             raise StateError(f"{self.path}: {err.strerror}") from None
         try:
