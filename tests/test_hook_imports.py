@@ -1,4 +1,5 @@
-"""The hook path stays lean: what `vmpin hook` actually loads, checked at run time.
+"""The hook path stays lean: what `vmpin hook` actually loads, checked at run time (a plain
+container's hook journals its event and loads neither sqlite3 nor typing).
 
 import-linter checks the static imports of vmpin.hook and vmpin.guest; this checks the whole
 dispatch (vmpin.entry -> hook -> in-process reconcile of a plain container) in a fresh
@@ -13,15 +14,17 @@ import sys
 from pathlib import Path
 
 FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
-             "prometheus_client", "dataclasses", "vmpin.cli", "vmpin.agent")
+             "prometheus_client", "dataclasses", "typing", "sqlite3", "vmpin.cli",
+             "vmpin.agent", "vmpin.reconciler")
 
 PROBE = """
 import io, json, sys
+before = set(sys.modules)  # what site loaded here (an editable install may load typing)
 sys.stdin = io.TextIOWrapper(io.BytesIO(sys.argv[1].encode()))
 sys.argv = ["vmpin"] + sys.argv[2:]
 from vmpin.entry import main
 code = main()
-print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+print(json.dumps({"code": code, "modules": sorted(set(sys.modules) - before)}))
 """
 
 
@@ -39,8 +42,13 @@ def test_hook_imports_nothing_heavy(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["code"] == 0, proc.stderr
     loaded = set(out["modules"])
-    assert "vmpin.reconciler" in loaded  # it did reconcile in-process
+    assert "vmpin.events" in loaded
     assert not [m for m in FORBIDDEN if m in loaded]
+    # ...and the event it journaled is in the store for the next reader
+    listed = subprocess.run(
+        [sys.executable, "-m", "vmpin", "--state-dir", str(tmp_path / "s"), "containers",
+         "--json"], capture_output=True, text=True, timeout=60, check=True)
+    assert [(c["id"], c["cpus"]) for c in json.loads(listed.stdout)] == [("lean1", "0")]
 
 
 def test_cli_commands_still_reach_typer(tmp_path: Path) -> None:

@@ -1,5 +1,3 @@
-import sys
+from vmpin.entry import console
 
-from vmpin.entry import main
-
-sys.exit(main())
+console()

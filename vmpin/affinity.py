@@ -1,5 +1,6 @@
 """Set and read thread affinity with sched_setaffinity(2), errors translated once.
 
+
 ``os.sched_setaffinity`` takes a thread id as well as a process id: on Linux it acts on one
 task, so each QEMU thread is pinned on its own (the whole point: vCPU threads 1:1).
 
@@ -15,15 +16,19 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Protocol
 
 from vmpin.cpuset import CpuSet
 from vmpin.errors import AffinityRejected, HostError, PermissionDenied, ProcessGone
 
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Protocol
 
-class AffinityBackend(Protocol):
-    def get(self, tid: int) -> CpuSet: ...
-    def set(self, tid: int, cpus: CpuSet) -> CpuSet: ...
+    class AffinityBackend(Protocol):
+        """What the reconciler needs; tests inject their own (a counting wrapper, faults)."""
+
+        def get(self, tid: int) -> CpuSet: ...
+        def set(self, tid: int, cpus: CpuSet) -> CpuSet: ...
 
 
 def _translate(err: OSError, tid: int, cpus: CpuSet | None) -> HostError:

@@ -749,6 +749,7 @@ class Agent:
                 )
                 return False
             self._passes += 1
+            self._store.ingest()  # containers whose hooks nobody has applied yet
             ids = [s.id for s in self._store.sandboxes()]
             # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
             for gone in set(self._stats) - set(ids):
@@ -825,6 +826,7 @@ class Agent:
     def _process(self, work: Work, store: Store, reconciler: Reconciler) -> None:
         sid = work.sandbox_id
         t0 = time.monotonic()
+        store.ingest()  # a plain container's hook journals its event and only notifies us
         rec = store.sandbox(sid)
         if rec is None:  # deleted (poststop) before we got to it
             with self._lock:

@@ -1,5 +1,6 @@
 """Find, read and write a container's cpuset cgroup, on cgroup v1 and v2.
 
+
 runc applies a container's ``linux.resources.cpu.cpus`` by writing ``cpuset.cpus`` of the
 container's cgroup; so for a runc container the cgroup *is* the pinning, and vmpin reads and
 repairs it there rather than with sched_setaffinity (which the cgroup would override the next
@@ -42,13 +43,18 @@ from __future__ import annotations
 import errno
 import glob
 import os
-from typing import NamedTuple
 
 from vmpin import procfs
 from vmpin.cpuset import CpuSet
 from vmpin.errors import AffinityRejected, HostError, PermissionDenied, ProcessGone
 from vmpin.ids import check_id
 from vmpin.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 #: the file names that differ between the two versions: (v1, v2).
 _CPUS = ("cpuset.cpus", "cpuset.cpus")

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 from vmpin.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def request(

@@ -11,11 +11,16 @@ share: the container's fraction of the mask, as a contiguous block of vCPUs in m
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
 
 from vmpin.cpuset import CpuSet
 from vmpin.planner import Plan
 from vmpin.topology import Topology
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 FLOAT_POLICIES = ("all", "proportional")
 

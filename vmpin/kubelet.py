@@ -29,10 +29,15 @@ from __future__ import annotations
 import errno
 import json
 import os
-from typing import Any, Mapping, NamedTuple
 
 from vmpin.cpuset import CpuSet
 from vmpin.errors import CpuSetError, KubeError, PermissionDenied
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any, Mapping, NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 STATIC = "static"
 

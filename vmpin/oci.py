@@ -1,5 +1,6 @@
 """The OCI runtime state (a hook's stdin), the bundle's config.json, and who a container is.
 
+
 Read just deeply enough: ``linux.resources.cpu.{cpus,mems}`` and ``annotations``; the rest of
 a spec is not vmpin's business, so there is no model of it (and no pydantic: this module is on
 the hook path).
@@ -31,11 +32,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple
 
 from vmpin.cpuset import CpuSet
 from vmpin.errors import CpuSetError, SpecError
 from vmpin.ids import check_id
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
 

@@ -9,7 +9,12 @@ budget.
 from __future__ import annotations
 
 import os
-from typing import Mapping, NamedTuple
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Mapping, NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 DEFAULTS: dict[str, str] = {
     "state_dir": "/run/vmpin",

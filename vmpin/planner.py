@@ -1,5 +1,6 @@
 """Placement planning: a pure function from (topology, sandbox, threads, policy) to a plan.
 
+
 The rules, and the failure each one prevents:
 
 - **The mask** is the union of the sandbox's containers' CPU sets.  When no container has one,
@@ -24,11 +25,16 @@ The rules, and the failure each one prevents:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 from vmpin.cpuset import EMPTY, CpuSet
 from vmpin.errors import PlanError
 from vmpin.topology import Topology
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator", "container")
 HELPER_POLICIES = ("share", "isolate", "none")

@@ -42,12 +42,17 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 from vmpin.errors import HostError, PermissionDenied
 from vmpin.guest import FORMAT_VERSION, GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
 from vmpin.ids import check_id
 from vmpin.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 #: the part of the layout below each sandbox's directory that Kata shares with the guest.
 KATA_SHARED_SUBDIR = "mounts"

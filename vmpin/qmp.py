@@ -27,9 +27,12 @@ import struct
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
 
 from vmpin.errors import QmpError
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 #: connect + greeting, together.  A held socket answers nothing: this is how long we wait.
 DEFAULT_CONNECT_TIMEOUT = 0.3

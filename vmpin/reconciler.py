@@ -24,17 +24,21 @@ One pass over a sandbox:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 from vmpin import procfs
-from vmpin.affinity import AffinityBackend, SchedAffinity
+from vmpin.affinity import SchedAffinity
 from vmpin.cpuset import EMPTY, CpuSet
 from vmpin.errors import HostError, ProcessGone, VmpinError
 from vmpin.paths import HostPaths
 from vmpin.store import ContainerRec, SandboxRec, Store, ThreadRec
 
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+
 if TYPE_CHECKING:
+    from typing import Any
+
+    from vmpin.affinity import AffinityBackend
     from vmpin.planner import Plan, Policy
     from vmpin.topology import Topology
 
@@ -143,7 +147,7 @@ class Reconciler:
         paths: HostPaths,
         store: Store | None = None,
         *,
-        policy: Policy | None = None,
+        policy: Policy | Callable[[], Policy] | None = None,
         affinity: AffinityBackend | None = None,
         topology: Topology | None = None,
         qmp_timeout: float = 0.3,
@@ -152,11 +156,9 @@ class Reconciler:
     ) -> None:
         self.paths = paths
         self.store = store if store is not None else Store(paths.state_dir)
-        if policy is None:
-            from vmpin.planner import Policy
-
-            policy = Policy()
-        self.policy = policy
+        # A factory is resolved on first use: plain containers never need a Policy, and the
+        # planner it lives in is not worth importing on the hook's runc path.
+        self._policy = policy
         self.affinity: AffinityBackend = affinity or SchedAffinity()
         self._topology = topology
         self.qmp_timeout = qmp_timeout
@@ -167,6 +169,14 @@ class Reconciler:
         self._holders: tuple[Mapping[str, CpuSet], dict[int, int]] | None = None
 
     # -- inputs --------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        from vmpin.planner import Policy
+
+        if not isinstance(self._policy, Policy):
+            self._policy = self._policy() if self._policy is not None else Policy()
+        return self._policy
+
     @property
     def topology(self) -> Topology:
         if self._topology is None:
@@ -208,35 +218,56 @@ class Reconciler:
             if alive is False and seen is None:
                 self.store.delete_container(rec.id)
                 return None
-            if seen is not None and seen != rec.runtime_seen:
-                if rec.runtime_seen is not None or rec.cpus is None:
-                    rec = self.store.set_container_cpus(
-                        rec.id, CpuSet.parse(seen) if seen else None, "runc", runtime_seen=seen
-                    )
-                else:
-                    self.store.note_seen(rec.id, runtime_seen=seen)
-                    rec = rec._replace(runtime_seen=seen)
+            if seen is not None:
+                want = CpuSet.parse(seen) if seen else None
+                rec = self._adopt(rec, "runc", "runtime_seen", rec.runtime_seen, seen, want)
         if rec.pod_uid and rec.name and os.path.exists(self.paths.kubelet_state):
             from vmpin.kubelet import cpus_for
 
             cp = self.checkpoint()
-            if cp is not None:
-                want = cpus_for(cp, rec.pod_uid, rec.name)
-                text = None if want is None else want.to_list()
-                if text is not None and text != rec.kubelet_seen:
-                    if rec.kubelet_seen is not None or rec.cpus is None:
-                        rec = self.store.set_container_cpus(
-                            rec.id, want, "kubelet", kubelet_seen=text
-                        )
-                    else:
-                        self.store.note_seen(rec.id, kubelet_seen=text)
-                        rec = rec._replace(kubelet_seen=text)
+            want = None if cp is None else cpus_for(cp, rec.pod_uid, rec.name)
+            if want is not None:
+                rec = self._adopt(
+                    rec, "kubelet", "kubelet_seen", rec.kubelet_seen, want.to_list(), want
+                )
         return rec
+
+    def _adopt(
+        self,
+        rec: ContainerRec,
+        source: str,
+        column: str,
+        last: str | None,
+        seen: str,
+        want: CpuSet | None,
+    ) -> ContainerRec:
+        """Adopt a source's value when it changed since vmpin last looked there.
+
+        Before the first look, what the source "last said" is taken to be the spec the
+        container was created with -- unless vmpin has been told otherwise since (an update),
+        in which case a source still holding an older value is not news.
+        """
+        if last is None:
+            if rec.cpus_source == "spec":
+                last = "" if rec.cpus is None else rec.cpus.to_list()
+            else:
+                last = seen
+        if seen == last:
+            if rec._asdict()[column] != seen:
+                self.store.note_seen(rec.id, **{column: seen})
+                rec = (
+                    rec._replace(runtime_seen=seen)
+                    if column == "runtime_seen"
+                    else rec._replace(kubelet_seen=seen)
+                )
+            return rec
+        return self.store.set_container_cpus(rec.id, want, source, **{column: seen})
 
     # -- the pass ------------------------------------------------------------------------
     def reconcile(
         self, sandbox_ids: list[str] | None = None, *, apply: bool = True
     ) -> list[SandboxReport]:
+        self.store.ingest()  # events the hooks journaled since this store was opened
         sandboxes = {s.id: s for s in self.store.sandboxes()}
         wanted = sorted(sandboxes) if sandbox_ids is None else sandbox_ids
         reports = []

@@ -34,12 +34,15 @@ from __future__ import annotations
 import errno
 import json
 import os
-from typing import Any
 
 from vmpin import procfs
 from vmpin.errors import HostError, PermissionDenied, ProcessGone, RuntimeKindError
 from vmpin.ids import check_id
 from vmpin.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def state_path(paths: HostPaths, container_id: str) -> str:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from vmpin.cpuset import EMPTY, CpuSet
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
 
 if TYPE_CHECKING:
     from vmpin.planner import Policy

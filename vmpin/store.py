@@ -23,13 +23,19 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from types import MappingProxyType
-from typing import NamedTuple
 
 from vmpin.cpuset import CpuSet
 from vmpin.errors import StateError
 from vmpin.ids import check_id
 
-SCHEMA_VERSION = 1
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin._lean import NamedTuple
+
+
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -79,6 +85,7 @@ CREATE TABLE IF NOT EXISTS threads (
     PRIMARY KEY (sandbox_id, tid)
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS journal (name TEXT PRIMARY KEY);
 """
 
 
@@ -147,7 +154,11 @@ def _sandbox(row: sqlite3.Row) -> SandboxRec:
 class Store:
     """One connection to the state database; cheap to open, so each process opens its own."""
 
-    def __init__(self, state_dir: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, state_dir: str, *, timeout: float = 30.0, ingest: bool = True) -> None:
+        """Open (creating if needed) the state in ``state_dir``; with ``ingest``, first apply
+        whatever the hooks journaled since, so every reader sees every recorded event."""
+        self.state_dir = state_dir
+        self._depth = 0
         self.path = os.path.join(state_dir, "state.db")
         try:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -172,6 +183,8 @@ class Store:
         self._masks: Mapping[str, CpuSet] = MappingProxyType({})
         self._masks_key: tuple[int, int] | None = None
         self._ensure_schema()
+        if ingest:
+            self.ingest()
 
     def _ensure_schema(self) -> None:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -215,8 +228,19 @@ class Store:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction: the database lock is taken at the start, not at first write."""
+        """A write transaction: the database lock is taken at the start, not at first write.
+
+        Nested uses join the outer transaction (applying journaled events calls the same
+        methods as everyone else, all inside one transaction)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self.db
+            finally:
+                self._depth -= 1
+            return
         self.db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
         try:
             yield self.db
         except BaseException:
@@ -224,6 +248,14 @@ class Store:
             raise
         else:
             self.db.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    def ingest(self) -> list[str]:
+        """Apply events the hooks journaled (see vmpin.events); the sandboxes they touched."""
+        from vmpin.events import ingest
+
+        return ingest(self)
 
     # -- containers ----------------------------------------------------------------------
     def put_container(self, rec: ContainerRec) -> None:

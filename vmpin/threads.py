@@ -64,13 +64,36 @@ import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol
 
 from vmpin import procfs
 from vmpin.errors import HostError, PermissionDenied, ProcessGone, QmpError
 from vmpin.paths import HostPaths
 from vmpin.qmp import DEFAULT_CONNECT_TIMEOUT, query_vmm
 from vmpin.vmm import Vmm, iothread_ids
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple, Protocol
+
+    class ThreadLike(Protocol):
+        """What a remembered thread must offer: ``store.ThreadRec`` and :class:`VmmThread` both do.
+
+        The vCPU index is ``idx`` on ``store.ThreadRec`` (a NamedTuple field named ``index`` would
+        shadow ``tuple.index``) and ``index`` on :class:`VmmThread`; :func:`_rec_index` reads
+        either.  A protocol rather than an import of vmpin.store keeps sqlite3 off this path.
+        """
+
+        @property
+        def tid(self) -> int: ...
+        @property
+        def role(self) -> str: ...
+        @property
+        def label(self) -> str | None: ...
+        @property
+        def layer(self) -> str: ...
+else:
+    from vmpin._lean import NamedTuple
+
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator")
 #: best first; "none" = no evidence, role emulator by default.
@@ -95,24 +118,6 @@ _CPU_NAME = re.compile(r"CPU (\d+)/(\w+)")
 _VHOST_NAME = re.compile(r"vhost-(\d+)")
 _VCPU_FD = re.compile(r"anon_inode:kvm-vcpu:(\d+)")
 _VM_FD = "anon_inode:kvm-vm"
-
-
-class ThreadLike(Protocol):
-    """What a remembered thread must offer: ``store.ThreadRec`` and :class:`VmmThread` both do.
-
-    The vCPU index is ``idx`` on ``store.ThreadRec`` (a NamedTuple field named ``index`` would
-    shadow ``tuple.index``) and ``index`` on :class:`VmmThread`; :func:`_rec_index` reads
-    either.  A protocol rather than an import of vmpin.store keeps sqlite3 off this path.
-    """
-
-    @property
-    def tid(self) -> int: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def label(self) -> str | None: ...
-    @property
-    def layer(self) -> str: ...
 
 
 def _rec_index(rec: ThreadLike) -> int | None:

@@ -16,10 +16,15 @@ Two sysfs facts shape the model:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
 
 from vmpin.cpuset import EMPTY, CpuSet
 from vmpin.errors import TopologyError
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin._lean import NamedTuple
 
 
 class CpuInfo(NamedTuple):

@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from vmpin import procfs
 from vmpin.errors import HostError
 from vmpin.ids import check_id
 from vmpin.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin._lean import NamedTuple
+
 
 #: QEMU's boolean spellings (qapi's parse_type_bool).
 _TRUE = {"on", "yes", "true", "y"}

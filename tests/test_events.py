@@ -1,0 +1,92 @@
+"""The hook's journal: events built at hook time, applied to the store exactly once, in order."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from vmpin.errors import SpecError
+from vmpin.events import append, build, journal_dir, pending
+from vmpin.oci import parse_state
+from vmpin.paths import HostPaths
+from vmpin.store import Store
+
+ANN = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod"}
+
+
+def bundle(tmp_path: Path, cid: str, cpus: str | None = "1") -> Path:
+    b = tmp_path / "bundles" / cid
+    b.mkdir(parents=True)
+    spec: dict[str, object] = {"annotations": ANN}
+    if cpus is not None:
+        spec["linux"] = {"resources": {"cpu": {"cpus": cpus}}}
+    (b / "config.json").write_text(json.dumps(spec))
+    return b
+
+
+def event(paths: HostPaths, stage: str, cid: str, b: Path) -> dict[str, object]:
+    state = parse_state(json.dumps({"id": cid, "bundle": str(b), "annotations": ANN}))
+    return build(paths, stage, state)
+
+
+def test_events_apply_in_order_and_once(paths: HostPaths, tmp_path: Path) -> None:
+    b = bundle(tmp_path, "c1")
+    for stage in ("prestart", "createRuntime", "poststart", "poststop"):
+        append(paths.state_dir, event(paths, stage, "c1", b))
+    b2 = bundle(tmp_path, "c2", "0")
+    append(paths.state_dir, event(paths, "createRuntime", "c2", b2))
+    assert len(pending(paths.state_dir)) == 5
+    with Store(paths.state_dir) as store:  # opening ingests
+        assert [c.id for c in store.containers()] == ["c2"]
+        assert pending(paths.state_dir) == []
+        assert store.ingest() == []
+
+
+def test_bad_input_is_refused_at_hook_time(paths: HostPaths, tmp_path: Path) -> None:
+    b = bundle(tmp_path, "c3", "9-2")
+    with pytest.raises(SpecError, match=r"linux\.resources\.cpu\.cpus"):
+        event(paths, "prestart", "c3", b)
+    assert pending(paths.state_dir) == []
+
+
+def test_unreadable_event_is_skipped_not_fatal(
+    paths: HostPaths, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.makedirs(journal_dir(paths.state_dir))
+    Path(journal_dir(paths.state_dir), "00000000000000000001-1.json").write_text("{broken")
+    append(paths.state_dir, event(paths, "prestart", "c4", bundle(tmp_path, "c4")))
+    with Store(paths.state_dir) as store:
+        assert [c.id for c in store.containers()] == ["c4"]
+    assert "unreadable" in capsys.readouterr().err
+    assert pending(paths.state_dir) == []
+
+
+def _ingest(state_dir: str, q: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    with Store(state_dir, ingest=False) as store:
+        q.put(store.ingest())
+
+
+def test_concurrent_ingest_applies_each_event_once(paths: HostPaths, tmp_path: Path) -> None:
+    """Two ingesting processes race; create-then-delete pairs must never resurrect."""
+    Store(paths.state_dir, ingest=False).close()
+    for i in range(60):
+        b = bundle(tmp_path, f"k{i}")
+        append(paths.state_dir, event(paths, "prestart", f"k{i}", b))
+        if i % 2:
+            append(paths.state_dir, event(paths, "poststop", f"k{i}", b))
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ingest, args=(paths.state_dir, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    with Store(paths.state_dir) as store:
+        ids = sorted(c.id for c in store.containers())
+    assert ids == sorted(f"k{i}" for i in range(60) if i % 2 == 0)
+    assert pending(paths.state_dir) == []
