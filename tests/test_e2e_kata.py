@@ -236,3 +236,19 @@ def test_pid_reuse_is_not_trusted(kata: Kata, paths: HostPaths, vm_dir: Path) ->
     show = kata.show(s5)
     assert show["vmm_pid"] is None and show["threads"] == []
     assert os.sched_getaffinity(0) == before
+
+
+def test_sandbox_recorded_before_its_vm_is_upgraded(
+    qemu: Callable[..., QemuHandle], kata: Kata, vm_dir: Path
+) -> None:
+    """Hooks that ran before the VM dir existed recorded a plain sandbox; its VMM wins later."""
+    s = sid("late")
+    b = kata.bundle(s, s, None, "POD")
+    kata.hook("createRuntime", s, b, None)
+    cb = kata.bundle("late-c", s, "1", "app")
+    kata.hook("createRuntime", "late-c", cb, None)
+    assert json.loads(kata.vmpin("sandboxes", "--json").stdout)[0]["runtime"] == "runc"
+    q = qemu(s, smp=2)
+    kata.vmpin("reconcile", "--once")
+    assert json.loads(kata.vmpin("sandboxes", "--json").stdout)[0]["runtime"] == "kata"
+    assert set(affinities(q.pid).values()) == {"1"}

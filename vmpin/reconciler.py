@@ -279,6 +279,10 @@ class Reconciler:
         return reports
 
     def reconcile_sandbox(self, rec: SandboxRec, *, apply: bool = True) -> SandboxReport:
+        if rec.runtime == "runc" and os.path.isdir(os.path.join(self.paths.vm_dir, rec.id)):
+            # Recorded before its VM dir existed (hooks ran ahead of the VMM): it is Kata's.
+            self.store.put_sandbox(rec._replace(runtime="kata"))
+            rec = self.store.sandbox(rec.id) or rec
         gen = rec.gen
         # a vmm_pid without a start time is an unverified hint from a hook, not a VMM
         verified = rec.vmm_pid if rec.vmm_start is not None else None
