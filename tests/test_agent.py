@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, vmpin_cmd
+from tests.qemu_util import wait_until
 from vmpin import control
 from vmpin.affinity import SchedAffinity
 from vmpin.agent import Agent, DirtyQueue
@@ -44,16 +45,6 @@ import fakevmm
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def wait_until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -684,3 +675,45 @@ def test_hook_path_does_not_import_the_agent() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_runc_container_under_agent_kill9_and_restart(
+    agent_factory: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """A real runc container whose hooks journal their events for a running agent; the agent
+    dies (kill -9), runc update and a hand edit of the cgroup happen while it is down, and one
+    pass of the restarted agent puts everything right."""
+    from tests.runc_util import RuncSession, missing, new_id
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    agent = agent_factory()
+    with RuncSession(paths, tmp_path / "runc-work") as runc:
+        cid = new_id("vmpin-agent")
+        pid = runc.run(cid, cpus="1")
+        cg = Path(f"/sys/fs/cgroup/cpuset/{cid}/cpuset.cpus")
+
+        def listed() -> dict[str, Any]:
+            out = run_cli(env, "containers", "--json")
+            return {c["id"]: c for c in json.loads(out.stdout)}
+
+        assert listed()[cid]["cpus"] == "1"
+        assert run_cli(env, "update", cid, "--cpuset-cpus", "0").returncode == 0
+        assert cg.read_text().strip() == "0"
+
+        os.kill(agent.proc.pid, signal.SIGKILL)
+        agent.proc.wait(10)
+        runc.update(cid, "0-1")  # legitimate, behind vmpin's back
+        restarted = agent_factory()
+        assert wait_until(lambda: listed()[cid]["cpus"] == "0-1", 10)
+        cg.write_text("1")  # drift, behind everyone's back
+        assert wait_until(lambda: cg.read_text().strip() == "0-1", 10)
+        audit = run_cli(env, "audit", "--json")
+        assert audit.returncode == 0, audit.stdout
+        with open(f"/proc/{pid}/status") as f:
+            assert "Cpus_allowed_list:\t0-1" in f.read()
+        runc.delete(cid)
+        assert wait_until(lambda: cid not in listed(), 10)
+        assert restarted.stop() == 0
