@@ -9,11 +9,11 @@ DESIGN.md, CPU lists always in Linux list format).  :func:`run` is the one place
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Optional
 
-import click
 import typer
 
 from vmpin import __version__
@@ -50,6 +50,16 @@ class Ctx:
         self.paths = paths
         self._policy = (helpers, housekeeping, vcpus)
         self._guest_float = guest_float
+
+    def export_policy(self) -> None:
+        """Put policy options given on the command line where in-process hooks read them."""
+        from vmpin.settings import ENV
+
+        given = dict(zip(("helpers", "housekeeping", "vcpus"), self._policy, strict=True))
+        given["guest_float"] = self._guest_float
+        for key, value in given.items():
+            if value is not None:
+                os.environ[ENV[key]] = value
 
     def store(self) -> Store:
         return Store(self.paths.state_dir)
@@ -192,6 +202,7 @@ def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:
 # -- hook (dispatched by vmpin.entry without importing this module; here for --help) --------
 @app.command(context_settings={"ignore_unknown_options": True})
 def hook(
+    ctx: typer.Context,
     stage: Annotated[
         str,
         typer.Argument(
@@ -212,8 +223,10 @@ def hook(
     """
     from vmpin.hook import main as hook_main
 
-    ctx = click.get_current_context().find_root().obj
-    opts = dict(ctx.paths._asdict())
+    root: Ctx = ctx.obj
+    # The hook reads its placement policy from the environment, as every hook process does.
+    root.export_policy()
+    opts = dict(root.paths._asdict())
     raise typer.Exit(hook_main(opts, [stage] + (["--strict"] if strict else [])))
 
 
@@ -550,17 +563,16 @@ def guest_hook(
 
 
 def run(args: list[str]) -> int:
-    """Run the CLI; the one place errors become a message and an exit code."""
+    """Run the CLI; the one place errors become a message and an exit code.
+
+    typer handles its own usage errors (unknown option, missing argument: exit 2, with the
+    usage); a VmpinError -- bad input or state -- becomes one line on stderr.
+    """
     try:
-        rv = app(args=args, prog_name="vmpin", standalone_mode=False)
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
-    except click.exceptions.Abort:
-        return 1
+        app(args=args, prog_name="vmpin", standalone_mode=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except VmpinError as e:
         print(f"vmpin: error: {e}", file=sys.stderr)
         return e.exit_code
-    return rv if isinstance(rv, int) else 0
+    return 0
