@@ -270,7 +270,11 @@ def test_runs_as_a_single_copied_file(tmp_path: Path) -> None:
                 input=json.dumps({"id": "solo", "pid": pid}),
                 capture_output=True,
                 text=True,
-                env={"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_CGROUP_ROOT": str(tmp_path)},
+                env={
+                    "VMPIN_GUEST_MAP": str(m),
+                    "VMPIN_GUEST_CGROUP_ROOT": str(tmp_path),
+                    "VMPIN_GUEST_STATE": str(tmp_path / "guest-state"),
+                },
                 timeout=60,
             )
             assert (proc.returncode, proc.stderr) == (0, "")
@@ -319,7 +323,7 @@ def test_as_a_real_runc_prestart_hook(runc: RuncSession, tmp_path: Path) -> None
         cpus=None,
         hooks=argv,
         stages=("prestart", "poststart", "poststop"),
-        env={"VMPIN_GUEST_MAP": str(m)},
+        env={"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_STATE": str(tmp_path / "guest-state")},
         args=BUSY,
     )
     cg = cpuset_dir(pid)
@@ -629,3 +633,567 @@ def test_end_to_end(
             assert (cg / "cpuset.cpus").read_text().strip() == cpus
             assert {allowed(t) for t in cgroup_tasks(cg)} == {cpus}
         assert not vm.killed
+
+
+# -- the follower: `vmpin guest follow` re-applies a republished map ----------------------------
+#
+# The hook records what it pinned in a guest-side state dir; the host later changes a
+# container's CPUs and republishes (a new generation); the follower re-pins the container
+# the way the hook did.  Containers are real (runc) or plain processes; every assertion reads
+# the kernel's cpuset.cpus / Cpus_allowed_list.
+@pytest.fixture(autouse=True)
+def guest_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every hook and follower of this module records into the test's own state dir: the
+    default (/run/vmpin-guest) belongs to this machine, not to the tests."""
+    d = tmp_path / "guest-state"
+    monkeypatch.setenv("VMPIN_GUEST_STATE", str(d))
+    return d
+
+
+def record_of(state: Path, cid: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((state / f"{cid}.json").read_text())
+    return doc
+
+
+def republish(path: Path, cid: str, cpus: str) -> int:
+    """Give ``cid`` new vCPUs as the host does: next generation, the entry's own generation
+    set to it, the file replaced by rename (so readers see a new inode).  The generation."""
+    doc = json.loads(path.read_text())
+    gen = int(doc["generation"]) + 1
+    entry = doc["containers"].get(cid) or {
+        "container": cid,
+        "sandbox": "sb",
+        "exact": True,
+        "mode": "1:1",
+        "reason": "test",
+    }
+    entry.update(host_cpus=cpus, guest_cpus=cpus, generation=gen)
+    doc["containers"][cid] = entry
+    doc["generation"] = gen
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+    return gen
+
+
+def follow(
+    state: Path, map_path: Path | str, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``vmpin guest follow ARGS`` as a subprocess, with the map and state dir given."""
+    e = dict(os.environ)
+    e.update(VMPIN_GUEST_MAP=str(map_path), VMPIN_GUEST_STATE=str(state))
+    e.update(env or {})
+    return subprocess.run(
+        [*vmpin_cmd(), "guest", "follow", *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=60,
+    )
+
+
+def follow_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    lines = proc.stderr.splitlines()
+    assert proc.stdout == ""
+    assert all(line.startswith("vmpin guest follow: ") for line in lines), proc.stderr
+    return lines
+
+
+def publish_host_cpus(paths: HostPaths, sandbox: str, containers: Mapping[str, str]) -> Path:
+    """Publish the sandbox's map through the host's own code: this machine's topology, a
+    1:1 plan over every CPU, vmpin.guestmap and vmpin.publish (generations and all)."""
+    from vmpin import publish
+    from vmpin.cpuset import CpuSet
+    from vmpin.guestmap import map_sandbox
+    from vmpin.planner import Thread, plan_sandbox
+    from vmpin.sysfs import read_topology
+
+    (Path(paths.publish_dir) / sandbox / "mounts").mkdir(parents=True, exist_ok=True)
+    topo = read_topology("/sys")
+    threads = [Thread(1000, "emulator")] + [Thread(2000 + i, "vcpu", i) for i in range(NCPUS)]
+    plan = plan_sandbox(topo, sandbox, CpuSet.parse(f"0-{NCPUS - 1}"), threads)
+    gm = map_sandbox(plan, {c: CpuSet.parse(v) for c, v in containers.items()}, topo)
+    res = publish.publish_map(paths, sandbox, gm)
+    assert res.written, res.reason
+    return Path(res.path)
+
+
+def mapped(map_path: Path, cid: str) -> tuple[str, int]:
+    """The container's guest vCPUs and entry generation as published (the planner decides
+    which vCPU a host CPU is; on this machine they coincide, elsewhere they may not)."""
+    entry = guest.lookup(guest.read_map(str(map_path)), cid)
+    assert entry is not None
+    return guest.format_cpus(entry.guest_cpus), entry.generation
+
+
+def in_root_cpuset() -> bool:
+    return not (CPUSET / "cpuset.cpus").exists() or cpuset_dir(os.getpid()) == CPUSET
+
+
+@needs_runc
+@needs_two_cpus
+@pytest.mark.runc
+def test_follow_repins_a_runc_container_after_an_update(
+    runc: RuncSession, paths: HostPaths, guest_state: Path
+) -> None:
+    """The gap this closes: pinned at start by the hook, the container's CPUs change on the
+    host, the host republishes, and `guest follow --once` moves the container's cgroup."""
+    cid = new_id("vmpin-follow")
+    sid = new_id("vmpin-sb")
+    pid = start_container(runc, cid)
+    m = publish_host_cpus(paths, sid, {cid: "1", "neighbour": "0"})
+    first, gen1 = mapped(m, cid)
+    out = hook(runc.state(cid), m)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    cg = cpuset_dir(pid)
+    assert (cg / "cpuset.cpus").read_text().strip() == first
+
+    rec = record_of(guest_state, cid)
+    assert rec["container"] == cid and rec["pid"] == pid
+    assert rec["start_time"] == runc.started[cid][1]  # runc's own idea of the start time
+    assert (rec["method"], rec["cgroup"]) == ("cgroup", str(cg))
+    assert (rec["guest_cpus"], rec["generation"]) == (first, gen1)
+
+    # nothing changed yet: the follower has nothing to do
+    out = follow(guest_state, m, "--once")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert (cg / "cpuset.cpus").read_text().strip() == first
+
+    # CRI UpdateContainerResources -> vmpin update -> republished: new vCPUs, new generation
+    m = publish_host_cpus(paths, sid, {cid: "0", "neighbour": "0"})
+    second, gen2 = mapped(m, cid)
+    assert second != first and gen2 > gen1
+    out = follow(guest_state, m, "--once")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert (cg / "cpuset.cpus").read_text().strip() == second
+    tasks = cgroup_tasks(cg)
+    assert len(tasks) >= 3
+    assert {t: allowed(t) for t in tasks} == {t: second for t in tasks}
+    assert {t: allowed(t) for t in threads_of(pid)} == {t: second for t in threads_of(pid)}
+    rec = record_of(guest_state, cid)
+    assert (rec["guest_cpus"], rec["generation"], rec["by"]) == (second, gen2, "follow")
+    assert rec["cgroup"] == str(cg) and rec["failed"] is None
+
+    # no change: no write.  Someone else widens the cgroup behind the follower's back; a
+    # follower that rewrote what it had already applied would put `second` back.
+    widened = f"0-{NCPUS - 1}"
+    (cg / "cpuset.cpus").write_text(widened)
+    record_file = guest_state / f"{cid}.json"
+    before = os.stat(record_file)
+    out = follow(guest_state, m, "--once", "--verbose")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert (cg / "cpuset.cpus").read_text().strip() == widened
+    after = os.stat(record_file)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+@needs_two_cpus
+def test_follow_repins_every_thread_of_a_process_without_cgroup(
+    tmp_path: Path, guest_state: Path
+) -> None:
+    """The affinity path: what the hook pinned thread by thread, the follower re-pins the same
+    way -- every thread of the process and of its descendants."""
+    if not in_root_cpuset():
+        pytest.skip("this test process is not in the root cpuset")
+    m = write_map(tmp_path / "map.json", {"plain": "1"})
+    with plain_process() as (pid, child):
+        out = hook({"id": "plain", "pid": pid}, m)
+        assert (out.returncode, out.stderr) == (0, "")
+        rec = record_of(guest_state, "plain")
+        assert (rec["method"], rec["cgroup"], rec["guest_cpus"], rec["generation"]) == (
+            "affinity",
+            None,
+            "1",
+            1,
+        )
+        assert {allowed(t) for t in threads_of(pid)} == {"1"}
+
+        gen = republish(m, "plain", "0")
+        out = follow(guest_state, m, "--once", "--verbose")
+        assert out.returncode == 0
+        (line,) = follow_lines(out)
+        assert "container plain re-pinned to vCPUs 0" in line and "affinity" in line
+        assert {t: allowed(t) for t in threads_of(pid)} == {t: "0" for t in threads_of(pid)}
+        assert allowed(child) == "0"
+        rec = record_of(guest_state, "plain")
+        assert (rec["method"], rec["guest_cpus"], rec["generation"]) == ("affinity", "0", gen)
+        # the cgroups were left alone
+        if (CPUSET / "cpuset.cpus").exists():
+            assert (CPUSET / "cpuset.cpus").read_text().strip() == f"0-{NCPUS - 1}"
+
+
+def test_follow_forgets_a_record_whose_process_is_gone(tmp_path: Path, guest_state: Path) -> None:
+    m = write_map(tmp_path / "map.json", {"gone": "0"})
+    p = subprocess.Popen(["sleep", "600"])
+    try:
+        out = hook({"id": "gone", "pid": p.pid}, m)
+        assert (out.returncode, out.stderr) == (0, "")
+        assert (guest_state / "gone.json").exists()
+    finally:
+        p.kill()
+        p.wait(10)
+    republish(m, "gone", "0")
+    out = follow(guest_state, m, "--once", "--verbose")
+    assert out.returncode == 0
+    (line,) = follow_lines(out)
+    assert f"process {p.pid} is gone; forgotten" in line
+    assert not (guest_state / "gone.json").exists()
+    out = follow(guest_state, m, "--once", "--strict")
+    assert (out.returncode, out.stderr) == (0, "")
+
+
+@needs_two_cpus
+def test_follow_leaves_a_reused_pid_alone(tmp_path: Path, guest_state: Path) -> None:
+    """A record whose pid now belongs to another process (another start time) is forgotten,
+    and that process is not touched."""
+    m = write_map(tmp_path / "map.json", {"old": "1"})
+    with plain_process() as (pid, child):
+        out = hook({"id": "old", "pid": pid}, m)
+        assert (out.returncode, out.stderr) == (0, "")
+        record_file = guest_state / "old.json"
+        rec = json.loads(record_file.read_text())
+        rec["start_time"] -= 1  # the container that had this pid has exited; a stranger has it
+        record_file.write_text(json.dumps(rec))
+        republish(m, "old", "0")
+        out = follow(guest_state, m, "--once", "--strict")
+        assert (out.returncode, out.stderr) == (0, "")
+        assert {allowed(t) for t in threads_of(pid)} == {"1"}
+        assert allowed(child) == "1"
+        assert not record_file.exists()
+
+
+@needs_two_cpus
+def test_follow_loop_follows_and_exits_0_on_sigterm(tmp_path: Path, guest_state: Path) -> None:
+    m = write_map(tmp_path / "map.json", {"loop": "1"})
+    with plain_process() as (pid, _):
+        assert hook({"id": "loop", "pid": pid}, m).returncode == 0
+        e = dict(os.environ, VMPIN_GUEST_MAP=str(m), VMPIN_GUEST_STATE=str(guest_state))
+        proc = subprocess.Popen(
+            [*vmpin_cmd(), "guest", "follow", "--interval", "0.1", "--verbose"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=e,
+        )
+        try:
+            time.sleep(0.3)
+            assert proc.poll() is None
+            republish(m, "loop", "0")
+            assert wait_until(lambda: {allowed(t) for t in threads_of(pid)} == {"0"})
+            assert wait_until(lambda: record_of(guest_state, "loop")["guest_cpus"] == "0")
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        assert proc.returncode == 0, stderr
+        assert stdout == ""
+        lines = stderr.splitlines()
+        assert len(lines) == 1 and "container loop re-pinned to vCPUs 0" in lines[0], stderr
+
+
+def test_follow_loop_reads_the_map_only_when_something_changed(
+    tmp_path: Path, guest_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the loop an idle pass is two stat() calls: the map is parsed on the first pass,
+    after the host replaced it, and once more after the follower's own record write (which
+    changes the state dir) -- not on every tick.  Stopped by a real SIGTERM while asleep."""
+    m = write_map(tmp_path / "map.json", {"c": f"0-{NCPUS - 1}"})
+    with plain_process() as (pid, _):
+        assert hook({"id": "c", "pid": pid}, m).returncode == 0
+        reads: list[str] = []
+        real_read_map = guest.read_map
+
+        def counting_read_map(path: str) -> dict[str, object]:
+            reads.append(path)
+            return real_read_map(path)
+
+        ticks: list[float] = []
+
+        def fake_sleep(seconds: float) -> None:
+            ticks.append(seconds)
+            if len(ticks) == 5:
+                republish(m, "c", "0")
+            if len(ticks) == 30:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled by the follower: it stops
+
+        monkeypatch.setattr(guest, "read_map", counting_read_map)
+        monkeypatch.setattr(guest.time, "sleep", fake_sleep)
+        opts = guest.parse_follow_args(
+            ["--interval", "0.05", "--verbose"],
+            {"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_STATE": str(guest_state)},
+        )
+        lines: list[str] = []
+        saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            assert guest.follow(opts, lines.append) == 0
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+        assert len(ticks) == 30 and set(ticks) == {0.05}
+        assert len(reads) == 3, reads
+        assert len(lines) == 1 and "re-pinned to vCPUs 0" in lines[0]
+        assert allowed(pid) == "0"
+
+
+def stat_line(pid: int, start: int) -> str:
+    """A /proc/PID/stat line whose field 22 (start time) is ``start``; comm has ") (" in it."""
+    fields = ["S", *(str(n) for n in range(4, 22)), str(start), "0", "0"]
+    return f"{pid} (a) (b) {' '.join(fields)}\n"
+
+
+def test_start_time_reads_field_22(tmp_path: Path) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_text(stat_line(7, 4242))
+    assert guest.start_time(str(tmp_path), 7) == 4242
+    assert guest.start_time(str(tmp_path), 8) is None
+    me = Path(f"/proc/{os.getpid()}/stat").read_text().rpartition(")")[2].split()[19]
+    assert guest.start_time("/proc", os.getpid()) == int(me)
+
+
+def test_follow_failure_is_one_line_strict_exits_1_and_hook_keeps_what_held(
+    tmp_path: Path, guest_state: Path
+) -> None:
+    """Injected roots (cgroup v2 whose parent narrows to vCPU 1): the hook pins 1 and records
+    it; the host moves the container to 0, which the kernel would not give: the follower says
+    so in one line (exit 0; 1 with --strict), and records the failure."""
+    proc_root, cg_root, pid = fake_roots(tmp_path, 2, effective="1")
+    (proc_root / str(pid) / "stat").write_text(stat_line(pid, 555))
+    env = {"VMPIN_GUEST_PROC_ROOT": str(proc_root), "VMPIN_GUEST_CGROUP_ROOT": str(cg_root)}
+    m = write_map(tmp_path / "map.json", {"ctr": "1"})
+    out = hook({"id": "ctr", "pid": pid}, m, env=env)
+    assert (out.returncode, out.stderr) == (0, "")
+    rec = record_of(guest_state, "ctr")
+    assert (rec["pid"], rec["start_time"], rec["method"]) == (pid, 555, "cgroup")
+    assert (rec["cgroup"], rec["cgroup_version"]) == (str(cg_root / "kube" / "ctr"), 2)
+
+    gen = republish(m, "ctr", "0")
+    out = follow(guest_state, m, "--once", env=env)
+    assert out.returncode == 0
+    (line,) = follow_lines(out)
+    assert "container ctr: vCPUs 0" in line and "kernel gives 1" in line
+    rec = record_of(guest_state, "ctr")
+    assert rec["failed"] == {"generation": gen, "guest_cpus": "0"}
+    assert (rec["guest_cpus"], rec["generation"]) == ("1", 1)  # what still holds
+    strict = follow(guest_state, m, "--once", "--strict", env=env)
+    assert strict.returncode == 1 and len(follow_lines(strict)) == 1
+
+    # the hook failing later (poststart) does not overwrite a record that something held
+    out = hook({"id": "ctr", "pid": pid}, m, stage="poststart", env=env)
+    assert out.returncode == 0 and "kernel gives 1" in one_line(out)
+    assert (record_of(guest_state, "ctr")["guest_cpus"]) == "1"
+
+
+@needs_two_cpus
+def test_follow_pins_a_container_the_hook_found_no_entry_for(
+    tmp_path: Path, guest_state: Path
+) -> None:
+    """The host may publish after the last hook ran: the hook records the container as not
+    pinned yet, and the follower pins it once the map names it."""
+    m = write_map(tmp_path / "map.json", {"someone-else": "0"})
+    with plain_process() as (pid, _):
+        out = hook({"id": "late", "pid": pid}, m)
+        assert out.returncode == 0 and "not in the guest map" in one_line(out)
+        rec = record_of(guest_state, "late")
+        assert (rec["pid"], rec["method"], rec["guest_cpus"], rec["failed"]) == (
+            pid,
+            None,
+            None,
+            None,
+        )
+        out = follow(guest_state, m, "--once", "--strict")  # still not mapped: nothing to do
+        assert (out.returncode, out.stderr) == (0, "")
+        gen = republish(m, "late", "1")
+        out = follow(guest_state, m, "--once", "--strict")
+        assert (out.returncode, out.stderr) == (0, "")
+        assert {allowed(t) for t in threads_of(pid)} == {"1"}
+        rec = record_of(guest_state, "late")
+        assert (rec["guest_cpus"], rec["generation"]) == ("1", gen)
+
+
+def test_poststop_removes_the_record_and_nothing_else(tmp_path: Path, guest_state: Path) -> None:
+    m = write_map(tmp_path / "map.json", {"c": "0"})
+    with plain_process() as (pid, _):
+        assert hook({"id": "c", "pid": pid}, m).returncode == 0
+        assert (guest_state / "c.json").exists()
+        out = hook({"id": "c"}, m, "--strict", stage="poststop")
+        assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+        assert not (guest_state / "c.json").exists()
+        assert allowed(pid) == "0"  # nothing undone
+    for stdin in ('{"id": "c"}', '{"id": "../../etc/passwd"}', '{"id": ".x"}', "garbage"):
+        out = hook(stdin, m, "--strict", stage="poststop")
+        assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert sorted(os.listdir(guest_state)) == []
+
+
+@needs_runc
+@needs_two_cpus
+@pytest.mark.runc
+def test_runc_runs_the_hook_that_records_and_forgets(runc: RuncSession, tmp_path: Path) -> None:
+    """runc, playing the kata-agent, runs prestart/poststart/poststop: the record appears
+    with the container's pid and cgroup, and `runc delete` (poststop) removes it."""
+    cid = new_id("vmpin-guest")
+    state = tmp_path / "runc-guest-state"
+    m = write_map(tmp_path / "map.json", {cid: "1"})
+
+    def argv(stage: str) -> list[str]:
+        return [*runc_util.vmpin_argv(stage)[:-2], "guest", "hook", "--strict", stage]
+
+    pid = runc.run(
+        cid,
+        cpus=None,
+        hooks=argv,
+        stages=("prestart", "poststart", "poststop"),
+        env={"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_STATE": str(state)},
+        args=BUSY,
+    )
+    rec = record_of(state, cid)
+    assert (rec["pid"], rec["cgroup"], rec["guest_cpus"]) == (pid, str(cpuset_dir(pid)), "1")
+    assert rec["by"] == "hook poststart"
+    runc.delete(cid)
+    assert not (state / f"{cid}.json").exists()
+
+
+def test_follow_forgets_unreadable_records(tmp_path: Path, guest_state: Path) -> None:
+    m = write_map(tmp_path / "map.json", {"c": "0"})
+    guest_state.mkdir()
+    (guest_state / "half.json").write_text('{"version": 1, "contai')
+    (guest_state / "other.json").write_text(
+        json.dumps({"version": 1, "container": "someone", "pid": 1, "start_time": 1})
+    )
+    (guest_state / ".c.json.123.abcd.tmp").write_text("{}")  # a writer's temporary: not a record
+    out = follow(guest_state, m, "--once")
+    assert out.returncode == 0
+    lines = follow_lines(out)
+    assert len(lines) == 2 and all("forgotten" in line for line in lines)
+    assert sorted(os.listdir(guest_state)) == [".c.json.123.abcd.tmp"]  # too young to remove
+
+
+def test_follow_with_nothing_recorded_is_silent(tmp_path: Path, guest_state: Path) -> None:
+    """No records, no state dir, no map: nothing to follow, nothing to say (and the map is
+    not even read)."""
+    out = follow(guest_state, tmp_path / "no-map.json", "--once", "--strict")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert not guest_state.exists()
+
+
+def test_follow_map_trouble_is_reported_when_something_is_recorded(
+    tmp_path: Path, guest_state: Path
+) -> None:
+    m = write_map(tmp_path / "map.json", {"c": "0"})
+    with plain_process() as (pid, _):
+        assert hook({"id": "c", "pid": pid}, m).returncode == 0
+        m.unlink()
+        out = follow(guest_state, m, "--once")
+        assert out.returncode == 0
+        (line,) = follow_lines(out)
+        assert "no guest map" in line
+        assert follow(guest_state, m, "--once", "--strict").returncode == 1
+        assert (guest_state / "c.json").exists()  # the container lives: keep following it
+
+
+def test_parse_follow_args_and_bad_usage(tmp_path: Path) -> None:
+    env = {"VMPIN_GUEST_MAP": "/m", "VMPIN_GUEST_STATE": "/s"}
+    o = guest.parse_follow_args([], env)
+    assert (o.once, o.interval, o.strict, o.map_path, o.state_dir) == (
+        False,
+        guest.DEFAULT_INTERVAL,
+        False,
+        "/m",
+        "/s",
+    )
+    o = guest.parse_follow_args(["--once", "--interval=0.5", "--state", "/t", "-v"], env)
+    assert (o.once, o.interval, o.state_dir, o.verbose) == (True, 0.5, "/t", True)
+    d = guest.parse_follow_args([], {})
+    assert (d.map_path, d.state_dir) == (guest.DEFAULT_GUEST_MAP, guest.DEFAULT_GUEST_STATE)
+    for bad in (["--interval", "0"], ["--interval", "soon"], ["--bogus"], ["extra"]):
+        out = follow(tmp_path / "s", tmp_path / "m.json", *bad)
+        assert out.returncode == 2
+        assert len(follow_lines(out)) == 1
+
+
+def test_follow_imports_nothing_heavy(tmp_path: Path) -> None:
+    """`vmpin guest follow` runs in a small guest image: as lean as the guest hook."""
+    code = (
+        "import json, sys\n"
+        "from vmpin.entry import main\n"
+        "rc = main(['guest', 'follow', '--once'])\n"
+        "print(json.dumps([rc, sorted(sys.modules)]))\n"
+    )
+    env = dict(
+        os.environ, VMPIN_GUEST_STATE=str(tmp_path / "s"), VMPIN_GUEST_MAP=str(tmp_path / "m.json")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=env,
+    )
+    rc, mods = json.loads(out.stdout.splitlines()[-1])
+    assert rc == 0
+    for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
+        assert heavy not in mods
+    assert {m for m in mods if m.startswith("vmpin")} == {"vmpin", "vmpin.entry", "vmpin.guest"}
+
+
+@needs_two_cpus
+def test_follow_runs_from_the_single_copied_file(tmp_path: Path) -> None:
+    """guest.py alone (no package, no site-packages): hook, then `follow --once`, both ways
+    the file can be called."""
+    script = tmp_path / "vmpin-guest.py"
+    shutil.copy(REPO / "vmpin" / "guest.py", script)
+    m = write_map(tmp_path / "map.json", {"solo": "1"})
+    env = {
+        "VMPIN_GUEST_MAP": str(m),
+        "VMPIN_GUEST_CGROUP_ROOT": str(tmp_path),
+        "VMPIN_GUEST_STATE": str(tmp_path / "solo-state"),
+    }
+
+    def run(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-I", "-S", str(script), *argv],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    with plain_process() as (pid, _):
+        out = run("prestart", stdin=json.dumps({"id": "solo", "pid": pid}))
+        assert (out.returncode, out.stderr) == (0, "")
+        for argv, cpus in ((["follow", "--once"], "0"), (["guest", "follow", "--once"], "1")):
+            republish(m, "solo", cpus)
+            out = run(*argv, "--strict")
+            assert (out.returncode, out.stderr) == (0, "")
+            assert {allowed(t) for t in threads_of(pid)} == {cpus}
+
+
+def test_guest_follow_unit_file() -> None:
+    """The example systemd unit for the guest image runs the follower after boot, in Kata's
+    guest target, and restarts it."""
+    import configparser
+
+    unit = (
+        REPO
+        / "hooks"
+        / "kata-guest"
+        / "usr"
+        / "lib"
+        / "systemd"
+        / "system"
+        / "vmpin-guest-follow.service"
+    )
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # type: ignore[assignment,method-assign]
+    cp.read_string(unit.read_text())
+    exec_start = cp["Service"]["ExecStart"].split()
+    assert exec_start[1:3] == ["guest", "follow"]
+    assert "--once" not in exec_start
+    assert cp["Install"]["WantedBy"] == "kata-containers.target"
+    assert cp["Service"]["Restart"] in ("always", "on-failure")

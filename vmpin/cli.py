@@ -562,6 +562,23 @@ def guest_hook(
     raise typer.Exit(guest_main([stage]))
 
 
+@guest_app.command("follow")
+def guest_follow(
+    once: Annotated[bool, typer.Option("--once", help="One pass, then exit.")] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between looks at the map.")
+    ] = 2.0,
+) -> None:
+    """Inside the guest: re-pin recorded containers when the host republishes their vCPUs.
+
+    Reached here only for --help (vmpin.entry runs it without typer); all options
+    (--strict, --verbose, --map, --state, ...): `vmpin guest follow -h`; docs/guest.md.
+    """
+    from vmpin.guest import follow_main
+
+    raise typer.Exit(follow_main([*(["--once"] if once else []), "--interval", str(interval)]))
+
+
 def run(args: list[str]) -> int:
     """Run the CLI; the one place errors become a message and an exit code.
 

@@ -1,8 +1,9 @@
 """The ``vmpin`` console script: a thin dispatcher that keeps ``vmpin hook`` lean.
 
 A typer app costs ~70 ms to import on a small node, and the OCI hook runs on every container
-start; so ``hook`` (and the in-guest ``guest hook``) are recognised here, by hand, and never
-import typer, pydantic, psutil or kubernetes.  Everything else goes to :mod:`vmpin.cli`.
+start; so ``hook`` (and the in-guest ``guest hook`` and ``guest follow``, which run in a small
+guest image) are recognised here, by hand, and never import typer, pydantic, psutil or
+kubernetes.  Everything else goes to :mod:`vmpin.cli`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
             guest_code: int = guest_main(rest[2:])
             return guest_code
+        if rest[:2] == ["guest", "follow"] and "--help" not in rest:
+            # The in-guest follower: as lean as the guest hook (a small guest image).
+            from vmpin.guest import follow_main
+
+            _hook_ran = True
+
+            follow_code: int = follow_main(rest[2:])
+            return follow_code
     from vmpin.cli import run
 
     return run(args)

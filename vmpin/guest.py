@@ -28,6 +28,14 @@ problem is one line on stderr and exit 0; ``--strict`` makes it exit 1.  ``posts
 nothing to undo.  A non-exact entry (a floating plan: its vCPUs are all vCPUs) is applied as
 given and mentioned only with ``--verbose``.
 
+The hook pins a container once, when it starts; the host may change the container's CPUs
+later (CRI UpdateContainerResources -> ``vmpin update``) and republish the map.  So the hook
+also records what it pinned -- one small JSON file per container in a guest-side state dir
+(``--state``, ``$VMPIN_GUEST_STATE``, default :data:`DEFAULT_GUEST_STATE`) -- and
+``vmpin guest follow`` (a small loop, or ``--once``) re-applies an entry whose generation or
+vCPUs differ from what was applied, through the same code as the hook, to the same cgroup or
+the same process tree; ``poststop`` removes the record.  See ``docs/guest.md``.
+
 This file is deliberately self-contained: standard library only (json, os, sys), no import
 of the rest of vmpin, no sqlite3/typer/pydantic/psutil (``tests/test_guest.py`` checks it).
 It runs in a small guest image, where it may be installed as the package or copied as this
@@ -37,12 +45,15 @@ one file (``python3 guest.py prestart`` works too: kata-agent runs a hook with a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import signal
 import sys
 import time
-from typing import Mapping, NamedTuple
+from types import FrameType
+from typing import Callable, Mapping, NamedTuple
 
 #: the published map's format version this reader understands (docs/guest.md).
 FORMAT_VERSION = 1
@@ -57,6 +68,19 @@ ENV_MAP = "VMPIN_GUEST_MAP"
 ENV_PROC_ROOT = "VMPIN_GUEST_PROC_ROOT"
 ENV_CGROUP_ROOT = "VMPIN_GUEST_CGROUP_ROOT"
 ENV_WAIT = "VMPIN_GUEST_WAIT"
+ENV_STATE = "VMPIN_GUEST_STATE"
+
+#: where the hook records what it pinned, for ``vmpin guest follow``: runtime state, on the
+#: guest's tmpfs, gone with the VM like the containers it describes.
+DEFAULT_GUEST_STATE = "/run/vmpin-guest"
+#: the records' own format version (guest-side only: the host never reads them).
+RECORD_VERSION = 1
+#: ``vmpin guest follow``: seconds between looks at the map, by default.
+DEFAULT_INTERVAL = 2.0
+#: ...and a full pass at least this often even when neither the map nor any record changed:
+#: it retries what failed, forgets records of containers whose poststop never ran, and
+#: catches a record written within one timestamp tick of the previous look.
+FULL_PASS_EVERY = 60.0
 
 #: every OCI stage; all but poststop pin (pinning twice is harmless, and a later stage
 #: catches a map that was published after the first one ran).
@@ -64,17 +88,35 @@ STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "pos
 
 USAGE = (
     "usage: vmpin guest hook [--strict] [--verbose] [--widen-parents] [--wait SECONDS]\n"
-    "                        [--map FILE] [--proc-root DIR] [--cgroup-root DIR] STAGE\n"
+    "                        [--map FILE] [--state DIR] [--proc-root DIR] [--cgroup-root DIR]\n"
+    "                        STAGE\n"
     "  STAGE: " + ", ".join(STAGES) + ";\n"
     "  the container's OCI state (id, pid) on stdin.\n"
     f"  --map FILE        the published map (${ENV_MAP};\n"
     f"                    default {DEFAULT_GUEST_MAP})\n"
     f"  --wait SECONDS    wait up to this long for the map to name the container (${ENV_WAIT})\n"
     "  --widen-parents   cgroup v1: add the CPUs to ancestors that lack them (never silently)\n"
+    f"  --state DIR       where to record what was pinned, for `vmpin guest follow`\n"
+    f"                    (${ENV_STATE}; default {DEFAULT_GUEST_STATE}); poststop removes it\n"
     f"  --proc-root DIR, --cgroup-root DIR   other roots, for tests (${ENV_PROC_ROOT},\n"
     f"                    ${ENV_CGROUP_ROOT}; default /proc, /sys/fs/cgroup)\n"
     "  --strict          exit 1 on failure (default: one line on stderr, exit 0)\n"
     "  --verbose         also report what was done, and non-exact maps"
+)
+
+FOLLOW_USAGE = (
+    "usage: vmpin guest follow [--once] [--interval SECONDS] [--strict] [--verbose]\n"
+    "                          [--widen-parents] [--map FILE] [--state DIR]\n"
+    "                          [--proc-root DIR] [--cgroup-root DIR]\n"
+    "  Re-pin the containers the guest hook recorded (in --state) whenever the host\n"
+    "  republishes their entry with another generation or other vCPUs; forget records\n"
+    "  whose process is gone.\n"
+    "  --once            one pass, then exit (0; 1 with --strict when something failed)\n"
+    f"  --interval SECONDS  how often to look at the map (default {DEFAULT_INTERVAL:g}); SIGTERM\n"
+    "                    or SIGINT exits 0\n"
+    f"  --map FILE, --state DIR   as for `vmpin guest hook` (${ENV_MAP}, ${ENV_STATE})\n"
+    "  --widen-parents, --proc-root, --cgroup-root   as for `vmpin guest hook`\n"
+    "  --verbose         also report each re-pin and each forgotten record"
 )
 
 
@@ -523,6 +565,8 @@ class Result(NamedTuple):
     where: str
     tasks: int
     notes: tuple[str, ...]
+    #: the cgroup whose cpuset.cpus was written (None: affinity), for the follower's record
+    cgroup: Cgroup | None = None
 
 
 def pin(
@@ -535,13 +579,25 @@ def pin(
     """
     if not cpus:
         raise GuestError("the map gives no vCPU")
-    cg = find_cgroup(proc, cgroup_root, pid)
+    return pin_with(proc, pid, cpus, find_cgroup(proc, cgroup_root, pid), widen_parents)
+
+
+def pin_with(
+    proc: str, pid: int, cpus: frozenset[int], cg: Cgroup | None, widen_parents: bool = False
+) -> Result:
+    """:func:`pin` once the cgroup is known (None: pin the threads of ``pid``'s tree).
+
+    The follower calls this with what the hook recorded, so that an update lands where the
+    start-time pin did -- the same cgroup, or the same process tree -- by the same code.
+    """
+    if not cpus:
+        raise GuestError("the map gives no vCPU")
     cg_err: GuestError | None = None
     if cg is not None:
         try:
             notes = pin_cgroup(cg, cpus, widen_parents)
             n = verify_tasks(proc, cgroup_tasks(cg), cpus, fix=True)
-            return Result("cgroup", cg.path, n, tuple(notes))
+            return Result("cgroup", cg.path, n, tuple(notes), cg)
         except GuestError as err:
             if not err.fallback:
                 raise
@@ -557,6 +613,215 @@ def pin(
     return Result("affinity", f"pid {pid}", n, tuple(notes))
 
 
+# -- records: what the hook pinned, for the follower -------------------------------------------
+def start_time(proc: str, pid: int) -> int | None:
+    """Field 22 of ``/proc/PID/stat`` (clock ticks after boot), None when the pid is gone.
+
+    A pid alone names a process only while it lives: once it exits the kernel may hand the
+    number to another process.  Pid and start time together name one process for as long as
+    the system runs, so a record never leads to pinning a stranger that reused the pid.
+    """
+    try:
+        text = _read(os.path.join(proc, str(pid), "stat"))
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: count fields after its last ")".
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[19])  # fields[0] is field 3 (state)
+    except (IndexError, ValueError):
+        return None
+
+
+class Record(NamedTuple):
+    """One container the guest side pinned (or is waiting to pin), as kept in the state dir.
+
+    ``method`` None means nothing was applied yet (the hook found no entry, or pinning
+    failed): the follower pins it the way the hook would once the map names it.  ``failed``
+    is the (generation, vCPUs) whose pin failed last, so that a loop pass does not retry and
+    re-report the same failure every few seconds (a full pass still retries).
+    """
+
+    container: str
+    pid: int
+    start_time: int
+    method: str | None
+    cgroup: Cgroup | None
+    guest_cpus: frozenset[int] | None
+    generation: int | None
+    failed: tuple[int, frozenset[int]] | None = None
+    by: str = ""
+
+    def applied(self, entry: Entry) -> bool:
+        """Whether ``entry`` is what this record says was applied (inequality, not "newer":
+        the host's generation restarts at 1 when its map file is recreated)."""
+        return (
+            self.method is not None
+            and self.generation == entry.generation
+            and self.guest_cpus == entry.guest_cpus
+        )
+
+
+def record_path(state_dir: str, container_id: str) -> str:
+    """``<state_dir>/<id>.json``; the id must be one plain path component.
+
+    The id comes from the OCI state, i.e. from whoever created the container: it must not
+    name a file elsewhere, nor one of the hidden temporary files (``.*``).
+    """
+    if (
+        not container_id
+        or len(container_id) > 200
+        or container_id.startswith(".")
+        or "/" in container_id
+        or "\0" in container_id
+    ):
+        raise GuestError(f"container id {container_id!r} cannot name a record file")
+    return os.path.join(state_dir, container_id + ".json")
+
+
+def record_doc(rec: Record) -> dict[str, object]:
+    """The record as JSON: a flat object, ids and CPU lists as in the published map."""
+    cg = rec.cgroup
+    return {
+        "version": RECORD_VERSION,
+        "container": rec.container,
+        "pid": rec.pid,
+        "start_time": rec.start_time,
+        "method": rec.method,
+        "cgroup": cg.path if cg is not None else None,
+        "cgroup_version": cg.version if cg is not None else None,
+        "cgroup_root": cg.root if cg is not None else None,
+        "guest_cpus": format_cpus(rec.guest_cpus) if rec.guest_cpus is not None else None,
+        "generation": rec.generation,
+        "failed": (
+            {"generation": rec.failed[0], "guest_cpus": format_cpus(rec.failed[1])}
+            if rec.failed is not None
+            else None
+        ),
+        "by": rec.by,
+    }
+
+
+def write_record(state_dir: str, rec: Record) -> str:
+    """Write the record atomically (a temporary file renamed over it); its path.
+
+    A reader (the follower, while the hook writes) sees the old record or the new one.  No
+    fsync: the state dir is on tmpfs in a guest, and a record describes processes that do
+    not outlive the VM anyway; the hook is on the container's start path and stays cheap.
+    """
+    path = record_path(state_dir, rec.container)
+    data = json.dumps(record_doc(rec), sort_keys=True).encode() + b"\n"
+    try:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(
+            state_dir, f".{rec.container}.json.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        )
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as err:
+        raise GuestError(f"cannot write {path}: {_errno_text(err)}") from None
+    return path
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_record(path: str) -> Record:
+    """Parse one record file, strictly: anything unexpected is a GuestError (and the
+    follower then forgets the file rather than act on a guess)."""
+    try:
+        raw = json.loads(_read(path))
+    except OSError as err:
+        raise GuestError(f"cannot read record {path}: {_errno_text(err)}") from None
+    except ValueError as err:
+        raise GuestError(f"record {path} is not JSON: {err}") from None
+    if not isinstance(raw, dict) or raw.get("version") != RECORD_VERSION:
+        raise GuestError(f"record {path} is not a version {RECORD_VERSION} record")
+    cid, pid, born = raw.get("container"), _opt_int(raw.get("pid")), _opt_int(raw.get("start_time"))
+    if not isinstance(cid, str) or os.path.basename(path) != f"{cid}.json":
+        raise GuestError(f"record {path} names another container ({cid!r})")
+    if pid is None or pid <= 0 or born is None:
+        raise GuestError(f"record {path} has no pid and start time")
+    method = raw.get("method")
+    if method not in ("cgroup", "affinity", None):
+        raise GuestError(f"record {path}: unknown method {method!r}")
+    cg = None
+    if method == "cgroup":
+        where, root, version = raw.get("cgroup"), raw.get("cgroup_root"), raw.get("cgroup_version")
+        if not (isinstance(where, str) and isinstance(root, str) and version in (1, 2)):
+            raise GuestError(f"record {path}: method cgroup without its cgroup")
+        rel = "/" + os.path.relpath(where, root).lstrip("/")
+        if rel.startswith("/.."):
+            raise GuestError(f"record {path}: cgroup {where} is not below {root}")
+        cg = Cgroup(1 if version == 1 else 2, where, rel, root)
+    cpus_text = raw.get("guest_cpus")
+    cpus = parse_cpus(cpus_text) if isinstance(cpus_text, str) else None
+    if method is not None and cpus is None:
+        raise GuestError(f"record {path}: applied, but no guest_cpus")
+    failed_raw = raw.get("failed")
+    failed = None
+    if isinstance(failed_raw, dict) and isinstance(failed_raw.get("guest_cpus"), str):
+        gen = _opt_int(failed_raw.get("generation"))
+        if gen is not None:
+            failed = (gen, parse_cpus(failed_raw["guest_cpus"]))
+    by = raw.get("by")
+    return Record(
+        cid,
+        pid,
+        born,
+        method if isinstance(method, str) else None,
+        cg,
+        cpus,
+        _opt_int(raw.get("generation")),
+        failed,
+        by if isinstance(by, str) else "",
+    )
+
+
+def list_records(state_dir: str) -> list[str]:
+    """Paths of every record (``*.json``, not the hidden temporaries); [] without a dir."""
+    try:
+        names = os.listdir(state_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise GuestError(f"cannot list {state_dir}: {_errno_text(err)}") from None
+    return sorted(
+        os.path.join(state_dir, n) for n in names if n.endswith(".json") and not n.startswith(".")
+    )
+
+
+def forget(path: str) -> bool:
+    """Remove a record file; False when it was gone already."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_stale_temps(state_dir: str, older_than: float = FULL_PASS_EVERY) -> None:
+    """Remove temporary files a writer left when it died between create and rename."""
+    try:
+        names = [n for n in os.listdir(state_dir) if n.startswith(".") and n.endswith(".tmp")]
+    except OSError:
+        return
+    now = time.time()
+    for n in names:
+        path = os.path.join(state_dir, n)
+        with contextlib.suppress(OSError):
+            if now - os.stat(path).st_mtime > older_than:
+                os.unlink(path)
+
+
 # -- the hook ---------------------------------------------------------------------------------
 class Options(NamedTuple):
     stage: str
@@ -567,19 +832,19 @@ class Options(NamedTuple):
     map_path: str
     proc: str
     cgroup_root: str
+    state_dir: str = DEFAULT_GUEST_STATE
 
 
-def parse_args(args: list[str], env: Mapping[str, str] | None = None) -> Options:
-    """Options in any order around STAGE; each path also from its environment variable."""
-    env = os.environ if env is None else env
-    flags = {"--strict": False, "--verbose": False, "-v": False, "--widen-parents": False}
-    values = {
-        "--map": env.get(ENV_MAP) or DEFAULT_GUEST_MAP,
-        "--proc-root": env.get(ENV_PROC_ROOT) or "/proc",
-        "--cgroup-root": env.get(ENV_CGROUP_ROOT) or "/sys/fs/cgroup",
-        "--wait": env.get(ENV_WAIT) or "0",
-    }
-    stages: list[str] = []
+def _parse(
+    args: list[str], flags: dict[str, bool], values: dict[str, str]
+) -> tuple[dict[str, bool], dict[str, str], list[str]]:
+    """Options in any order, ``--name value`` or ``--name=value``; the rest positional.
+
+    Hand-rolled (argparse costs the hook's start time, and its errors exit 2 where the hook
+    must stay fail-open); shared by ``guest hook`` and ``guest follow``.
+    """
+    flags, values = dict(flags), dict(values)
+    positional: list[str] = []
     i = 0
     while i < len(args):
         name, eq, value = args[i].partition("=")
@@ -595,14 +860,42 @@ def parse_args(args: list[str], env: Mapping[str, str] | None = None) -> Options
         elif args[i].startswith("-"):
             raise GuestError(f"unknown option {args[i]}")
         else:
-            stages.append(args[i])
+            positional.append(args[i])
         i += 1
+    return flags, values, positional
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise GuestError(f"{name} {text!r} is not a number of seconds") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise GuestError(f"{name} {text!r} is not a number of seconds")
+    return value
+
+
+def _path_values(env: Mapping[str, str]) -> dict[str, str]:
+    """The path options both commands take, each defaulting to its environment variable."""
+    return {
+        "--map": env.get(ENV_MAP) or DEFAULT_GUEST_MAP,
+        "--state": env.get(ENV_STATE) or DEFAULT_GUEST_STATE,
+        "--proc-root": env.get(ENV_PROC_ROOT) or "/proc",
+        "--cgroup-root": env.get(ENV_CGROUP_ROOT) or "/sys/fs/cgroup",
+    }
+
+
+def parse_args(args: list[str], env: Mapping[str, str] | None = None) -> Options:
+    """Options in any order around STAGE; each path also from its environment variable."""
+    env = os.environ if env is None else env
+    flags, values, stages = _parse(
+        args,
+        {"--strict": False, "--verbose": False, "-v": False, "--widen-parents": False},
+        {**_path_values(env), "--wait": env.get(ENV_WAIT) or "0"},
+    )
     if len(stages) != 1 or stages[0] not in STAGES:
         raise GuestError(f"expected one STAGE of {', '.join(STAGES)}, got {stages or 'none'}")
-    try:
-        wait = float(values["--wait"])
-    except ValueError:
-        raise GuestError(f"--wait {values['--wait']!r} is not a number of seconds") from None
+    wait = _seconds("--wait", values["--wait"])
     return Options(
         stages[0],
         flags["--strict"],
@@ -612,6 +905,7 @@ def parse_args(args: list[str], env: Mapping[str, str] | None = None) -> Options
         values["--map"],
         values["--proc-root"],
         values["--cgroup-root"],
+        values["--state"],
     )
 
 
@@ -643,21 +937,89 @@ class Report(NamedTuple):
 
 
 def run(opts: Options, data: bytes) -> Report | None:
-    """Handle one invocation; None when there was nothing to do (poststop)."""
+    """Handle one invocation; None when there was nothing to do (poststop).
+
+    Every pinning stage also records the container for ``vmpin guest follow`` -- after a
+    failure too, when the process lives, so that the follower pins it once the map names
+    it (the host may publish after the last hook ran).
+    """
     if opts.stage == "poststop":
-        return None  # the container's cgroup and threads are gone: nothing to undo
+        forget_stopped(opts.state_dir, data)
+        return None  # the container's cgroup and threads are gone: nothing else to undo
     state = parse_state(data)
     if not state.pid:
         raise GuestError(f"OCI state of {state.id} has no pid")
-    entry = find_entry(opts.map_path, state.id, opts.wait)
-    result = pin(opts.proc, opts.cgroup_root, state.pid, entry.guest_cpus, opts.widen_parents)
+    born = start_time(opts.proc, state.pid)
+    entry: Entry | None = None
+    try:
+        entry = find_entry(opts.map_path, state.id, opts.wait)
+        result = pin(opts.proc, opts.cgroup_root, state.pid, entry.guest_cpus, opts.widen_parents)
+    except GuestError:
+        if born is not None:
+            record_attempt(opts, state, born, entry)
+        raise
     line = (
         f"container {state.id} pinned to vCPUs {format_cpus(entry.guest_cpus)} "
         f"({result.method}: {result.where}, {result.tasks} tasks)"
     )
     if not entry.exact:
         line += f"; map not exact ({entry.mode}: {entry.reason})"
-    return Report(line, result.notes)
+    notes = list(result.notes)
+    # Not being able to record is worth a line even without --verbose: the container is
+    # pinned now, but an update of its CPUs will not reach it.
+    if born is None:
+        notes.append(f"not recorded in {opts.state_dir}: no start time for pid {state.pid}")
+    else:
+        rec = Record(
+            state.id,
+            state.pid,
+            born,
+            result.method,
+            result.cgroup,
+            entry.guest_cpus,
+            entry.generation,
+            None,
+            f"hook {opts.stage}",
+        )
+        try:
+            write_record(opts.state_dir, rec)
+        except GuestError as err:
+            notes.append(f"not recorded for `vmpin guest follow`: {err}")
+    return Report(line, tuple(notes))
+
+
+def record_attempt(opts: Options, state: State, born: int, entry: Entry | None) -> None:
+    """After a failed pin: record the container as not pinned yet, best effort and silently
+    (the failure itself is the line on stderr).
+
+    A record of the same process that says something *was* applied (prestart pinned, then
+    poststart failed) is kept as it is: it is still true.
+    """
+    try:
+        path = record_path(opts.state_dir, state.id)
+        try:
+            old = read_record(path)
+        except GuestError:
+            old = None
+        if old is not None and (old.pid, old.start_time) == (state.pid, born) and old.method:
+            return
+        failed = (entry.generation, entry.guest_cpus) if entry is not None else None
+        rec = Record(
+            state.id, state.pid, born, None, None, None, None, failed, f"hook {opts.stage}"
+        )
+        write_record(opts.state_dir, rec)
+    except GuestError:
+        return
+
+
+def forget_stopped(state_dir: str, data: bytes) -> None:
+    """poststop: remove the container's record, and never fail or say anything.
+
+    The OCI state at poststop may lack a pid, or be missing altogether; and a record the
+    hook cannot remove here is forgotten by the follower once its process is gone.
+    """
+    with contextlib.suppress(GuestError, OSError):
+        forget(record_path(state_dir, parse_state(data).id))
 
 
 def main(args: list[str]) -> int:
@@ -687,8 +1049,266 @@ def main(args: list[str]) -> int:
     return 1 if strict else 0
 
 
+# -- the follower ------------------------------------------------------------------------------
+class FollowOptions(NamedTuple):
+    once: bool
+    interval: float
+    strict: bool
+    verbose: bool
+    widen_parents: bool
+    map_path: str
+    state_dir: str
+    proc: str
+    cgroup_root: str
+
+
+def parse_follow_args(args: list[str], env: Mapping[str, str] | None = None) -> FollowOptions:
+    """``vmpin guest follow`` options; the paths as for the hook, from the same variables."""
+    env = os.environ if env is None else env
+    flags, values, extra = _parse(
+        args,
+        {
+            "--once": False,
+            "--strict": False,
+            "--verbose": False,
+            "-v": False,
+            "--widen-parents": False,
+        },
+        {**_path_values(env), "--interval": str(DEFAULT_INTERVAL)},
+    )
+    if extra:
+        raise GuestError(f"unexpected argument {extra[0]!r}")
+    interval = _seconds("--interval", values["--interval"])
+    if interval <= 0:
+        raise GuestError(f"--interval {values['--interval']!r} must be more than 0 seconds")
+    return FollowOptions(
+        flags["--once"],
+        interval,
+        flags["--strict"],
+        flags["--verbose"] or flags["-v"],
+        flags["--widen-parents"],
+        values["--map"],
+        values["--state"],
+        values["--proc-root"],
+        values["--cgroup-root"],
+    )
+
+
+class PassResult(NamedTuple):
+    """What one pass did: ``done`` for --verbose, ``notes`` always shown, ``failures``."""
+
+    done: list[str]
+    notes: list[str]
+    failures: list[str]
+
+
+def _save_if_changed(state_dir: str, path: str, old: Record, new: Record) -> None:
+    """Write ``new`` unless it says what ``old`` says, or the record was removed meanwhile
+    (poststop ran while we pinned: writing would bring back a stopped container's record)."""
+    if record_doc(new) == record_doc(old) or not os.path.exists(path):
+        return
+    write_record(state_dir, new)
+
+
+def follow_pass(opts: FollowOptions, full: bool = True) -> PassResult:
+    """One pass over every record: forget the dead, re-pin what the map changed.
+
+    ``full`` (``--once``, and every :data:`FULL_PASS_EVERY` seconds in the loop) also retries
+    an entry whose pin failed before and cleans up temporaries; a loop pass leaves a known
+    failure alone until the host publishes something else for that container.  The map is
+    read only when some record is left to compare it with.
+    """
+    res = PassResult([], [], [])
+    if full:
+        remove_stale_temps(opts.state_dir)
+    paths = list_records(opts.state_dir)
+    if not paths:
+        return res
+    guest_map: dict[str, object] | None = None
+    map_err: GuestError | None = None
+    try:
+        guest_map = read_map(opts.map_path)
+    except GuestError as err:
+        map_err = err
+    live = 0
+    for path in paths:
+        try:
+            rec = read_record(path)
+        except GuestError as err:
+            forget(path)
+            res.failures.append(f"{err}; forgotten")
+            continue
+        if start_time(opts.proc, rec.pid) != rec.start_time:
+            # Exited, or its pid now belongs to another process: either way not ours.
+            if forget(path):
+                res.done.append(f"container {rec.container}: process {rec.pid} is gone; forgotten")
+            continue
+        live += 1
+        if guest_map is None:
+            continue
+        try:
+            entry = lookup(guest_map, rec.container)
+        except GuestError as err:
+            res.failures.append(str(err))
+            continue
+        if entry is None or rec.applied(entry):
+            continue  # not mapped (any more): leave it as it is, like the hook
+        if not full and rec.failed == (entry.generation, entry.guest_cpus):
+            continue
+        try:
+            if rec.method is None:  # never applied: find its cgroup as the hook would
+                result = pin(
+                    opts.proc, opts.cgroup_root, rec.pid, entry.guest_cpus, opts.widen_parents
+                )
+            else:  # where the hook pinned it: that cgroup, else that process tree
+                result = pin_with(
+                    opts.proc, rec.pid, entry.guest_cpus, rec.cgroup, opts.widen_parents
+                )
+        except GuestError as err:
+            res.failures.append(
+                f"container {rec.container}: vCPUs {format_cpus(entry.guest_cpus)} "
+                f"(generation {entry.generation}): {err}"
+            )
+            failed = rec._replace(failed=(entry.generation, entry.guest_cpus), by="follow")
+            try:
+                _save_if_changed(opts.state_dir, path, rec, failed)
+            except GuestError as err2:
+                res.failures.append(str(err2))
+            continue
+        res.done.append(
+            f"container {rec.container} re-pinned to vCPUs {format_cpus(entry.guest_cpus)} "
+            f"(generation {entry.generation}; {result.method}: {result.where}, "
+            f"{result.tasks} tasks)"
+        )
+        res.notes.extend(f"container {rec.container}: {n}" for n in result.notes)
+        new = rec._replace(
+            method=result.method,
+            cgroup=result.cgroup,
+            guest_cpus=entry.guest_cpus,
+            generation=entry.generation,
+            failed=None,
+            by="follow",
+        )
+        try:
+            _save_if_changed(opts.state_dir, path, rec, new)
+        except GuestError as err:
+            res.failures.append(f"re-pinned, but {err}")
+    if map_err is not None and live:
+        res.failures.insert(0, str(map_err))
+    return res
+
+
+def _stat_key(path: str) -> tuple[int, int, int] | None:
+    """(inode, mtime_ns, size), None when missing: changes whenever the file does.
+
+    The host replaces the map by rename, so the inode changes even when a rewrite lands
+    within one timestamp tick and keeps the size; for the state dir, a record written,
+    replaced or removed changes the directory's mtime.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class _Stop(BaseException):
+    """Raised by the SIGTERM handler, only while the loop sleeps (never inside a pass)."""
+
+
+def follow(opts: FollowOptions, say: Callable[[str], None]) -> int:
+    """Run passes until SIGTERM/SIGINT (or one, with --once); the exit status.
+
+    The loop is cheap when nothing changed: it stats the map and the state dir and compares
+    them with the last pass before reading anything.  A failure line is printed when it
+    first appears, not again on every pass while it lasts.
+    """
+    if opts.once:
+        res = _guarded_pass(opts, True)
+        _report(opts, res, say, set())
+        return 1 if opts.strict and res.failures else 0
+
+    state = {"stopping": False, "sleeping": False}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        state["stopping"] = True
+        if state["sleeping"]:
+            raise _Stop
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    last_key: object = None
+    last_full = float("-inf")
+    said: set[str] = set()
+    try:
+        while not state["stopping"]:
+            now = time.monotonic()
+            full = now - last_full >= FULL_PASS_EVERY
+            # Taken *before* the pass: a record the hook writes during it changes the key,
+            # so the next look passes again (our own writes cost one extra, idle pass).
+            key = (_stat_key(opts.map_path), _stat_key(opts.state_dir))
+            if full or key != last_key:
+                res = _guarded_pass(opts, full)
+                said = _report(opts, res, say, said)
+                last_key = key
+                if full:
+                    last_full = now
+            state["sleeping"] = True
+            if state["stopping"]:
+                break
+            time.sleep(opts.interval)
+            state["sleeping"] = False
+    except _Stop:
+        pass
+    return 0
+
+
+def _guarded_pass(opts: FollowOptions, full: bool) -> PassResult:
+    """A pass that turns any error into a failure line: the loop must outlive a bad pass."""
+    try:
+        return follow_pass(opts, full)
+    except GuestError as err:
+        return PassResult([], [], [str(err)])
+    except Exception as err:  # a bug or an unforeseen OS error: report it, keep following
+        return PassResult([], [], [f"unexpected {type(err).__name__}: {err}"])
+
+
+def _report(
+    opts: FollowOptions, res: PassResult, say: Callable[[str], None], said: set[str]
+) -> set[str]:
+    """Print a pass's lines; the failures printed (or still standing), for the next pass."""
+    for line in res.done if opts.verbose else []:
+        say(line)
+    for line in res.notes:
+        say(line)
+    for line in res.failures:
+        if line not in said:
+            say(line)
+    return set(res.failures)
+
+
+def follow_main(args: list[str]) -> int:
+    """``vmpin guest follow ARGS``; the exit status (2: bad usage)."""
+    if "-h" in args or "--help" in args:
+        print(FOLLOW_USAGE)
+        return 0
+
+    def say(line: str) -> None:
+        print(f"vmpin guest follow: {line}", file=sys.stderr, flush=True)
+
+    try:
+        opts = parse_follow_args(args)
+    except GuestError as err:
+        say(str(err))
+        return 2
+    return follow(opts, say)
+
+
 if __name__ == "__main__":
     # Run as a copied file: kata-agent execs a hook with argv [name, stage]; the shipped
     # wrapper (hooks/kata-guest/.../vmpin-guest) with "guest hook STAGE", as for the package.
+    # The follower: "guest follow ARGS" (as for the package), or "follow ARGS".
     argv = sys.argv[1:]
+    if argv[:2] == ["guest", "follow"] or argv[:1] == ["follow"]:
+        sys.exit(follow_main(argv[2:] if argv[0] == "guest" else argv[1:]))
     sys.exit(main(argv[2:] if argv[:2] == ["guest", "hook"] else argv))
