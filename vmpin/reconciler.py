@@ -187,20 +187,18 @@ class Reconciler:
 
     def checkpoint(self) -> Any:
         """kubelet's cpu_manager_state, re-read only when its mtime changes."""
-        from vmpin.kubelet import read_checkpoint
-
         try:
             mtime = os.stat(self.paths.kubelet_state).st_mtime_ns
         except OSError:
             self._checkpoint_cache = None
             return None
+        from vmpin.kubelet import read_checkpoint
+
         if self._checkpoint_cache is None or self._checkpoint_cache[0] != mtime:
             self._checkpoint_cache = (mtime, read_checkpoint(self.paths.kubelet_state))
         return self._checkpoint_cache[1]
 
     def shared_pool(self) -> CpuSet | None:
-        if not os.path.exists(self.paths.kubelet_state):
-            return None
         cp = self.checkpoint()
         if cp is None or cp.policy != "static" or not cp.default:
             return None
@@ -220,16 +218,14 @@ class Reconciler:
                 return None
             if seen is not None:
                 want = CpuSet.parse(seen) if seen else None
-                rec = self._adopt(rec, "runc", "runtime_seen", rec.runtime_seen, seen, want)
-        if rec.pod_uid and rec.name and os.path.exists(self.paths.kubelet_state):
+                rec = self._adopt(rec, "runc", "runtime_seen", seen, want)
+        cp = self.checkpoint() if rec.pod_uid and rec.name else None
+        if cp is not None and rec.pod_uid and rec.name:
             from vmpin.kubelet import cpus_for
 
-            cp = self.checkpoint()
-            want = None if cp is None else cpus_for(cp, rec.pod_uid, rec.name)
+            want = cpus_for(cp, rec.pod_uid, rec.name)
             if want is not None:
-                rec = self._adopt(
-                    rec, "kubelet", "kubelet_seen", rec.kubelet_seen, want.to_list(), want
-                )
+                rec = self._adopt(rec, "kubelet", "kubelet_seen", want.to_list(), want)
         return rec
 
     def _adopt(
@@ -237,7 +233,6 @@ class Reconciler:
         rec: ContainerRec,
         source: str,
         column: str,
-        last: str | None,
         seen: str,
         want: CpuSet | None,
     ) -> ContainerRec:
@@ -247,13 +242,15 @@ class Reconciler:
         container was created with -- unless vmpin has been told otherwise since (an update),
         in which case a source still holding an older value is not news.
         """
+        stored: str | None = rec._asdict()[column]
+        last = stored
         if last is None:
             if rec.cpus_source == "spec":
                 last = "" if rec.cpus is None else rec.cpus.to_list()
             else:
                 last = seen
         if seen == last:
-            if rec._asdict()[column] != seen:
+            if stored != seen:  # first look: remember it
                 self.store.note_seen(rec.id, **{column: seen})
                 rec = (
                     rec._replace(runtime_seen=seen)
