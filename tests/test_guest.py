@@ -306,6 +306,23 @@ def test_pins_container_cgroup(runc: RuncSession, tmp_path: Path, vcpus: str) ->
     assert {allowed(t) for t in cgroup_tasks(cg)} == {vcpus}
 
 
+def run_with_guest_hooks(runc: RuncSession, cid: str, map_file: Path, state: Path) -> int:
+    """A container whose runc plays the kata-agent: `vmpin guest hook --strict` at
+    prestart, poststart and poststop, reading ``map_file`` and keeping records in ``state``."""
+
+    def argv(stage: str) -> list[str]:
+        return [*runc_util.vmpin_argv(stage)[:-2], "guest", "hook", "--strict", stage]
+
+    return runc.run(
+        cid,
+        cpus=None,
+        hooks=argv,
+        stages=("prestart", "poststart", "poststop"),
+        env={"VMPIN_GUEST_MAP": str(map_file), "VMPIN_GUEST_STATE": str(state)},
+        args=BUSY,
+    )
+
+
 @needs_runc
 @needs_two_cpus
 @pytest.mark.runc
@@ -315,17 +332,7 @@ def test_as_a_real_runc_prestart_hook(runc: RuncSession, tmp_path: Path) -> None
     cid = new_id("vmpin-guest")
     m = write_map(tmp_path / "map.json", {cid: "1"})
 
-    def argv(stage: str) -> list[str]:
-        return [*runc_util.vmpin_argv(stage)[:-2], "guest", "hook", "--strict", stage]
-
-    pid = runc.run(
-        cid,
-        cpus=None,
-        hooks=argv,
-        stages=("prestart", "poststart", "poststop"),
-        env={"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_STATE": str(tmp_path / "guest-state")},
-        args=BUSY,
-    )
+    pid = run_with_guest_hooks(runc, cid, m, tmp_path / "guest-state")
     cg = cpuset_dir(pid)
     assert (cg / "cpuset.cpus").read_text().strip() == "1"
     assert wait_until(lambda: len(cgroup_tasks(cg)) >= 3)
@@ -1039,17 +1046,7 @@ def test_runc_runs_the_hook_that_records_and_forgets(runc: RuncSession, tmp_path
     state = tmp_path / "runc-guest-state"
     m = write_map(tmp_path / "map.json", {cid: "1"})
 
-    def argv(stage: str) -> list[str]:
-        return [*runc_util.vmpin_argv(stage)[:-2], "guest", "hook", "--strict", stage]
-
-    pid = runc.run(
-        cid,
-        cpus=None,
-        hooks=argv,
-        stages=("prestart", "poststart", "poststop"),
-        env={"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_STATE": str(state)},
-        args=BUSY,
-    )
+    pid = run_with_guest_hooks(runc, cid, m, state)
     rec = record_of(state, cid)
     assert (rec["pid"], rec["cgroup"], rec["guest_cpus"]) == (pid, str(cpuset_dir(pid)), "1")
     assert rec["by"] == "hook poststart"
