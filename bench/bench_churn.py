@@ -11,7 +11,7 @@ What runs, all real processes on this host:
   state on stdin, the bundle's config.json with containerd's CRI annotations) for each
   container, ``vmpin hook poststop`` at deletion (for the workload container with the
   *sandbox* id in the state, as Kata sends it);
-- updates go through ``vmpin.update.update_container`` -- the code ``vmpin update`` runs,
+- updates go through ``vmpin.service.update.update_container`` -- the code ``vmpin update`` runs,
   minus the interpreter start-up -- which writes the new set, notifies the agent and waits
   until the agent has planned from that write (else re-pins in-process).
 
@@ -55,11 +55,11 @@ sys.path.insert(0, str(HERE))
 import fakevmm  # noqa: E402
 from bench_idle_pass import env_for, make_paths, vmpin_cmd  # noqa: E402
 
-from vmpin import control  # noqa: E402
-from vmpin.cpuset import CpuSet  # noqa: E402
-from vmpin.paths import HostPaths  # noqa: E402
-from vmpin.store import Store  # noqa: E402
-from vmpin.update import update_container  # noqa: E402
+from vmpin.core.cpuset import CpuSet  # noqa: E402
+from vmpin.linux.paths import HostPaths  # noqa: E402
+from vmpin.service import control  # noqa: E402
+from vmpin.service.update import update_container  # noqa: E402
+from vmpin.state.store import Store  # noqa: E402
 
 CHOICES = ("0", "1", "0-1")
 

@@ -8,7 +8,7 @@ finds nothing to do, and must do nothing.
 
 Two measurements:
 
-1. *In process*: an :class:`vmpin.agent.Agent` whose reconcilers get an ``AffinityBackend``
+1. *In process*: an :class:`vmpin.service.agent.Agent` whose reconcilers get an ``AffinityBackend``
    wrapper counting ``set()`` calls.  After the start-up pass the counter is reset, then
    ``--passes`` periodic passes run; reported: wall and CPU time per pass (process CPU, all
    threads: ``time.process_time``), and the number of ``set()`` calls (must be 0).
@@ -44,13 +44,13 @@ sys.path.insert(0, str(HERE))
 
 import fakevmm  # noqa: E402
 
-from vmpin import control  # noqa: E402
-from vmpin.affinity import SchedAffinity  # noqa: E402
-from vmpin.agent import Agent  # noqa: E402
-from vmpin.cpuset import CpuSet  # noqa: E402
-from vmpin.paths import HostPaths  # noqa: E402
-from vmpin.reconciler import Reconciler  # noqa: E402
-from vmpin.store import ContainerRec, SandboxRec, Store  # noqa: E402
+from vmpin.core.cpuset import CpuSet  # noqa: E402
+from vmpin.linux.affinity import SchedAffinity  # noqa: E402
+from vmpin.linux.paths import HostPaths  # noqa: E402
+from vmpin.reconcile.reconciler import Reconciler  # noqa: E402
+from vmpin.service import control  # noqa: E402
+from vmpin.service.agent import Agent  # noqa: E402
+from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
 
 
 class CountingAffinity:

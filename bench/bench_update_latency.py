@@ -48,10 +48,10 @@ sys.path.insert(0, str(HERE))
 from bench_idle_pass import env_for, make_paths, vmpin_cmd  # noqa: E402
 
 from tests.qemu_util import launch  # noqa: E402
-from vmpin import control  # noqa: E402
-from vmpin.cpuset import CpuSet  # noqa: E402
-from vmpin.paths import HostPaths  # noqa: E402
-from vmpin.store import ContainerRec, SandboxRec, Store  # noqa: E402
+from vmpin.core.cpuset import CpuSet  # noqa: E402
+from vmpin.linux.paths import HostPaths  # noqa: E402
+from vmpin.service import control  # noqa: E402
+from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
 
 SID = "lat32"
 POLL = 0.0002

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vmpin.paths import HostPaths
+from vmpin.linux.paths import HostPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -3,7 +3,7 @@
 ``python -m tests.make_sysfs`` (re)writes ``tests/fixtures/sysfs/<name>/devices/system/...``
 for every machine in :data:`MACHINES`; the trees are committed next to this generator, and
 ``tests/test_topology.py`` checks that they still match it.  Tests read the trees through
-:func:`vmpin.sysfs.read_topology`, exactly as vmpin reads ``/sys`` (no patched ``open``).
+:func:`vmpin.linux.sysfs.read_topology`, exactly as vmpin reads ``/sys`` (no patched ``open``).
 
 Written per machine, after the kernel's own layout:
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmpin.cpuset import EMPTY, CpuSet
+from vmpin.core.cpuset import EMPTY, CpuSet
 
 SYSFS_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
 

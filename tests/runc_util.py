@@ -43,11 +43,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from vmpin import procfs
-from vmpin.cgroups import cgroup_of_pid
-from vmpin.errors import ProcessGone
-from vmpin.oci import STAGES
-from vmpin.paths import ENVVARS, HostPaths
+from vmpin.core.errors import ProcessGone
+from vmpin.linux import procfs
+from vmpin.linux.cgroups import cgroup_of_pid
+from vmpin.linux.paths import ENVVARS, HostPaths
+from vmpin.runtimes.oci import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 BUSYBOX = "/usr/bin/busybox"

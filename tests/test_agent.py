@@ -32,13 +32,13 @@ import pytest
 
 from tests.conftest import ROOT, vmpin_cmd
 from tests.qemu_util import wait_until
-from vmpin import control
-from vmpin.affinity import SchedAffinity
-from vmpin.agent import Agent, DirtyQueue
-from vmpin.cpuset import CpuSet
-from vmpin.paths import HostPaths
-from vmpin.reconciler import Reconciler
-from vmpin.store import ContainerRec, SandboxRec, Store
+from vmpin.core.cpuset import CpuSet
+from vmpin.linux.affinity import SchedAffinity
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler
+from vmpin.service import control
+from vmpin.service.agent import Agent, DirtyQueue
+from vmpin.state.store import ContainerRec, SandboxRec, Store
 
 sys.path.insert(0, str(ROOT / "bench"))
 import fakevmm
@@ -667,9 +667,9 @@ def test_idle_pass_makes_no_affinity_call(
 
 def test_hook_path_does_not_import_the_agent() -> None:
     code = (
-        "import sys, vmpin.entry, vmpin.hook, vmpin.control; "
-        "print(sorted(m for m in sys.modules if m.startswith(('prometheus', 'vmpin.agent', "
-        "'vmpin.metrics'))))"
+        "import sys, vmpin.entry, vmpin.service.hook, vmpin.service.control; "
+        "print(sorted(m for m in sys.modules if m.startswith(('prometheus', 'vmpin.service.agent', "
+        "'vmpin.service.metrics'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT

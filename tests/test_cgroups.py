@@ -1,4 +1,4 @@
-"""vmpin.cgroups: fixture trees for every layout, and the real cgroup v1 cpuset hierarchy.
+"""vmpin.linux.cgroups: fixture trees for every layout, and the real cgroup v1 cpuset hierarchy.
 
 The real tests make their own cgroups under ``/sys/fs/cgroup/cpuset/vmpin-test-<random>``
 and their own ``sleep`` processes, and remove both afterwards.
@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from vmpin import procfs
-from vmpin.cgroups import (
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import AffinityRejected, IdError, ProcessGone
+from vmpin.linux import procfs
+from vmpin.linux.cgroups import (
     CgroupRef,
     candidate_paths,
     cgroup_of_pid,
@@ -30,9 +32,7 @@ from vmpin.cgroups import (
     v2_root,
     write_cpus,
 )
-from vmpin.cpuset import CpuSet
-from vmpin.errors import AffinityRejected, IdError, ProcessGone
-from vmpin.paths import HostPaths
+from vmpin.linux.paths import HostPaths
 
 CID = "3f1e2d4c5b6a79880a1b2c3d4e5f60718293a4b5c6d7e8f9a0b1c2d3e4f5a6b7"
 UID = "6b2f1a4e-7c1d-4c55-9a57-2f0a5c1e9d10"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmpin.cpuset import EMPTY, MAX_CPUS, CpuSet, parse_cpus
-from vmpin.errors import CpuSetError, VmpinError
+from vmpin.core.cpuset import EMPTY, MAX_CPUS, CpuSet, parse_cpus
+from vmpin.core.errors import CpuSetError, VmpinError
 
 # -- the list format ------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import vmpin_cmd
 from tests.qemu_util import QemuHandle, hold_qmp, qemu_factory, require_qemu
-from vmpin.paths import HostPaths
+from vmpin.linux.paths import HostPaths
 
 pytestmark = pytest.mark.qemu
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import vmpin_cmd
 from tests.runc_util import RuncSession, missing, new_id
-from vmpin.paths import HostPaths
+from vmpin.linux.paths import HostPaths
 
 pytestmark = pytest.mark.runc
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from vmpin.errors import SpecError
-from vmpin.events import append, build, journal_dir, pending
-from vmpin.oci import parse_state
-from vmpin.paths import HostPaths
-from vmpin.store import Store
+from vmpin.core.errors import SpecError
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.oci import parse_state
+from vmpin.state.journal import append, build, journal_dir, pending
+from vmpin.state.store import Store
 
 ANN = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod"}
 

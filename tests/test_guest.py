@@ -1,4 +1,4 @@
-"""The guest side (vmpin.guest), run for real: a runc container stands in for the guest's.
+"""The guest side (vmpin.guest.program), run for real: a runc container stands in for the guest's.
 
 Inside a Kata VM the agent runs ``vmpin guest hook STAGE`` with the container's OCI state on
 stdin; here runc plays the agent (a container started without any CPU set, so on every CPU,
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,8 +33,9 @@ import pytest
 from tests import runc_util
 from tests.conftest import vmpin_cmd
 from tests.runc_util import RuncSession, new_id
-from vmpin import guest
-from vmpin.paths import HostPaths
+from vmpin.guest import bundle
+from vmpin.guest import program as guest
+from vmpin.linux.paths import HostPaths
 
 REPO = Path(__file__).resolve().parent.parent
 CPUSET = Path("/sys/fs/cgroup/cpuset")
@@ -52,7 +52,8 @@ needs_v1_cpuset = pytest.mark.skipif(
 
 # -- helpers -----------------------------------------------------------------------------------
 def write_map(path: Path, entries: Mapping[str, str], *, exact: bool = True, **extra: Any) -> Path:
-    """A published map in format 1, as vmpin.publish writes it (only what the hook reads)."""
+    """A published map in format 1, as vmpin.runtimes.publish writes it (only what the hook
+    reads)."""
     doc = {
         "version": 1,
         "sandbox": "sb",
@@ -253,15 +254,21 @@ def test_hook_path_imports_nothing_heavy() -> None:
     mods = set(json.loads(out.stdout.splitlines()[-1]))
     for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
         assert heavy not in mods
-    assert {m for m in mods if m.startswith("vmpin")} == {"vmpin", "vmpin.entry", "vmpin.guest"}
+    assert {m for m in mods if m.startswith("vmpin")} == {
+        "vmpin",
+        "vmpin.entry",
+        "vmpin.guest",
+        "vmpin.guest.program",
+        "vmpin.wire",
+        "vmpin.wire.guestmap",
+    }
 
 
 @needs_two_cpus
 def test_runs_as_a_single_copied_file(tmp_path: Path) -> None:
     """guest.py alone (no vmpin package, no site-packages) pins a process: a guest image
     needs only python3 and this one file, called as kata-agent or the shipped wrapper does."""
-    script = tmp_path / "vmpin-guest.py"
-    shutil.copy(REPO / "vmpin" / "guest.py", script)
+    script = Path(bundle.build(str(tmp_path / "vmpin-guest.pyz")))
     m = write_map(tmp_path / "map.json", {"solo": "1"})
     with plain_process() as (pid, _):
         for argv in (["prestart"], ["guest", "hook", "poststart"]):
@@ -591,8 +598,8 @@ def test_end_to_end(
     paths: HostPaths, env: dict[str, str], vm_dir: Path, runc: RuncSession, tmp_path: Path
 ) -> None:
     from tests.qemu_util import start_qemu
-    from vmpin.cpuset import CpuSet
-    from vmpin.store import ContainerRec, SandboxRec, Store
+    from vmpin.core.cpuset import CpuSet
+    from vmpin.state.store import ContainerRec, SandboxRec, Store
 
     sid = new_id("vmpin-sb")
     cids = {new_id("vmpin-c0"): "0", new_id("vmpin-c1"): "1"}
@@ -709,12 +716,13 @@ def follow_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
 
 def publish_host_cpus(paths: HostPaths, sandbox: str, containers: Mapping[str, str]) -> Path:
     """Publish the sandbox's map through the host's own code: this machine's topology, a
-    1:1 plan over every CPU, vmpin.guestmap and vmpin.publish (generations and all)."""
-    from vmpin import publish
-    from vmpin.cpuset import CpuSet
-    from vmpin.guestmap import map_sandbox
-    from vmpin.planner import Thread, plan_sandbox
-    from vmpin.sysfs import read_topology
+    1:1 plan over every CPU, vmpin.core.guestmap and vmpin.runtimes.publish (generations and
+    all)."""
+    from vmpin.core.cpuset import CpuSet
+    from vmpin.core.guestmap import map_sandbox
+    from vmpin.core.planner import Thread, plan_sandbox
+    from vmpin.linux.sysfs import read_topology
+    from vmpin.runtimes import publish
 
     (Path(paths.publish_dir) / sandbox / "mounts").mkdir(parents=True, exist_ok=True)
     topo = read_topology("/sys")
@@ -1135,15 +1143,21 @@ def test_follow_imports_nothing_heavy(tmp_path: Path) -> None:
     assert rc == 0
     for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
         assert heavy not in mods
-    assert {m for m in mods if m.startswith("vmpin")} == {"vmpin", "vmpin.entry", "vmpin.guest"}
+    assert {m for m in mods if m.startswith("vmpin")} == {
+        "vmpin",
+        "vmpin.entry",
+        "vmpin.guest",
+        "vmpin.guest.program",
+        "vmpin.wire",
+        "vmpin.wire.guestmap",
+    }
 
 
 @needs_two_cpus
 def test_follow_runs_from_the_single_copied_file(tmp_path: Path) -> None:
     """guest.py alone (no package, no site-packages): hook, then `follow --once`, both ways
     the file can be called."""
-    script = tmp_path / "vmpin-guest.py"
-    shutil.copy(REPO / "vmpin" / "guest.py", script)
+    script = Path(bundle.build(str(tmp_path / "vmpin-guest.pyz")))
     m = write_map(tmp_path / "map.json", {"solo": "1"})
     env = {
         "VMPIN_GUEST_MAP": str(m),

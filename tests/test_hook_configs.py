@@ -17,8 +17,8 @@ import pytest
 
 from tests import runc_util
 from tests.runc_util import HOST_STAGES, RuncSession, new_id
-from vmpin.oci import STAGES
-from vmpin.paths import HostPaths
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.oci import STAGES
 
 HOOKS = Path(__file__).resolve().parent.parent / "hooks"
 GUEST = HOOKS / "kata-guest" / "usr" / "share" / "oci" / "hooks"

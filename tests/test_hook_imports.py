@@ -1,7 +1,8 @@
 """The hook path stays lean: what `vmpin hook` actually loads, checked at run time (a plain
 container's hook journals its event and loads neither sqlite3 nor typing).
 
-import-linter checks the static imports of vmpin.hook and vmpin.guest; this checks the whole
+import-linter checks the static imports of vmpin.service.hook and vmpin.guest.program; this
+checks the whole
 dispatch (vmpin.entry -> hook -> in-process reconcile of a plain container) in a fresh
 interpreter, where a lazy import in the wrong place would show.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
              "prometheus_client", "dataclasses", "typing", "sqlite3", "vmpin.cli",
-             "vmpin.agent", "vmpin.reconciler")
+             "vmpin.service.agent", "vmpin.reconcile.reconciler")
 
 PROBE = """
 import io, json, sys
@@ -42,7 +43,7 @@ def test_hook_imports_nothing_heavy(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["code"] == 0, proc.stderr
     loaded = set(out["modules"])
-    assert "vmpin.events" in loaded
+    assert "vmpin.state.journal" in loaded
     assert not [m for m in FORBIDDEN if m in loaded]
     # ...and the event it journaled is in the store for the next reader
     listed = subprocess.run(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vmpin.cpuset import CpuSet
-from vmpin.errors import KubeError
-from vmpin.kubelet import Checkpoint, cpus_for, read_checkpoint
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import KubeError
+from vmpin.runtimes.kubelet import Checkpoint, cpus_for, read_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "kubelet"
 POD_A = "6b2f1a4e-7c1d-4c55-9a57-2f0a5c1e9d10"

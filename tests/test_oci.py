@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from vmpin.cpuset import CpuSet
-from vmpin.errors import IdError, SpecError, VmpinError
-from vmpin.oci import (
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import IdError, SpecError, VmpinError
+from vmpin.runtimes.oci import (
     STAGES,
     Identity,
     Resources,

@@ -1,8 +1,9 @@
-"""The host half of the guest channel (vmpin.publish): where, what, atomically, only on change.
+"""The host half of the guest channel (vmpin.runtimes.publish): where, what, atomically, only
+on change.
 
 Every test writes a real file under a temporary publish dir laid out like Kata's
 ``/run/kata-containers/shared/sandboxes/<sandbox>/mounts/``, and reads it back with the
-guest's own reader (vmpin.guest), the contract's other half.
+guest's own reader (vmpin.guest.program), the contract's other half.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from typing import Any
 
 import pytest
 
-from vmpin import guest, publish
-from vmpin.cpuset import CpuSet
-from vmpin.errors import HostError, IdError
-from vmpin.guestmap import map_sandbox
-from vmpin.paths import HostPaths
-from vmpin.planner import Thread, plan_sandbox
-from vmpin.sysfs import read_topology
-from vmpin.topology import Topology
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import HostError, IdError
+from vmpin.core.guestmap import map_sandbox
+from vmpin.core.planner import Thread, plan_sandbox
+from vmpin.core.topology import Topology
+from vmpin.guest import program as guest
+from vmpin.linux.paths import HostPaths
+from vmpin.linux.sysfs import read_topology
+from vmpin.runtimes import publish
 
 from .conftest import FIXTURES
 
@@ -141,7 +143,7 @@ def test_failed_rename_keeps_old_map(paths: HostPaths, shared: Path, mocker: Any
     """A fault at the rename (disk full, EIO) leaves the old map whole and no temp file."""
     first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
     old = Path(first.path).read_bytes()
-    mocker.patch("vmpin.publish.os.replace", side_effect=OSError(5, "Input/output error"))
+    mocker.patch("vmpin.runtimes.publish.os.replace", side_effect=OSError(5, "Input/output error"))
     with pytest.raises(HostError, match="Input/output error"):
         publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
     assert Path(first.path).read_bytes() == old

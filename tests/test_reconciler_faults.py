@@ -16,10 +16,10 @@ import pytest
 from pytest_mock import MockerFixture
 
 from tests.qemu_util import QemuHandle, launch, require_qemu
-from vmpin.cpuset import CpuSet
-from vmpin.paths import HostPaths
-from vmpin.reconciler import Reconciler
-from vmpin.store import ContainerRec, SandboxRec, Store
+from vmpin.core.cpuset import CpuSet
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler
+from vmpin.state.store import ContainerRec, SandboxRec, Store
 
 pytestmark = pytest.mark.qemu
 
@@ -61,7 +61,7 @@ def test_eperm_esrch_einval_are_per_thread(
             raise OSError(code, os.strerror(code))
         real(tid, cpus)  # type: ignore[arg-type]
 
-    mocker.patch("vmpin.affinity.os.sched_setaffinity", side_effect=fake)
+    mocker.patch("vmpin.linux.affinity.os.sched_setaffinity", side_effect=fake)
     [report] = Reconciler(paths, store).reconcile()
     by_tid = {t.tid: t for t in report.threads}
     assert by_tid[denied].action == "error"
@@ -89,7 +89,7 @@ def test_thread_exiting_between_read_and_pin(
             raise OSError(errno.ESRCH, "No such process")
         return real_get(tid)
 
-    mocker.patch("vmpin.affinity.os.sched_getaffinity", side_effect=fake_get)
+    mocker.patch("vmpin.linux.affinity.os.sched_getaffinity", side_effect=fake_get)
     [report] = Reconciler(paths, store).reconcile()
     states = {t.tid: t.action for t in report.threads}
     assert states[victim] == "gone"

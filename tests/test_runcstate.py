@@ -16,13 +16,13 @@ import pytest
 
 from tests import runc_util
 from tests.runc_util import HOST_STAGES, RuncSession, new_id, own_cpuset_cgroup
-from vmpin import procfs
-from vmpin.cgroups import find_container_cgroup, read_cpus, tasks, write_cpus
-from vmpin.cpuset import CpuSet
-from vmpin.errors import RuntimeKindError
-from vmpin.oci import STAGES
-from vmpin.paths import HostPaths
-from vmpin.runcstate import runc_cgroup_paths, runc_cpus, runc_init_pid, state_path
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import RuntimeKindError
+from vmpin.linux import procfs
+from vmpin.linux.cgroups import find_container_cgroup, read_cpus, tasks, write_cpus
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.oci import STAGES
+from vmpin.runtimes.runcstate import runc_cgroup_paths, runc_cpus, runc_init_pid, state_path
 
 _MISSING = runc_util.missing()
 needs_runc = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from vmpin.cpuset import CpuSet
-from vmpin.errors import IdError, StateError
-from vmpin.store import SCHEMA_VERSION, ContainerRec, SandboxRec, Store, ThreadRec
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import IdError, StateError
+from vmpin.state.store import SCHEMA_VERSION, ContainerRec, SandboxRec, Store, ThreadRec
 
 
 @pytest.fixture

@@ -29,13 +29,13 @@ from tests.qemu_util import (
     start_qemu,
     wait_until,
 )
-from vmpin import procfs
-from vmpin.errors import ProcessGone, QmpError
-from vmpin.paths import HostPaths
-from vmpin.qmp import QmpClient, QmpTimeout, query_vmm
-from vmpin.store import ThreadRec
-from vmpin.threads import Classification, VmmThread, classify, find_vhost_kthreads
-from vmpin.vmm import Vmm, find_vmm
+from vmpin.core.errors import ProcessGone, QmpError
+from vmpin.linux import procfs
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.qmp import QmpClient, QmpTimeout, query_vmm
+from vmpin.runtimes.threads import Classification, VmmThread, classify, find_vhost_kthreads
+from vmpin.runtimes.vmm import Vmm, find_vmm
+from vmpin.state.store import ThreadRec
 
 #: the BIOS of a diskless QEMU spins a vCPU for a few seconds (~5 s seen here) before idling
 FALLBACK_WAIT = 30.0
@@ -320,7 +320,7 @@ def test_classify_qmp_is_fast_and_never_needs_the_kvm_layer(
     q = qemu("c2", paused=False)
     vmm = vmm_of(paths, q)
     # fault injection: if the KVM fallback were consulted, it would blow up
-    mocker.patch("vmpin.procfs.syscall", side_effect=AssertionError("KVM layer used"))
+    mocker.patch("vmpin.linux.procfs.syscall", side_effect=AssertionError("KVM layer used"))
     t0 = time.monotonic()
     c = classify(paths, vmm, str(q.qmp_sock), kvm_retry_delay=5.0)
     assert time.monotonic() - t0 < 2.0
@@ -338,7 +338,7 @@ def test_classify_via_names_with_qmp_held(
     vmm = vmm_of(paths, q)
     assert vmm.debug_threads
     with hold_qmp(q.qmp_sock):
-        mocker.patch("vmpin.procfs.syscall", side_effect=AssertionError("KVM layer used"))
+        mocker.patch("vmpin.linux.procfs.syscall", side_effect=AssertionError("KVM layer used"))
         c = classify(paths, vmm, str(q.qmp_sock), kvm_retry_delay=5.0)
     assert c.vcpus() == cpus
     assert {c.by_tid()[tid].label for tid in cpus.values()} == {"CPU 0/KVM", "CPU 1/KVM"}
@@ -517,7 +517,7 @@ def test_thread_gone_mid_classification_is_skipped(
             raise ProcessGone(f"tid {tid} is gone (comm)")
         return real_comm(proc, pid, tid)
 
-    mocker.patch("vmpin.procfs.comm", side_effect=comm)
+    mocker.patch("vmpin.linux.procfs.comm", side_effect=comm)
     c = classify(paths, vmm_of(paths, q), str(q.qmp_sock))
     assert vanishing not in c.by_tid()
     assert c.vcpus() == {0: cpus[0]}
@@ -537,7 +537,7 @@ def test_thread_gone_during_kvm_scan_is_skipped(
             raise ProcessGone(f"tid {tid} is gone (syscall)")
         return real_syscall(proc, pid, tid)
 
-    mocker.patch("vmpin.procfs.syscall", side_effect=syscall)
+    mocker.patch("vmpin.linux.procfs.syscall", side_effect=syscall)
     c = classify_until(lambda c: 1 in c.vcpus(), paths, vmm, None)
     assert cpus[0] not in c.by_tid()
     assert c.vcpus() == {1: cpus[1]}
@@ -553,7 +553,7 @@ def test_remembered_vcpus_mean_no_syscall_reads_at_all(
     q, cpus, *_ = idle_vm
     vmm = vmm_of(paths, q)
     first = classify_until(lambda c: len(c.vcpus()) == 2, paths, vmm, None)
-    mocker.patch("vmpin.procfs.syscall", side_effect=AssertionError("syscall read"))
+    mocker.patch("vmpin.linux.procfs.syscall", side_effect=AssertionError("syscall read"))
     t0 = time.monotonic()
     c = classify(paths, vmm, None, first.by_tid(), kvm_retry_delay=5.0)
     assert time.monotonic() - t0 < 1.0

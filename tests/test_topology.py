@@ -14,10 +14,10 @@ import pytest
 
 from tests.conftest import FIXTURES, ROOT, vmpin_cmd
 from tests.make_sysfs import MACHINES, write_all
-from vmpin.cpuset import CpuSet
-from vmpin.errors import TopologyError
-from vmpin.sysfs import read_topology
-from vmpin.topology import CpuInfo, Topology
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import TopologyError
+from vmpin.core.topology import CpuInfo, Topology
+from vmpin.linux.sysfs import read_topology
 
 SYSFS = FIXTURES / "sysfs"
 

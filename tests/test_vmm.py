@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.qemu_util import QemuHandle, qemu_factory, reap_if_child, wait_until
-from vmpin import procfs
-from vmpin.errors import IdError
-from vmpin.paths import HostPaths
-from vmpin.vmm import (
+from vmpin.core.errors import IdError
+from vmpin.linux import procfs
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.vmm import (
     Vmm,
     find_vmm,
     iothread_ids,

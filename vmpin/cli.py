@@ -17,11 +17,11 @@ from typing import Annotated, Any, Optional
 import typer
 
 from vmpin import __version__
-from vmpin.cpuset import CpuSet
-from vmpin.errors import SpecError, StateError, VmpinError
-from vmpin.paths import HostPaths
-from vmpin.reconciler import Reconciler, SandboxReport
-from vmpin.store import ContainerRec, Store
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import SpecError, StateError, VmpinError
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+from vmpin.state.store import ContainerRec, Store
 
 app = typer.Typer(
     name="vmpin",
@@ -53,7 +53,7 @@ class Ctx:
 
     def export_policy(self) -> None:
         """Put policy options given on the command line where in-process hooks read them."""
-        from vmpin.settings import ENV
+        from vmpin.service.settings import ENV
 
         given = dict(zip(("helpers", "housekeeping", "vcpus"), self._policy, strict=True))
         given["guest_float"] = self._guest_float
@@ -65,7 +65,7 @@ class Ctx:
         return Store(self.paths.state_dir)
 
     def reconciler(self, store: Store | None = None) -> Reconciler:
-        from vmpin.settings import guest_float, policy_from
+        from vmpin.service.settings import guest_float, policy_from
 
         helpers, hk, vcpus = self._policy
         return Reconciler(
@@ -221,7 +221,7 @@ def hook(
 
     Fail-open by default: a problem prints one line on stderr and exits 0.
     """
-    from vmpin.hook import main as hook_main
+    from vmpin.service.hook import main as hook_main
 
     root: Ctx = ctx.obj
     # The hook reads its placement policy from the environment, as every hook process does.
@@ -249,7 +249,7 @@ def update(
     as_json: JsonOpt = False,
 ) -> None:
     """Record a container's new CPU set (CRI UpdateContainerResources) and re-pin its sandbox."""
-    from vmpin.update import update_container
+    from vmpin.service.update import update_container
 
     c: Ctx = ctx.obj
     if (cpuset_cpus is None) == (resources is None):
@@ -429,7 +429,7 @@ def guest_map(
 @app.command()
 def topology(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """The host's CPU topology and the order 1:1 plans follow."""
-    from vmpin.sysfs import read_topology
+    from vmpin.linux.sysfs import read_topology
 
     t = read_topology(ctx.obj.paths.sys)
     data = t.to_json()
@@ -524,7 +524,7 @@ def serve(
     ] = 9464,
 ) -> None:
     """Run the node agent: control socket, coalesced event handling, periodic repair."""
-    from vmpin.agent import serve as serve_agent
+    from vmpin.service.agent import serve as serve_agent
 
     raise typer.Exit(
         serve_agent(ctx.obj, interval=interval, workers=workers, metrics_port=metrics_port)
@@ -534,7 +534,7 @@ def serve(
 @app.command()
 def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """The agent's health; exit 0 when it answers on its control socket, 1 when not."""
-    from vmpin.control import request
+    from vmpin.service.control import request
 
     reply = request(ctx.obj.paths, {"op": "status"}, timeout=2.0)
     out = reply or {"ok": False, "error": f"no agent answering on {ctx.obj.paths.control_socket}"}
@@ -557,7 +557,7 @@ def guest_hook(
     Options (--strict, --verbose, --widen-parents, --wait, --map): `vmpin guest hook -h`;
     the channel is described in docs/guest.md.
     """
-    from vmpin.guest import main as guest_main
+    from vmpin.guest.program import main as guest_main
 
     raise typer.Exit(guest_main([stage]))
 
@@ -574,7 +574,7 @@ def guest_follow(
     Reached here only for --help (vmpin.entry runs it without typer); all options
     (--strict, --verbose, --map, --state, ...): `vmpin guest follow -h`; docs/guest.md.
     """
-    from vmpin.guest import follow_main
+    from vmpin.guest.program import follow_main
 
     raise typer.Exit(follow_main([*(["--once"] if once else []), "--interval", str(interval)]))
 

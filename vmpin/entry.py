@@ -46,7 +46,7 @@ def console() -> None:
     """The console script: :func:`main`, then a fast exit for the hooks.
 
     A hook has flushed what it had to say and committed what it had to write; skipping the
-    interpreter's teardown (and SQLite's checkpoint on close, see vmpin.hook.run) is several
+    interpreter's teardown (and SQLite's checkpoint on close, see vmpin.service.hook.run) is several
     milliseconds off every container start.
     """
     code = main()
@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     if split is not None:
         opts, rest = split
         if rest[:1] == ["hook"] and "--help" not in rest:
-            from vmpin.hook import main as hook_main
+            from vmpin.service.hook import main as hook_main
 
             _hook_ran = True
 
             code: int = hook_main(opts, rest[1:])
             return code
         if rest[:2] == ["guest", "hook"] and "--help" not in rest:
-            from vmpin.guest import main as guest_main
+            from vmpin.guest.program import main as guest_main
 
             _hook_ran = True
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             return guest_code
         if rest[:2] == ["guest", "follow"] and "--help" not in rest:
             # The in-guest follower: as lean as the guest hook (a small guest image).
-            from vmpin.guest import follow_main
+            from vmpin.guest.program import follow_main
 
             _hook_ran = True
 

@@ -1,0 +1,229 @@
+"""CpuSet: the immutable set of CPU numbers that every part of vmpin passes around.
+
+Three text forms reach vmpin from the kernel and from users, and each has its own parser:
+
+- the Linux list format ("0-3,8,10-11"): cpuset.cpus, sysfs cpulists, OCI
+  ``linux.resources.cpu.cpus``, ``Cpus_allowed_list``;
+- the kernel's hex mask ("ff,00000001"): ``Cpus_allowed`` in /proc/PID/status, 32-bit words
+  separated by commas, most significant first;
+- taskset's mask ("0x3", or plain hex without the prefix).
+
+Parsing is strict, after k8s.io/utils/cpuset: a stray comma, a reversed range ("3-1"), an open
+range ("1-"), a sign or a number beyond the kernel's NR_CPUS limit is an error naming the input,
+never a silently smaller set.  The only lenient spots are the ones the kernel itself writes:
+surrounding whitespace and a trailing newline, and the empty string for the empty set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from vmpin.core.errors import CpuSetError
+
+#: The kernel's CONFIG_NR_CPUS maximum is 8192; anything above cannot be a CPU.
+MAX_CPUS = 8192
+
+
+class CpuSet:
+    """An immutable, hashable set of CPU numbers; every operation returns a new set."""
+
+    __slots__ = ("_cpus",)
+    _cpus: frozenset[int]
+
+    def __init__(self, cpus: Iterable[int] = ()) -> None:
+        frozen = frozenset(cpus)
+        for cpu in frozen:
+            if not isinstance(cpu, int) or isinstance(cpu, bool) or not 0 <= cpu < MAX_CPUS:
+                raise CpuSetError(f"not a CPU number: {cpu!r} (must be 0..{MAX_CPUS - 1})")
+        object.__setattr__(self, "_cpus", frozen)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("CpuSet is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("CpuSet is immutable")
+
+    # -- parsing -------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> CpuSet:
+        """Parse the Linux list format; "" (or only whitespace) is the empty set."""
+        if not isinstance(text, str):
+            raise CpuSetError(f"CPU list must be a string, got {type(text).__name__}")
+        body = text.strip()
+        if not body:
+            return EMPTY
+        cpus: set[int] = set()
+        for part in body.split(","):
+            if not part:
+                raise CpuSetError(f"invalid CPU list {text!r}: empty element")
+            lo_text, sep, hi_text = part.partition("-")
+            lo = _number(lo_text, text)
+            if not sep:
+                cpus.add(lo)
+                continue
+            hi = _number(hi_text, text)
+            if hi < lo:
+                raise CpuSetError(f"invalid CPU list {text!r}: range {part!r} runs backwards")
+            cpus.update(range(lo, hi + 1))
+        return cls(cpus)
+
+    @classmethod
+    def parse_mask(cls, text: str) -> CpuSet:
+        """Parse the kernel's comma-separated 32-bit hex words ("ff,00000001")."""
+        body = text.strip()
+        if not body:
+            raise CpuSetError("invalid CPU mask '': empty")
+        words = body.split(",")
+        value = 0
+        for i, word in enumerate(words):
+            if not word or len(word) > 8 or not _is_hex(word):
+                raise CpuSetError(f"invalid CPU mask {text!r}: word {word!r} is not 1-8 hex digits")
+            if i > 0 and len(word) != 8:
+                raise CpuSetError(
+                    f"invalid CPU mask {text!r}: inner word {word!r} must be 8 digits"
+                )
+            value = (value << 32) | int(word, 16)
+        return cls._from_int(value, text)
+
+    @classmethod
+    def parse_taskset(cls, text: str) -> CpuSet:
+        """Parse taskset's mask: "0x3", "0X3" or bare hex "3"."""
+        body = text.strip()
+        if body[:2] in ("0x", "0X"):
+            body = body[2:]
+        if not body or not _is_hex(body):
+            raise CpuSetError(f"invalid taskset mask {text!r}: expected hex like 0x3")
+        return cls._from_int(int(body, 16), text)
+
+    @classmethod
+    def _from_int(cls, value: int, text: str) -> CpuSet:
+        if value.bit_length() > MAX_CPUS:
+            raise CpuSetError(f"invalid CPU mask {text!r}: names CPUs beyond {MAX_CPUS - 1}")
+        return cls(i for i in range(value.bit_length()) if value >> i & 1)
+
+    # -- formatting ----------------------------------------------------------------------
+    def to_list(self) -> str:
+        """The Linux list format, ranges collapsed: {0,1,2,3,8} -> "0-3,8"."""
+        parts: list[str] = []
+        cpus = sorted(self._cpus)
+        i = 0
+        while i < len(cpus):
+            j = i
+            while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+                j += 1
+            parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+            i = j + 1
+        return ",".join(parts)
+
+    def to_int(self) -> int:
+        value = 0
+        for cpu in self._cpus:
+            value |= 1 << cpu
+        return value
+
+    def to_mask(self, ncpus: int | None = None) -> str:
+        """The kernel's hex mask: 32-bit words, most significant first, as in Cpus_allowed.
+
+        ``ncpus`` (nr_cpu_ids) sets the width the kernel would print; by default just wide
+        enough for the highest CPU.
+        """
+        width = max(ncpus or 0, max(self._cpus, default=0) + 1)
+        nwords = max(1, (width + 31) // 32)
+        value = self.to_int()
+        words = [(value >> (32 * i)) & 0xFFFFFFFF for i in reversed(range(nwords))]
+        return ",".join(f"{w:08x}" for w in words)
+
+    def to_taskset(self) -> str:
+        return f"0x{self.to_int():x}"
+
+    # -- set algebra ---------------------------------------------------------------------
+    def union(self, *others: CpuSet) -> CpuSet:
+        return CpuSet(self._cpus.union(*(o._cpus for o in others)))
+
+    def intersection(self, other: CpuSet) -> CpuSet:
+        return CpuSet(self._cpus & other._cpus)
+
+    def difference(self, other: CpuSet) -> CpuSet:
+        return CpuSet(self._cpus - other._cpus)
+
+    def symmetric_difference(self, other: CpuSet) -> CpuSet:
+        return CpuSet(self._cpus ^ other._cpus)
+
+    __or__ = union
+    __and__ = intersection
+    __sub__ = difference
+    __xor__ = symmetric_difference
+
+    def issubset(self, other: CpuSet) -> bool:
+        return self._cpus <= other._cpus
+
+    def isdisjoint(self, other: CpuSet) -> bool:
+        return self._cpus.isdisjoint(other._cpus)
+
+    __le__ = issubset
+
+    def __lt__(self, other: CpuSet) -> bool:
+        return self._cpus < other._cpus
+
+    def sorted(self) -> list[int]:
+        return sorted(self._cpus)
+
+    def first(self) -> int:
+        if not self._cpus:
+            raise CpuSetError("the empty CPU set has no first CPU")
+        return min(self._cpus)
+
+    @staticmethod
+    def union_all(sets: Iterable[CpuSet]) -> CpuSet:
+        out: set[int] = set()
+        for s in sets:
+            out |= s._cpus
+        return CpuSet(out)
+
+    # -- container protocol --------------------------------------------------------------
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._cpus))
+
+    def __len__(self) -> int:
+        return len(self._cpus)
+
+    def __bool__(self) -> bool:
+        return bool(self._cpus)
+
+    def __contains__(self, cpu: object) -> bool:
+        return cpu in self._cpus
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuSet) and self._cpus == other._cpus
+
+    def __hash__(self) -> int:
+        return hash(self._cpus)
+
+    def __repr__(self) -> str:
+        return f"CpuSet({self.to_list()!r})"
+
+    def __str__(self) -> str:
+        return self.to_list()
+
+
+EMPTY = CpuSet()
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in _HEX for c in text)
+
+
+def _number(part: str, text: str) -> int:
+    # str.isdigit() accepts non-ASCII digits ("²"); only 0-9 name a CPU.
+    if not part or not part.isascii() or not part.isdigit():
+        raise CpuSetError(f"invalid CPU list {text!r}: {part!r} is not a CPU number")
+    if len(part) > 5 or int(part) >= MAX_CPUS:
+        raise CpuSetError(f"invalid CPU list {text!r}: CPU {part} is beyond {MAX_CPUS - 1}")
+    return int(part)
+
+
+def parse_cpus(text: str) -> CpuSet:
+    """Shorthand for :meth:`CpuSet.parse`."""
+    return CpuSet.parse(text)

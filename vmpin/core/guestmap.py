@@ -1,0 +1,143 @@
+"""Host CPUs -> guest vCPUs: what a container's cpuset means inside its VM.
+
+Kata drops a container's cpuset in the guest because guest vCPU numbers are not host CPU
+numbers.  Under a 1:1 (or partial) plan they are related exactly: vCPU i runs only on host
+CPU ``vcpu_map[i]``, so a container given host CPUs H runs on guest vCPUs
+``{i : vcpu_map[i] in H}``.  Under a floating plan no vCPU belongs to any host CPU; the honest
+answer is "all vCPUs" (``exact: false``), or, when the operator asks for it, a proportional
+share: the container's fraction of the mask, as a contiguous block of vCPUs in mask order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.planner import Plan
+from vmpin.core.topology import Topology
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+FLOAT_POLICIES = ("all", "proportional")
+
+
+class GuestMap(NamedTuple):
+    container: str
+    sandbox: str
+    host_cpus: CpuSet | None
+    guest_cpus: CpuSet
+    exact: bool
+    mode: str
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "container": self.container,
+            "sandbox": self.sandbox,
+            "host_cpus": None if self.host_cpus is None else self.host_cpus.to_list(),
+            "guest_cpus": self.guest_cpus.to_list(),
+            "exact": self.exact,
+            "mode": self.mode,
+            "reason": self.reason,
+        }
+
+
+def map_container(
+    plan: Plan,
+    container_id: str,
+    host_cpus: CpuSet | None,
+    *,
+    float_policy: str = "all",
+    order: list[int] | None = None,
+) -> GuestMap:
+    """Translate one container's host CPU set into guest vCPUs under ``plan``."""
+    every = CpuSet(range(plan.nvcpus))
+    sid = plan.sandbox_id
+    if plan.nvcpus == 0:
+        return GuestMap(container_id, sid, host_cpus, every, False, plan.mode, "no vCPU known")
+    if host_cpus is None:
+        return GuestMap(
+            container_id, sid, None, every, False, plan.mode, "container has no CPU set: all vCPUs"
+        )
+    if plan.vcpu_map:
+        guest = CpuSet(i for i, h in plan.vcpu_map.items() if h in host_cpus)
+        covered = CpuSet(h for h in plan.vcpu_map.values())
+        missing = host_cpus - covered
+        if guest and not missing:
+            return GuestMap(
+                container_id,
+                sid,
+                host_cpus,
+                guest,
+                True,
+                plan.mode,
+                f"1:1: host CPUs {host_cpus} are guest vCPUs {guest}",
+            )
+        if guest:
+            return GuestMap(
+                container_id,
+                sid,
+                host_cpus,
+                guest,
+                False,
+                plan.mode,
+                f"host CPUs {missing} have no vCPU pinned 1:1",
+            )
+    if float_policy == "proportional" and plan.mask and order:
+        share = max(1, round(plan.nvcpus * len(host_cpus & plan.mask) / len(plan.mask)))
+        first = min((order.index(c) for c in host_cpus if c in order), default=0)
+        start = min(round(first * plan.nvcpus / len(plan.mask)), plan.nvcpus - share)
+        guest = CpuSet(range(start, start + share))
+        return GuestMap(
+            container_id,
+            sid,
+            host_cpus,
+            guest,
+            False,
+            plan.mode,
+            f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs",
+        )
+    return GuestMap(
+        container_id,
+        sid,
+        host_cpus,
+        every,
+        False,
+        plan.mode,
+        f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs",
+    )
+
+
+def guest_siblings(plan: Plan, topology: Topology) -> list[list[int]]:
+    """Groups of guest vCPUs whose host CPUs are SMT siblings (for -smp threads=...)."""
+    by_core: dict[int, list[int]] = {}
+    for idx, host in sorted(plan.vcpu_map.items()):
+        if host in topology.cpus:
+            by_core.setdefault(topology.cpus[host].core, []).append(idx)
+    return [sorted(g) for g in by_core.values()]
+
+
+def map_sandbox(
+    plan: Plan,
+    containers: Mapping[str, CpuSet | None],
+    topology: Topology,
+    float_policy: str = "all",
+) -> dict[str, object]:
+    """The whole sandbox's map, as published to the guest and shown by ``vmpin show``."""
+    order = topology.ordered(plan.mask)
+    maps = [
+        map_container(plan, cid, cpus, float_policy=float_policy, order=order)
+        for cid, cpus in sorted(containers.items())
+    ]
+    return {
+        "sandbox": plan.sandbox_id,
+        "mode": plan.mode,
+        "nvcpus": plan.nvcpus,
+        "vcpu_to_host": {str(i): h for i, h in sorted(plan.vcpu_map.items())},
+        "siblings": guest_siblings(plan, topology),
+        "containers": {m.container: m.to_json() for m in maps},
+    }

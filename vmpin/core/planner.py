@@ -1,0 +1,239 @@
+"""Placement planning: a pure function from (topology, sandbox, threads, policy) to a plan.
+
+
+The rules, and the failure each one prevents:
+
+- **The mask** is the union of the sandbox's containers' CPU sets.  When no container has one,
+  the sandbox floats over kubelet's shared pool when that is known, and is otherwise left
+  exactly as the runtime made it (mode ``none``): vmpin does not invent a placement.
+- **vCPUs 1:1** (vCPU i on the i-th CPU of the mask in topology order, so guest vCPU pairs sit
+  on host SMT pairs) only when every CPU they would own belongs to this sandbox alone.  A CPU
+  that is also in another sandbox's mask (the shared pool) is never pinned 1:1: two sandboxes'
+  vCPUs pinned 1:1 on one CPU halve both (Kata's NUMA pinning did that, 0.53x each).
+- **Counts.**  #vCPUs == |mask|: full 1:1.  #vCPUs > |mask| (Kata adds a vCPU per container
+  CPU on top of its boot vCPUs): ``partial`` -- the *last* |mask| vCPUs, the ones hot-plugged
+  for the containers, are pinned 1:1 and the boot vCPUs float over the mask, so every
+  container CPU still has exactly one guest vCPU and the guest map stays exact.
+  #vCPUs < |mask|: float (a 1:1 subset would leave container CPUs with no vCPU behind them).
+- **isolcpus**: CPUs the kernel keeps free of general work are for vCPUs only; helper threads
+  stay on the non-isolated part of their set whenever there is one.
+- **Emulator, iothreads, vhost**: policy ``share`` = the mask; ``isolate`` = the configured
+  housekeeping CPUs minus every other sandbox's exclusive CPUs (falling back to the mask, with
+  a note, when nothing is left); ``none`` = unmanaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.core.errors import PlanError
+from vmpin.core.topology import Topology
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+ROLES = ("vcpu", "iothread", "vhost", "emulator", "container")
+HELPER_POLICIES = ("share", "isolate", "none")
+VCPU_POLICIES = ("auto", "float")
+
+
+class Policy(NamedTuple):
+    helpers: str = "share"
+    housekeeping: CpuSet = EMPTY
+    vcpus: str = "auto"
+
+    def check(self) -> Policy:
+        """Validate; returns self so that ``Policy(...).check()`` reads as a constructor."""
+        if self.helpers not in HELPER_POLICIES:
+            raise PlanError(f"helper thread policy {self.helpers!r}: expected {HELPER_POLICIES}")
+        if self.vcpus not in VCPU_POLICIES:
+            raise PlanError(f"vCPU policy {self.vcpus!r}: expected {VCPU_POLICIES}")
+        if self.helpers == "isolate" and not self.housekeeping:
+            raise PlanError("helper policy 'isolate' needs housekeeping CPUs")
+        return self
+
+
+class Thread(NamedTuple):
+    tid: int
+    role: str
+    idx: int | None = None
+    label: str | None = None
+
+
+class Placement(NamedTuple):
+    tid: int
+    role: str
+    idx: int | None
+    label: str | None
+    #: None = vmpin leaves this thread alone.
+    desired: CpuSet | None
+
+
+class Plan(NamedTuple):
+    sandbox_id: str
+    mask: CpuSet
+    mode: str  # "1:1" | "partial" | "float" | "none"
+    reason: str
+    nvcpus: int
+    placements: tuple[Placement, ...] = ()
+    #: vCPU index -> host CPU, for the vCPUs pinned 1:1.
+    vcpu_map: Mapping[int, int] = {}
+    notes: tuple[str, ...] = ()
+
+    def desired(self, tid: int) -> CpuSet | None:
+        for p in self.placements:
+            if p.tid == tid:
+                return p.desired
+        return None
+
+
+def sandbox_mask(container_cpus: Mapping[str, CpuSet | None]) -> CpuSet:
+    """The union of the containers' CPU sets (containers without one contribute nothing)."""
+    return CpuSet.union_all(c for c in container_cpus.values() if c is not None)
+
+
+def plan_sandbox(
+    topology: Topology,
+    sandbox_id: str,
+    mask: CpuSet,
+    threads: Sequence[Thread],
+    policy: Policy = Policy(),
+    *,
+    others: CpuSet = EMPTY,
+    others_exclusive: CpuSet = EMPTY,
+    shared_pool: CpuSet | None = None,
+) -> Plan:
+    """Plan one VM sandbox.
+
+    ``others`` is the union of every other sandbox's mask, ``others_exclusive`` the part of it
+    that no one else (and no shared pool) may use.
+    """
+    policy.check()
+    notes: list[str] = []
+    vcpus = sorted((t for t in threads if t.role == "vcpu"), key=lambda t: (t.idx or 0, t.tid))
+    n = len(vcpus)
+    effective = mask
+    floating_reason = ""
+    if not mask:
+        if shared_pool:
+            effective = shared_pool
+            floating_reason = "no container has a CPU set: floating over the shared pool"
+        else:
+            return Plan(
+                sandbox_id,
+                EMPTY,
+                "none",
+                "no container has a CPU set and no shared pool is known:"
+                " left as the runtime made it",
+                n,
+                tuple(Placement(t.tid, t.role, t.idx, t.label, None) for t in threads),
+            )
+    offline = effective - topology.online
+    if offline:
+        notes.append(f"CPUs {offline} of the mask are not online: left out")
+        effective = effective & topology.online
+        if not effective:
+            return Plan(
+                sandbox_id,
+                mask,
+                "none",
+                f"every CPU of the mask ({mask}) is offline",
+                n,
+                tuple(Placement(t.tid, t.role, t.idx, t.label, None) for t in threads),
+                notes=tuple(notes),
+            )
+
+    order = topology.ordered(effective)
+    m = len(order)
+    shared_with_others = effective & others
+    vcpu_map: dict[int, int] = {}
+    if floating_reason:
+        mode, reason = "float", floating_reason
+    elif n == 0:
+        mode, reason = "float", "no vCPU thread identified"
+    elif policy.vcpus == "float":
+        mode, reason = "float", "vCPU policy is float"
+    elif shared_with_others:
+        mode = "float"
+        reason = f"CPUs {shared_with_others} are shared with other sandboxes: no 1:1 pin there"
+    elif n == m:
+        mode, reason = "1:1", f"{n} vCPUs on {m} CPUs"
+        vcpu_map = {v.idx if v.idx is not None else i: order[i] for i, v in enumerate(vcpus)}
+    elif n > m:
+        mode = "partial"
+        reason = f"{n} vCPUs on {m} CPUs: the last {m} pinned 1:1, {n - m} float over the mask"
+        pinned = vcpus[n - m :]
+        vcpu_map = {
+            v.idx if v.idx is not None else n - m + i: order[i] for i, v in enumerate(pinned)
+        }
+    else:
+        mode = "float"
+        reason = f"{n} vCPUs on {m} CPUs: fewer vCPUs than CPUs, floating over the mask"
+
+    helper_set: CpuSet | None
+    if policy.helpers == "none":
+        helper_set = None
+    elif policy.helpers == "isolate":
+        helper_set = policy.housekeeping & topology.online
+        helper_set = helper_set - others_exclusive
+        if not helper_set:
+            notes.append("housekeeping CPUs are all taken: helper threads share the mask")
+            helper_set = effective
+    else:
+        helper_set = effective
+    if helper_set is not None and helper_set & topology.isolated:
+        housekeeping_part = helper_set - topology.isolated
+        if housekeeping_part:
+            helper_set = housekeeping_part
+        else:
+            notes.append(f"helper threads on isolated CPUs {helper_set}: no other CPU is allowed")
+
+    placements: list[Placement] = []
+    pinned_by_tid = {}
+    for i, v in enumerate(vcpus):
+        idx = v.idx if v.idx is not None else i
+        if idx in vcpu_map:
+            pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
+    for t in threads:
+        if t.role == "vcpu":
+            desired: CpuSet | None = pinned_by_tid.get(t.tid, effective)
+        elif t.role == "container":
+            raise PlanError(f"thread {t.tid}: role 'container' is planned per container, not here")
+        else:
+            desired = helper_set
+        placements.append(Placement(t.tid, t.role, t.idx, t.label, desired))
+    _check_no_double_pin(vcpu_map)
+    return Plan(sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes))
+
+
+def _check_no_double_pin(vcpu_map: Mapping[int, int]) -> None:
+    cpus = list(vcpu_map.values())
+    if len(cpus) != len(set(cpus)):
+        raise PlanError(f"internal: two vCPUs pinned 1:1 on one CPU: {vcpu_map}")
+
+
+def check_global(plans: Sequence[Plan]) -> list[str]:
+    """Cross-sandbox invariant: no CPU carries two 1:1 vCPUs.  Returns the violations."""
+    owner: dict[int, str] = {}
+    problems = []
+    for plan in plans:
+        for idx, cpu in plan.vcpu_map.items():
+            if cpu in owner and owner[cpu] != f"{plan.sandbox_id}/{idx}":
+                problems.append(f"CPU {cpu}: vCPU {idx} of {plan.sandbox_id} and {owner[cpu]}")
+            owner[cpu] = f"{plan.sandbox_id}/{idx}"
+    return problems
+
+
+def exclusive_cpus(
+    masks: Mapping[str, CpuSet], shared_pool: CpuSet | None = None
+) -> dict[str, CpuSet]:
+    """Each sandbox's CPUs that no other sandbox's mask (nor the shared pool) contains."""
+    out = {}
+    for sid, mask in masks.items():
+        rest = CpuSet.union_all(m for other, m in masks.items() if other != sid)
+        out[sid] = mask - rest - (shared_pool or EMPTY)
+    return out

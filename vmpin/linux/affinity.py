@@ -1,0 +1,61 @@
+"""Set and read thread affinity with sched_setaffinity(2), errors translated once.
+
+
+``os.sched_setaffinity`` takes a thread id as well as a process id: on Linux it acts on one
+task, so each QEMU thread is pinned on its own (the whole point: vCPU threads 1:1).
+
+Errors: ESRCH = the thread exited (ProcessGone, expected mid-pass); EPERM = not ours to pin
+(PermissionDenied); EINVAL = the mask has no CPU the task may use, usually because its cpuset
+cgroup does not contain it (AffinityRejected, with that hint).
+
+After every write the mask is read back (tuna's habit): the kernel may narrow a mask to the
+task's cpuset, and a pin that did not take must not be reported as done.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import AffinityRejected, HostError, PermissionDenied, ProcessGone
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class AffinityBackend(Protocol):
+        """What the reconciler needs; tests inject their own (a counting wrapper, faults)."""
+
+        def get(self, tid: int) -> CpuSet: ...
+        def set(self, tid: int, cpus: CpuSet) -> CpuSet: ...
+
+
+def _translate(err: OSError, tid: int, cpus: CpuSet | None) -> HostError:
+    if err.errno == errno.ESRCH:
+        return ProcessGone(f"tid {tid} is gone")
+    if err.errno == errno.EPERM:
+        return PermissionDenied(f"tid {tid}: not permitted to change affinity (need CAP_SYS_NICE)")
+    if err.errno == errno.EINVAL and cpus is not None:
+        return AffinityRejected(
+            f"tid {tid}: kernel rejected CPUs {cpus} (offline, or outside the task's cpuset cgroup)"
+        )
+    return HostError(f"tid {tid}: sched affinity: {err.strerror}")
+
+
+class SchedAffinity:
+    """The real thing: sched_getaffinity / sched_setaffinity."""
+
+    def get(self, tid: int) -> CpuSet:
+        try:
+            return CpuSet(os.sched_getaffinity(tid))
+        except OSError as err:
+            raise _translate(err, tid, None) from err
+
+    def set(self, tid: int, cpus: CpuSet) -> CpuSet:
+        """Set, then read back and return what the kernel actually holds."""
+        try:
+            os.sched_setaffinity(tid, cpus.sorted())
+        except OSError as err:
+            raise _translate(err, tid, cpus) from err
+        return self.get(tid)

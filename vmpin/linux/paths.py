@@ -1,0 +1,72 @@
+"""HostPaths: the roots of every host file vmpin reads or writes, built once and passed down.
+
+Tests point the same adapters at fixture trees or temporary dirs; nothing below the entry
+points reads an environment variable or assumes "/proc".  Lean on purpose: the hook imports
+it.  A NamedTuple, not a dataclass: ``dataclasses`` pulls in ``inspect``, ~10 ms of the hook's
+budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Mapping, NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+DEFAULTS: dict[str, str] = {
+    "state_dir": "/run/vmpin",
+    "vm_dir": "/run/vc/vm",
+    "proc": "/proc",
+    "sys": "/sys",
+    "cgroup": "/sys/fs/cgroup",
+    "runc_root": "/run/runc",
+    "kubelet_state": "/var/lib/kubelet/cpu_manager_state",
+    "publish_dir": "/run/kata-containers/shared/sandboxes",
+}
+
+#: option name -> environment variable, the contract in DESIGN.md plus vmpin's own extras.
+ENVVARS: dict[str, str] = {
+    "state_dir": "VMPIN_STATE_DIR",
+    "vm_dir": "VMPIN_VM_DIR",
+    "proc": "VMPIN_PROC_ROOT",
+    "sys": "VMPIN_SYSFS_ROOT",
+    "cgroup": "VMPIN_CGROUP_ROOT",
+    "runc_root": "VMPIN_RUNC_ROOT",
+    "kubelet_state": "VMPIN_KUBELET_STATE",
+    "publish_dir": "VMPIN_PUBLISH_DIR",
+}
+
+
+class HostPaths(NamedTuple):
+    state_dir: str = DEFAULTS["state_dir"]
+    vm_dir: str = DEFAULTS["vm_dir"]
+    proc: str = DEFAULTS["proc"]
+    sys: str = DEFAULTS["sys"]
+    cgroup: str = DEFAULTS["cgroup"]
+    runc_root: str = DEFAULTS["runc_root"]
+    kubelet_state: str = DEFAULTS["kubelet_state"]
+    publish_dir: str = DEFAULTS["publish_dir"]
+
+    @classmethod
+    def from_env(
+        cls, overrides: Mapping[str, str | None] | None = None, env: Mapping[str, str] | None = None
+    ) -> HostPaths:
+        """Options given explicitly win over the environment, which wins over the defaults."""
+        env = os.environ if env is None else env
+        values = {k: env.get(v) or DEFAULTS[k] for k, v in ENVVARS.items()}
+        unknown = set(overrides or {}) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown path options {sorted(unknown)}")
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls(**values)
+
+    @property
+    def db(self) -> str:
+        return os.path.join(self.state_dir, "state.db")
+
+    @property
+    def control_socket(self) -> str:
+        return os.path.join(self.state_dir, "control.sock")

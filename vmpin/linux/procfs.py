@@ -1,0 +1,122 @@
+"""Read processes and threads from a procfs root.
+
+``/proc/PID/task/TID`` has the layout of ``/proc/PID``, so every reader takes a ``pid`` and an
+optional ``tid`` (python-linux-procfs's observation).  All OSErrors are translated here, once:
+ENOENT/ESRCH (the task exited) become :class:`ProcessGone`, which callers treat as the
+ordinary event it is; EACCES/EPERM become :class:`PermissionDenied`.
+
+PIDs are reused.  A process is identified by (pid, start time): field 22 of ``stat``, in clock
+ticks since boot, which never changes for a process and differs for the next one to get
+the same pid.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
+
+
+def _task_dir(proc: str, pid: int, tid: int | None = None) -> str:
+    if tid is None or tid == pid:
+        return os.path.join(proc, str(pid))
+    return os.path.join(proc, str(pid), "task", str(tid))
+
+
+def _translate(err: OSError, pid: int, tid: int | None, what: str) -> HostError:
+    who = f"pid {pid}" if tid is None or tid == pid else f"tid {tid} of pid {pid}"
+    if err.errno in (errno.ENOENT, errno.ESRCH):
+        return ProcessGone(f"{who} is gone ({what})")
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"{who}: permission denied reading {what}")
+    return HostError(f"{who}: {what}: {err.strerror}")
+
+
+def read_text(proc: str, pid: int, name: str, tid: int | None = None) -> str:
+    path = os.path.join(_task_dir(proc, pid, tid), name)
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError as err:
+        raise _translate(err, pid, tid, name) from err
+
+
+def exists(proc: str, pid: int, tid: int | None = None) -> bool:
+    return os.path.exists(_task_dir(proc, pid, tid))
+
+
+def tids(proc: str, pid: int) -> list[int]:
+    """The thread ids of a process, in creation order as far as tids tell."""
+    path = os.path.join(proc, str(pid), "task")
+    try:
+        return sorted(int(t) for t in os.listdir(path) if t.isdigit())
+    except OSError as err:
+        raise _translate(err, pid, None, "task/") from err
+
+
+def pids(proc: str) -> list[int]:
+    return sorted(int(p) for p in os.listdir(proc) if p.isdigit())
+
+
+def comm(proc: str, pid: int, tid: int | None = None) -> str:
+    return read_text(proc, pid, "comm", tid).rstrip("\n")
+
+
+def cmdline(proc: str, pid: int) -> list[str]:
+    raw = read_text(proc, pid, "cmdline")
+    return [arg for arg in raw.split("\0")[:-1]] if raw.endswith("\0") else raw.split("\0")
+
+
+def stat_fields(proc: str, pid: int, tid: int | None = None) -> list[str]:
+    """``stat`` split into fields, with field 2 (comm, may hold spaces and parens) kept whole."""
+    raw = read_text(proc, pid, "stat", tid)
+    head, _, tail = raw.rpartition(")")
+    pid_part, _, name = head.partition(" (")
+    return [pid_part, name, *tail.split()]
+
+
+def start_time(proc: str, pid: int, tid: int | None = None) -> int:
+    """Start time in clock ticks since boot (stat field 22): with the pid, a process's identity."""
+    return int(stat_fields(proc, pid, tid)[21])
+
+
+def ppid(proc: str, pid: int) -> int:
+    return int(stat_fields(proc, pid)[3])
+
+
+def status(proc: str, pid: int, tid: int | None = None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in read_text(proc, pid, "status", tid).splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.strip()
+    return out
+
+
+def cpus_allowed(proc: str, pid: int, tid: int | None = None) -> CpuSet:
+    """The task's affinity as the kernel reports it (``Cpus_allowed_list``)."""
+    return CpuSet.parse(status(proc, pid, tid)["Cpus_allowed_list"])
+
+
+def syscall(proc: str, pid: int, tid: int | None = None) -> list[str]:
+    """``syscall``: number and arguments of the call the task is blocked in, or "running"."""
+    return read_text(proc, pid, "syscall", tid).split()
+
+
+def fd_target(proc: str, pid: int, fd: int) -> str | None:
+    try:
+        return os.readlink(os.path.join(proc, str(pid), "fd", str(fd)))
+    except OSError:
+        return None
+
+
+def cgroup_lines(proc: str, pid: int) -> list[tuple[str, str, str]]:
+    """``/proc/PID/cgroup`` as (hierarchy id, controllers, path) triples."""
+    out = []
+    for line in read_text(proc, pid, "cgroup").splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        out.append((hid, controllers, path))
+    return out

@@ -1,0 +1,1 @@
+"""Observe the node, plan it, apply the difference, audit it."""

@@ -1,0 +1,231 @@
+"""The OCI runtime state (a hook's stdin), the bundle's config.json, and who a container is.
+
+
+Read just deeply enough: ``linux.resources.cpu.{cpus,mems}`` and ``annotations``; the rest of
+a spec is not vmpin's business, so there is no model of it (and no pydantic: this module is on
+the hook path).
+
+Every CRI flavour names the same facts differently; :func:`identify` folds them into one
+:class:`Identity`.  Sources, first match wins per field:
+
+==============  =========================================  ==================================
+fact            containerd (CRI), io.kubernetes.cri.*      CRI-O and podman (libpod)
+==============  =========================================  ==================================
+is sandbox      container-type=sandbox                     io.kubernetes.cri-o.ContainerType
+sandbox id      sandbox-id                                 io.kubernetes.cri-o.SandboxID
+pod uid         sandbox-uid                                io.kubernetes.pod.uid
+pod name / ns   sandbox-name / sandbox-namespace           io.kubernetes.pod.name / .namespace
+container name  container-name                             io.kubernetes.container.name
+==============  =========================================  ==================================
+
+Kata's own ``io.katacontainers.pkg.oci.container_type`` (pod_sandbox / pod_container) and
+dockershim's ``io.kubernetes.docker.type`` / ``io.kubernetes.sandbox.id`` are understood too.
+A container with none of these is a sandbox of its own (plain ``runc run``, podman without a
+pod): its sandbox id is its own id.
+
+Kata's quirks (FACTS.md): ``ociVersion`` and ``status`` may be empty, and for poststart and
+poststop the state's ``id`` is the *sandbox* id.  The hook therefore resolves a container by
+its bundle first (see :mod:`vmpin.service.hook`); this module only refuses to invent what is
+missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import CpuSetError, SpecError
+from vmpin.core.ids import check_id
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
+
+
+class State(NamedTuple):
+    id: str
+    status: str
+    pid: int | None
+    bundle: str
+    annotations: dict[str, str]
+    oci_version: str = ""
+
+
+class Resources(NamedTuple):
+    """The CPU part of an OCI LinuxResources object; ``None`` = not set."""
+
+    cpus: CpuSet | None = None
+    mems: str | None = None
+
+
+class Identity(NamedTuple):
+    container_id: str
+    sandbox_id: str
+    is_sandbox: bool
+    pod_uid: str | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    name: str | None = None
+
+
+def _obj(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _loads(text: str | bytes, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SpecError(f"{where}: malformed JSON: {err}") from None
+
+
+def _annotations(value: Any, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    obj = _obj(value, where)
+    bad = [k for k, v in obj.items() if not isinstance(v, str)]
+    if bad:
+        raise SpecError(f"{where}: annotation {bad[0]!r} is not a string")
+    return dict(obj)
+
+
+def parse_state(text: str | bytes, where: str = "state") -> State:
+    """Parse the OCI state a hook receives on stdin."""
+    if not text.strip():
+        raise SpecError(f"{where}: empty (a hook reads the OCI state on stdin)")
+    obj = _obj(_loads(text, where), where)
+    cid = obj.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise SpecError(f"{where}: field 'id' missing or not a string")
+    check_id(cid, f"{where}: field 'id'")
+    bundle = obj.get("bundle", "")
+    if not isinstance(bundle, str):
+        raise SpecError(f"{where}: field 'bundle' is not a string")
+    if bundle and not os.path.isabs(bundle):
+        raise SpecError(f"{where}: field 'bundle' is not an absolute path: {bundle!r}")
+    pid = obj.get("pid")
+    if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid < 0):
+        raise SpecError(f"{where}: field 'pid' is not a process id: {pid!r}")
+    for key in ("status", "ociVersion"):
+        if obj.get(key) is not None and not isinstance(obj.get(key), str):
+            raise SpecError(f"{where}: field {key!r} is not a string")
+    return State(
+        id=cid,
+        status=obj.get("status") or "",
+        pid=pid or None,
+        bundle=bundle,
+        annotations=_annotations(obj.get("annotations"), f"{where}: field 'annotations'"),
+        oci_version=obj.get("ociVersion") or "",
+    )
+
+
+def parse_resources(obj: Any, where: str) -> Resources:
+    """Read ``cpu.cpus`` / ``cpu.mems`` out of a LinuxResources object."""
+    if obj is None:
+        return Resources()
+    res = _obj(obj, where)
+    cpu = res.get("cpu")
+    if cpu is None:
+        return Resources()
+    cpu = _obj(cpu, f"{where}.cpu")
+    cpus_text = cpu.get("cpus")
+    mems = cpu.get("mems")
+    cpus: CpuSet | None = None
+    if cpus_text is not None:
+        if not isinstance(cpus_text, str):
+            raise SpecError(f"{where}.cpu.cpus: not a string: {cpus_text!r}")
+        if cpus_text.strip():
+            try:
+                cpus = CpuSet.parse(cpus_text)
+            except CpuSetError as err:
+                raise SpecError(f"{where}.cpu.cpus: {err}") from None
+    if mems is not None and not isinstance(mems, str):
+        raise SpecError(f"{where}.cpu.mems: not a string: {mems!r}")
+    return Resources(cpus=cpus, mems=mems or None)
+
+
+def parse_resources_json(text: str | bytes, where: str) -> Resources:
+    """Parse a LinuxResources JSON document, as ``runc update -r`` takes it."""
+    return parse_resources(_obj(_loads(text, where), where), where)
+
+
+class Config(NamedTuple):
+    resources: Resources
+    annotations: dict[str, str]
+
+
+def parse_config(text: str | bytes, where: str = "config.json") -> Config:
+    obj = _obj(_loads(text, where), where)
+    linux = obj.get("linux")
+    resources = Resources()
+    if linux is not None:
+        linux = _obj(linux, f"{where}: linux")
+        resources = parse_resources(linux.get("resources"), f"{where}: linux.resources")
+    return Config(resources, _annotations(obj.get("annotations"), f"{where}: annotations"))
+
+
+def read_config(bundle: str) -> Config:
+    path = os.path.join(bundle, "config.json")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: bundle has no config.json") from None
+    except OSError as err:
+        raise SpecError(f"{path}: {err.strerror}") from None
+    return parse_config(data, path)
+
+
+_SANDBOX_TYPES = {"sandbox", "podsandbox", "pod_sandbox"}
+_TYPE_KEYS = (
+    "io.kubernetes.cri.container-type",
+    "io.kubernetes.cri-o.ContainerType",
+    "io.kubernetes.docker.type",
+    "io.katacontainers.pkg.oci.container_type",
+)
+_SANDBOX_ID_KEYS = (
+    "io.kubernetes.cri.sandbox-id",
+    "io.kubernetes.cri-o.SandboxID",
+    "io.kubernetes.sandbox.id",
+)
+_POD_UID = ("io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid")
+_POD_NAME = ("io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name")
+_POD_NS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.pod.namespace")
+_CTR_NAME = ("io.kubernetes.cri.container-name", "io.kubernetes.container.name")
+
+
+def _first(annotations: dict[str, str], keys: tuple[str, ...]) -> str | None:
+    for key in keys:
+        value = annotations.get(key)
+        if value:
+            return value
+    return None
+
+
+def identify(container_id: str, annotations: dict[str, str]) -> Identity:
+    """Fold any runtime's annotations into one identity (see the module table)."""
+    ctype = _first(annotations, _TYPE_KEYS)
+    sandbox_id = _first(annotations, _SANDBOX_ID_KEYS)
+    is_sandbox = ctype in _SANDBOX_TYPES if ctype else sandbox_id in (None, container_id)
+    if is_sandbox:
+        # A sandbox container is its own sandbox, whatever its annotations repeat.
+        sandbox_id = container_id
+    elif not sandbox_id:
+        sandbox_id = container_id
+    check_id(sandbox_id, "annotation sandbox id")
+    return Identity(
+        container_id=container_id,
+        sandbox_id=sandbox_id,
+        is_sandbox=is_sandbox,
+        pod_uid=_first(annotations, _POD_UID),
+        pod_name=_first(annotations, _POD_NAME),
+        pod_namespace=_first(annotations, _POD_NS),
+        name=_first(annotations, _CTR_NAME),
+    )

@@ -1,0 +1,268 @@
+"""Publish a sandbox's guest map where its guest can read it: the host half of the channel.
+
+Kata shares one directory per sandbox with the guest: on the host
+``/run/kata-containers/shared/sandboxes/<sandbox>/mounts/`` (which the runtime populates) is
+bind-mounted read-only at ``.../<sandbox>/shared/``, exported over virtio-fs (or 9p), and
+seen inside the guest at ``/run/kata-containers/shared/containers/``.  So the host writes
+
+    <publish_dir>/<sandbox>/mounts/vmpin/guest-map.json
+
+and the guest reads ``/run/kata-containers/shared/containers/vmpin/guest-map.json``
+(:data:`vmpin.guest.program.DEFAULT_GUEST_MAP`), with nothing but the standard library and no
+access to vmpin's host state.  ``docs/guest.md`` is the contract; :mod:`vmpin.guest.program` is the
+reference reader, and the format constants live there so the two sides cannot drift.
+
+Rules this module keeps, and why:
+
+- **Where**: ``HostPaths.publish_dir`` (``--publish-dir`` / ``VMPIN_PUBLISH_DIR``).  A plain
+  directory means Kata's layout above.  A value holding ``{sandbox}`` is a template for the
+  map's directory (or, ending in ``.json``, for the file itself), for other runtimes'
+  layouts, e.g. ``/srv/guests/{sandbox}/vmpin``.
+- **Only into a directory that exists**: vmpin creates the map's own directory (``vmpin/``)
+  and nothing above it.  When ``mounts/`` is missing, Kata shares nothing with this guest
+  (no shared fs, or the sandbox is gone), and creating it would leave a directory behind
+  that no one removes -- or resurrect a torn-down sandbox's.
+- **Atomic**: a temporary file in the same directory, fsync, rename over the map, fsync the
+  directory.  A reader sees the old map or the new one, never half of one; after a crash
+  the map is whole.  Writers of one sandbox take ``flock`` on the directory, so the
+  generation counts up by one per change even when many hook processes publish at once.
+- **Only on change**: a reconcile pass publishes every Kata sandbox; the map is rewritten
+  only when its content (everything but the generation and timestamp) differs from the file
+  there, so an idle node writes nothing and the guest's caches stay valid.
+- **Versioned**: ``"version": 1``; readers ignore unknown keys, so fields can be added
+  without a bump; a bump means old readers must refuse the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import time
+from collections.abc import Mapping
+
+from vmpin.core.errors import HostError, PermissionDenied
+from vmpin.core.ids import check_id
+from vmpin.linux.paths import HostPaths
+from vmpin.wire.guestmap import FORMAT_VERSION, GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+#: the part of the layout below each sandbox's directory that Kata shares with the guest.
+KATA_SHARED_SUBDIR = "mounts"
+#: keys that change on every write, and so are left out when comparing content.
+VOLATILE = ("generation", "published_at")
+TEMPLATE_FIELD = "{sandbox}"
+
+
+class Published(NamedTuple):
+    """What :func:`publish_map` did: ``written`` False when the map was already there or
+    could not be shared (``reason`` says which)."""
+
+    path: str
+    written: bool
+    generation: int | None
+    reason: str
+
+
+def map_path(paths: HostPaths, sandbox_id: str) -> str:
+    """Where the sandbox's map goes on the host (the sandbox id is checked: it names a dir)."""
+    check_id(sandbox_id, "sandbox id")
+    base = paths.publish_dir
+    if TEMPLATE_FIELD in base:
+        expanded = base.replace(TEMPLATE_FIELD, sandbox_id)
+        if expanded.endswith(".json"):
+            return expanded
+        return os.path.join(expanded, MAP_FILENAME)
+    return os.path.join(base, sandbox_id, KATA_SHARED_SUBDIR, MAP_DIRNAME, MAP_FILENAME)
+
+
+def guest_path(guest_shared_dir: str = GUEST_SHARED_DIR) -> str:
+    """Where the guest sees the map under Kata's layout (its shared dir, then ours)."""
+    return os.path.join(guest_shared_dir, MAP_DIRNAME, MAP_FILENAME)
+
+
+def content(sandbox_id: str, guest_map: Mapping[str, Any]) -> dict[str, Any]:
+    """The published document without its volatile keys: what "changed" is judged on.
+
+    ``guest_map`` is :func:`vmpin.core.guestmap.map_sandbox`'s dict; each container entry is what
+    ``vmpin guest-map CONTAINER --json`` prints (to which :func:`render` adds a generation).
+    """
+    containers = guest_map.get("containers") or {}
+    return {
+        "version": FORMAT_VERSION,
+        "sandbox": sandbox_id,
+        "mode": guest_map.get("mode"),
+        "nvcpus": guest_map.get("nvcpus"),
+        "vcpu_to_host": dict(guest_map.get("vcpu_to_host") or {}),
+        "siblings": [list(g) for g in guest_map.get("siblings") or []],
+        "containers": {cid: dict(entry) for cid, entry in sorted(containers.items())},
+    }
+
+
+def _strip(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A published document minus its volatile keys, comparable with :func:`content`."""
+    out = {k: v for k, v in doc.items() if k not in VOLATILE}
+    containers = out.get("containers")
+    if isinstance(containers, dict):
+        out["containers"] = {
+            cid: {k: v for k, v in e.items() if k != "generation"} if isinstance(e, dict) else e
+            for cid, e in containers.items()
+        }
+    return out
+
+
+def render(
+    new: Mapping[str, Any], old: Mapping[str, Any] | None, now: float | None = None
+) -> dict[str, Any]:
+    """The document to write: ``new`` content, one generation past ``old``'s.
+
+    A container's own ``generation`` is the one at which its entry last changed, so a guest
+    program can tell whether *its* container's vCPUs moved.
+    """
+    old_gen = old.get("generation") if old is not None else None
+    gen = old_gen + 1 if isinstance(old_gen, int) and old_gen >= 0 else 1
+    old_ctrs = old.get("containers") if old is not None else None
+    old_ctrs = old_ctrs if isinstance(old_ctrs, dict) else {}
+    containers: dict[str, Any] = {}
+    for cid, entry in new["containers"].items():
+        prev = old_ctrs.get(cid)
+        prev_gen = prev.get("generation") if isinstance(prev, dict) else None
+        same = (
+            isinstance(prev, dict)
+            and isinstance(prev_gen, int)
+            and {k: v for k, v in prev.items() if k != "generation"} == entry
+        )
+        containers[cid] = {**entry, "generation": prev_gen if same else gen}
+    published_at = time.time() if now is None else now
+    doc = {k: v for k, v in new.items() if k != "containers"}
+    doc.update(generation=gen, published_at=round(published_at, 3), containers=containers)
+    return doc
+
+
+def read_published(path: str) -> dict[str, Any] | None:
+    """The map now at ``path``; None when absent or unreadable as a map (then rewritten)."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _translate(err: OSError, path: str, what: str) -> HostError:
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"publishing guest map: cannot {what} {path}: {err.strerror}")
+    return HostError(f"publishing guest map: cannot {what} {path}: {err.strerror}")
+
+
+def publish_map(
+    paths: HostPaths,
+    sandbox_id: str,
+    guest_map: Mapping[str, Any],
+    *,
+    now: float | None = None,
+) -> Published:
+    """Write the sandbox's map for its guest, atomically and only when its content changed.
+
+    Returns what happened; raises :class:`HostError` only when the shared directory exists
+    and the write failed (a sandbox with nothing shared is not an error: nothing to do).
+    """
+    path = map_path(paths, sandbox_id)
+    directory = os.path.dirname(path)
+    shared = os.path.dirname(directory)
+    if not os.path.isdir(shared):
+        return Published(path, False, None, f"not shared with a guest: {shared} does not exist")
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        # The shared dir went away between the check and the mkdir: the sandbox is gone.
+        return Published(path, False, None, f"not shared with a guest: {shared} vanished")
+    except OSError as err:
+        raise _translate(err, directory, "create") from err
+    new = content(sandbox_id, guest_map)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise _translate(err, directory, "open") from err
+    try:
+        # flock on the directory itself: no lock file for the guest to see.
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        old = read_published(path)
+        if old is not None and _strip(old) == new:
+            gen = old.get("generation")
+            return Published(path, False, gen if isinstance(gen, int) else None, "unchanged")
+        doc = render(new, old, now)
+        _remove_stale_temps(directory)
+        _write_atomically(dir_fd, directory, path, doc)
+        return Published(path, True, doc["generation"], "written")
+    finally:
+        os.close(dir_fd)  # releases the flock
+
+
+def _remove_stale_temps(directory: str) -> None:
+    """Temp files left by a writer that died mid-write (we hold the lock: none is live)."""
+    prefix = f".{MAP_FILENAME}."
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+
+
+def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, Any]) -> None:
+    """Temp file + fsync + rename + fsync(dir): the guest sees the old map or the new one."""
+    data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    tmp = os.path.join(directory, f".{MAP_FILENAME}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise _translate(err, tmp, "create") from err
+    try:
+        try:
+            # 0644 whatever the umask: the guest reads it through virtio-fs/9p as another user.
+            os.fchmod(fd, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise _translate(err, path, "write") from err
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    except OSError as err:
+        raise _translate(err, directory, "sync") from err
+
+
+def remove_map(paths: HostPaths, sandbox_id: str) -> bool:
+    """Remove the sandbox's published map (and its ``vmpin/`` dir when empty); True if removed.
+
+    Kata removes the whole shared directory with the sandbox, so this is only for a sandbox
+    vmpin stops managing while it runs, and for templates outside Kata's tree.
+    """
+    path = map_path(paths, sandbox_id)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise _translate(err, path, "remove") from err
+    with contextlib.suppress(OSError):  # not empty (someone else's files), or already gone
+        os.rmdir(os.path.dirname(path))
+    return True

@@ -1,0 +1,134 @@
+"""What runc itself believes about a container: its ``state.json`` under runc's root.
+
+Why vmpin reads it: ``runc update --cpuset-cpus`` rewrites the container's cgroup and fires no
+hook, so a changed ``cpuset.cpus`` alone cannot tell a legitimate update (kubelet, through the
+CRI, through runc) from drift (something wrote the cgroup behind runc's back).  runc records
+every update in its state first, so comparing the two tells them apart: runc's state changed
+-> adopt it; only the cgroup changed -> drift, repair it.
+
+The file (runc 1.1.5, checked on a real container before and after ``runc update``)::
+
+    <runc root>/<container id>/state.json          mode 0600, rewritten by rename
+    {
+      "id": "...", "init_process_pid": 7288, "init_process_start": 31829,
+      "config": {"cgroups": {"name": "...", "path": "", ...,
+                             "cpuset_cpus": "0-1", "cpuset_mems": "0", ...}},
+      "cgroup_paths": {"cpuset": "/sys/fs/cgroup/cpuset/<id>",
+                       "": "/sys/fs/cgroup/unified/<id>", ...}
+    }
+
+The CPU list is at ``config.cgroups.cpuset_cpus``: runc's ``configs.Cgroup`` embeds
+``*Resources`` without a JSON name, so the resource fields sit inline, not under a
+``resources`` key.  ``runc update --cpuset-cpus 1`` changes it to ``"1"`` (and, as a side
+effect of runc 1.1, resets ``cpuset_mems`` to ``""`` when ``--cpuset-mems`` is not given; the
+cgroup's own cpuset.mems stays).  ``""`` means runc set no cpuset: the cgroup inherited its
+parent's CPUs.  A nested ``config.cgroups.resources`` is read as a fallback in case a future
+runc names the struct.
+
+``init_process_start`` is the init's start time in clock ticks (``/proc/PID/stat`` field 22):
+with the pid it identifies the process, so a reused pid is not mistaken for the container.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+from vmpin.core.errors import HostError, PermissionDenied, ProcessGone, RuntimeKindError
+from vmpin.core.ids import check_id
+from vmpin.linux import procfs
+from vmpin.linux.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def state_path(paths: HostPaths, container_id: str) -> str:
+    return os.path.join(paths.runc_root, check_id(container_id, "container id"), "state.json")
+
+
+def read_state(paths: HostPaths, container_id: str) -> dict[str, Any] | None:
+    """runc's state of the container as JSON, None when runc has none (not runc's, deleted)."""
+    path = state_path(paths, container_id)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionDenied(f"permission denied reading runc state {path}") from err
+        raise HostError(f"reading runc state {path}: {err.strerror}") from err
+    try:
+        state = json.loads(raw)
+    except ValueError as err:
+        raise RuntimeKindError(f"runc state {path} is not JSON: {err}") from err
+    if not isinstance(state, dict):
+        raise RuntimeKindError(f"runc state {path}: expected a JSON object")
+    return state
+
+
+def _cgroup_config(state: dict[str, Any]) -> dict[str, Any]:
+    config = state.get("config")
+    cgroups = config.get("cgroups") if isinstance(config, dict) else None
+    return cgroups if isinstance(cgroups, dict) else {}
+
+
+def runc_cpus(paths: HostPaths, container_id: str) -> str | None:
+    """The cpuset runc last applied (``config.cgroups.cpuset_cpus``), as runc wrote it.
+
+    None when runc has no state for the container; ``""`` when runc set no cpuset.  Returned
+    unparsed on purpose: it is compared with what vmpin recorded earlier, and parsing (and
+    its errors) belong to the caller.
+    """
+    state = read_state(paths, container_id)
+    if state is None:
+        return None
+    cgroups = _cgroup_config(state)
+    value = cgroups.get("cpuset_cpus")
+    if value is None:
+        nested = cgroups.get("resources") or cgroups.get("Resources")
+        value = nested.get("cpuset_cpus") if isinstance(nested, dict) else None
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        path = state_path(paths, container_id)
+        raise RuntimeKindError(f"runc state {path}: config.cgroups.cpuset_cpus is not a string")
+    return value
+
+
+def runc_init_pid(paths: HostPaths, container_id: str) -> int | None:
+    """The container's init pid, if runc has state for it and that process still exists.
+
+    The pid is checked against ``init_process_start``: after the container died its pid
+    may name an unrelated process, which must never be pinned (or killed) in its stead.
+    """
+    state = read_state(paths, container_id)
+    if state is None:
+        return None
+    pid = state.get("init_process_pid")
+    start = state.get("init_process_start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        alive_since = procfs.start_time(paths.proc, pid)
+    except ProcessGone:
+        return None
+    if isinstance(start, int) and start != alive_since:
+        return None
+    return pid
+
+
+def runc_cgroup_paths(paths: HostPaths, container_id: str) -> dict[str, str]:
+    """Where runc put the container's cgroups, by controller ("" is the v2 hierarchy).
+
+    Absolute host paths as runc saw them (not under ``paths.cgroup``): the ground truth for
+    a runc container whatever layout put it there.  Empty when runc has no state.
+    """
+    state = read_state(paths, container_id)
+    found = state.get("cgroup_paths") if state is not None else None
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}

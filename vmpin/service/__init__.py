@@ -1,0 +1,1 @@
+"""Entry services: settings, the OCI hook, update, the node agent."""

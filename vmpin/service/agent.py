@@ -1,0 +1,1035 @@
+"""The node agent, ``vmpin serve``: coalesced event handling and periodic repair.
+
+Everything works without it: hooks and ``vmpin update`` write the new level to the store and
+reconcile their sandbox in-process when no agent answers.  When the agent runs they hand the
+sandbox over instead (:mod:`vmpin.service.control`), which keeps hooks fast and turns update storms
+into a handful of plans.  The shape::
+
+    control socket ──► dirty set (per-sandbox coalescing) ──► N workers ──► Reconciler
+    (one accept thread)       ▲                                  (own Store + Reconciler each)
+                              └── periodic full pass (main thread, every ``interval``)
+
+- **Events only mark sandboxes dirty.**  The writer (hook, update) has already stored the new
+  level and bumped the sandbox's generation ``gen``; ``{"op":"dirty"}`` only wakes a worker.
+  A sandbox is queued at most once and planned by one worker at a time: notifications that
+  arrive while it is queued fold into that entry, and those arriving while it is being planned
+  make it run exactly once more afterwards (that pass re-reads the store, so it sees the last
+  update).  Events for a sandbox whose last event-driven pass ended less than ``holdoff``
+  (0.1 s) ago wait out the rest of it, and the wait doubles, up to 1 s, while they keep
+  coming: a storm of N updates costs a handful of plans, not N, and an isolated update
+  waits for nothing.
+- **Each pass is level-triggered.**  A worker reads the sandbox (and its ``gen``), reconciles
+  it from the full desired state, then records ``done_gen = gen`` (``Reconciler`` does both).
+- **Periodic full pass** (default every 5 s): every sandbox is queued (behind events, which are
+  served first, on one worker at a time so that the others stay free for events), and the
+  reconciler re-reads the host and writes only where desired and actual differ: new threads
+  (vCPU hotplug, a new vhost worker), vanished VMMs and containers, cpusets changed behind
+  vmpin's back, kubelet checkpoint changes.  A tick that finds the previous pass
+  unfinished is skipped, so a slow node never piles passes up.
+- **Crash-safe.**  State lives only in SQLite (each write one transaction; WAL).  At start the
+  agent takes an exclusive ``flock`` on ``agent.lock`` (released by the kernel even on kill -9),
+  removes a stale socket, marks every sandbox dirty and runs a full pass: whatever a crash
+  interrupted is planned again from the stored level.
+- **SIGTERM / SIGINT drain.**  Periodic passes stop; queued work is finished while the socket
+  still accepts (at most ``drain_timeout`` s); then the socket is closed and removed (hooks
+  fall back to in-process reconciles), workers finish their current sandbox, exit code 0.
+  Work left undone is still dirty in the store, or is drift the next start repairs.
+- **Observable.**  JSON lines on stderr (one object per line: ``ts``, ``level``, ``event`` and
+  fields), Prometheus metrics (:mod:`vmpin.service.metrics`) on a loopback port, and
+  ``{"op":"status"}`` on the socket (what ``vmpin status`` prints).
+
+Control protocol (one JSON object per line, one reply line; socket mode 0600, and the peer's
+uid must be ours): ``{"op":"dirty","sandboxes":[ids]}`` -> ``{"ok":true,"queued":n}``;
+``{"op":"status"[,"sandbox":id]}`` -> health and counters (one sandbox's bookkeeping when
+asked); ``{"op":"reconcile"}`` -> start a full pass now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import heapq
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import sqlite3
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from typing import Any, NamedTuple, Protocol
+
+from vmpin import __version__
+from vmpin.core.errors import IdError, StateError, VmpinError
+from vmpin.core.ids import check_id
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
+from vmpin.state.store import Store
+
+DEFAULT_INTERVAL = 5.0
+DEFAULT_WORKERS = 2
+#: events for a sandbox planned less than this ago wait for the rest of it (seconds) ...
+DEFAULT_HOLDOFF = 0.1
+#: ... backing off, while they keep coming, up to once per second.
+DEFAULT_MAX_HOLDOFF = 1.0
+DEFAULT_DRAIN_TIMEOUT = 10.0
+#: a client gets this long to send its request line (hooks send it at once).
+REQUEST_TIMEOUT = 2.0
+MAX_REQUEST = 1 << 20
+#: causes, strongest first: an event beats the start-up pass beats a periodic pass.
+CAUSES = ("event", "startup", "periodic")
+
+log = logging.getLogger("vmpin.service.agent")
+
+
+# -- logging: JSON lines on stderr ------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (UTC, ms), ``level``, ``event``, then the fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "event": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(stream: Any = None, level: str | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("vmpin")
+    root.handlers[:] = [handler]
+    root.propagate = False
+    root.setLevel((level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper())
+
+
+def _log(level: int, event: str, **fields: Any) -> None:
+    if log.isEnabledFor(level):
+        log.log(level, event, extra={"fields": fields})
+
+
+# -- the dirty set ------------------------------------------------------------------------------
+class Work(NamedTuple):
+    """One sandbox taken by a worker: why, and since when an event has been waiting."""
+
+    sandbox_id: str
+    cause: str
+    first_event: float | None  # monotonic time of the oldest notification folded in
+    taken_at: float
+
+
+class _Entry:
+    __slots__ = ("cause", "first_event", "seq")
+
+    def __init__(self, cause: str, first_event: float | None, seq: int) -> None:
+        self.cause, self.first_event, self.seq = cause, first_event, seq
+
+    def merge(self, cause: str, event_time: float | None) -> None:
+        if CAUSES.index(cause) < CAUSES.index(self.cause):
+            self.cause = cause
+        if event_time is not None and (self.first_event is None or event_time < self.first_event):
+            self.first_event = event_time
+
+
+class DirtyQueue:
+    """Sandboxes waiting for a pass, each at most once, each worked on by one worker at a time.
+
+    Two heaps of (ready time, seq, sandbox): events, served first, and background work
+    (periodic and start-up passes).  A heap item is stale when its seq is no longer the
+    entry's (the entry was promoted to the event heap, or taken); stale items are skipped.
+
+    Rate limit, per sandbox and for event-driven passes only: an event for a sandbox whose
+    last event-driven pass ended less than its backoff ago waits for the rest of it; the
+    backoff starts at ``holdoff`` and doubles (up to ``max_holdoff``) each time events keep
+    arriving within it, and falls back to nothing after a quiet backoff.  An isolated update
+    is planned at once; a storm costs about log2(duration/holdoff) + duration/max_holdoff
+    plans, and its last update lands at most ``max_holdoff`` after the storm.
+    """
+
+    def __init__(
+        self,
+        holdoff: float = DEFAULT_HOLDOFF,
+        max_holdoff: float = DEFAULT_MAX_HOLDOFF,
+        clock: Callable[[], float] = time.monotonic,
+        background_workers: int = 1,
+    ) -> None:
+        self.holdoff = holdoff
+        self.max_holdoff = max(holdoff, max_holdoff)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._events: list[tuple[float, int, str]] = []
+        self._background: list[tuple[float, int, str]] = []
+        self._queued: dict[str, _Entry] = {}
+        #: sandbox being planned -> (its cause, the entry to run once more afterwards)
+        self._running: dict[str, tuple[str, _Entry | None]] = {}
+        #: sandbox -> (end of its last event-driven pass, backoff streak)
+        self._recent: dict[str, tuple[float, int]] = {}
+        self._seq = itertools.count()
+        self._closed = False
+        #: background (periodic, start-up) passes run on at most this many workers at once:
+        #: a pass over many idle sandboxes gains nothing from more (the GIL serialises it, and
+        #: two threads contending for it cost ~60 % more CPU), and the other workers stay
+        #: free for events.
+        self.background_workers = background_workers
+        self._bg_running = 0
+
+    def _backoff(self, streak: int) -> float:
+        return min(self.max_holdoff, self.holdoff * float(2 ** min(streak, 30)))
+
+    def add(self, sandbox_id: str, cause: str, event_time: float | None = None) -> bool:
+        """Queue a pass; False when it was folded into one already queued (coalesced)."""
+        with self._cond:
+            running = self._running.get(sandbox_id)
+            if running is not None:
+                run_cause, again = running
+                if again is None:
+                    self._running[sandbox_id] = (run_cause, _Entry(cause, event_time, -1))
+                    return True
+                again.merge(cause, event_time)
+                return False
+            entry = self._queued.get(sandbox_id)
+            if entry is not None:
+                was_event = entry.cause == "event"
+                entry.merge(cause, event_time)
+                if entry.cause == "event" and not was_event:
+                    self._push(sandbox_id, entry, self._ready_at(sandbox_id, "event"))  # promote
+                return False
+            entry = _Entry(cause, event_time, -1)
+            self._queued[sandbox_id] = entry
+            self._push(sandbox_id, entry, self._ready_at(sandbox_id, cause))
+            return True
+
+    def _ready_at(self, sandbox_id: str, cause: str) -> float:
+        now = self._clock()
+        recent = self._recent.get(sandbox_id)
+        if cause != "event" or recent is None:
+            return now
+        last, streak = recent
+        until = last + self._backoff(streak)
+        if now >= until:  # quiet for a whole backoff: start afresh
+            del self._recent[sandbox_id]
+            return now
+        self._recent[sandbox_id] = (last, streak + 1)
+        return until
+
+    def _push(self, sandbox_id: str, entry: _Entry, ready: float) -> None:
+        entry.seq = next(self._seq)
+        heap = self._events if entry.cause == "event" else self._background
+        heapq.heappush(heap, (ready, entry.seq, sandbox_id))
+        self._cond.notify()
+
+    def _top(self, heap: list[tuple[float, int, str]]) -> tuple[float, int, str] | None:
+        while heap:
+            _ready, seq, sid = heap[0]
+            entry = self._queued.get(sid)
+            if entry is not None and entry.seq == seq:
+                return heap[0]
+            heapq.heappop(heap)  # stale
+        return None
+
+    def take(self, timeout: float | None = None) -> Work | None:
+        """The next ready sandbox; None once closed (or when ``timeout`` passes)."""
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            while not self._closed:
+                now = self._clock()
+                wait: float | None = None
+                for heap in (self._events, self._background):
+                    if heap is self._background and self._bg_running >= self.background_workers:
+                        continue  # done() wakes us when the background slot frees up
+                    top = self._top(heap)
+                    if top is None:
+                        continue
+                    if top[0] <= now:
+                        heapq.heappop(heap)
+                        sid = top[2]
+                        entry = self._queued.pop(sid)
+                        self._running[sid] = (entry.cause, None)
+                        if entry.cause != "event":
+                            self._bg_running += 1
+                        return Work(sid, entry.cause, entry.first_event, now)
+                    wait = top[0] - now if wait is None else min(wait, top[0] - now)
+                if deadline is not None:
+                    left = deadline - now
+                    if left <= 0:
+                        return None
+                    wait = left if wait is None else min(wait, left)
+                self._cond.wait(wait)
+            return None
+
+    def done(self, sandbox_id: str) -> None:
+        with self._cond:
+            if sandbox_id not in self._running:
+                return
+            cause, again = self._running.pop(sandbox_id)
+            if cause != "event":
+                self._bg_running -= 1
+            now = self._clock()
+            if cause == "event":
+                _, streak = self._recent.get(sandbox_id, (now, 0))
+                if again is not None and again.cause == "event":
+                    # events kept coming while this one was planned: back off
+                    self._queued[sandbox_id] = again
+                    self._push(sandbox_id, again, now + self._backoff(streak))
+                    again = None
+                    streak += 1
+                self._recent[sandbox_id] = (now, streak)
+            if again is not None:
+                self._queued[sandbox_id] = again
+                self._push(sandbox_id, again, now)
+            if len(self._recent) > 4096:
+                for s, (last, streak) in list(self._recent.items()):
+                    if now >= last + self._backoff(streak):
+                        del self._recent[s]
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drop_background(self) -> int:
+        """Forget queued periodic and start-up work (not events); how many were dropped."""
+        with self._cond:
+            gone = [sid for sid, e in self._queued.items() if e.cause != "event"]
+            for sid in gone:
+                del self._queued[sid]  # its heap items are stale now
+            self._background.clear()
+            self._cond.notify_all()
+            return len(gone)
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._queued)
+
+    def running(self) -> int:
+        with self._cond:
+            return len(self._running)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queued and not self._running
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = self._clock() + timeout
+        with self._cond:
+            while self._queued or self._running:
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return True
+
+
+# -- per-sandbox bookkeeping --------------------------------------------------------------------
+class SandboxStat:
+    """What the agent knows about one sandbox after its last pass (for status and gauges)."""
+
+    __slots__ = (
+        "containers",
+        "errors",
+        "gen",
+        "last",
+        "mask",
+        "mode",
+        "pinned",
+        "plans",
+        "runtime",
+        "threads",
+    )
+
+    def __init__(self, runtime: str) -> None:
+        self.runtime = runtime
+        self.plans = 0
+        self.gen = 0
+        self.last = 0.0
+        self.containers = 0
+        self.threads = 0
+        self.pinned: dict[str, int] = {}
+        self.mask = ""
+        self.mode = ""
+        self.errors: list[str] = []
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "runtime": self.runtime,
+            "plans": self.plans,
+            "gen": self.gen,
+            "last_pass_unix": round(self.last, 3),
+            "containers": self.containers,
+            "threads": self.threads,
+            "threads_pinned": sum(self.pinned.values()),
+            "mask": self.mask,
+            "mode": self.mode,
+            "errors": self.errors,
+        }
+
+
+class _FullPass:
+    def __init__(self, number: int, cause: str, sandboxes: Iterable[str]) -> None:
+        self.number = number
+        self.cause = cause
+        self.remaining = set(sandboxes)
+        self.total = len(self.remaining)
+        self.started = time.monotonic()
+        self.started_cpu = time.process_time()
+        self.repaired = 0
+        self.errors = 0
+
+
+class CtxLike(Protocol):
+    """What the CLI hands :func:`serve` (``vmpin.cli.Ctx``), without importing typer here."""
+
+    paths: HostPaths
+
+    def reconciler(self, store: Store | None = None) -> Reconciler: ...
+
+
+class AgentRunning(StateError):
+    """Another agent holds the state dir."""
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    return int(uid)
+
+
+class Agent:
+    def __init__(
+        self,
+        paths: HostPaths,
+        reconciler_factory: Callable[[Store], Reconciler],
+        *,
+        interval: float = DEFAULT_INTERVAL,
+        workers: int = DEFAULT_WORKERS,
+        metrics_port: int = 0,
+        holdoff: float = DEFAULT_HOLDOFF,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if interval <= 0:
+            raise StateError(f"--interval {interval}: must be > 0 seconds")
+        if workers < 1:
+            raise StateError(f"--workers {workers}: need at least one worker")
+        if not 0 <= metrics_port <= 65535:
+            raise StateError(f"--metrics-port {metrics_port}: not a TCP port (0 = off)")
+        self.paths = paths
+        self.reconciler_factory = reconciler_factory
+        self.interval = interval
+        self.n_workers = workers
+        self.metrics_port = metrics_port
+        self.drain_timeout = drain_timeout
+        self.metrics = metrics or Metrics()
+        self.queue = DirtyQueue(holdoff)
+        self.stop_event = threading.Event()
+        self._stop_signal: int | None = None
+        self._exit_code = 0
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.started = time.monotonic()
+        self._lock = threading.Lock()  # guards the bookkeeping below
+        self._stats: dict[str, SandboxStat] = {}
+        self._pass: _FullPass | None = None
+        self._passes = 0
+        self._last_pass: dict[str, Any] | None = None
+        self._last_pass_end: float | None = None
+        self._pass_requested = False
+        self._events = 0
+        self._plans = 0
+        self._errors = 0
+        self._workers: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._socket_ino: int | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._lockfd: int | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._store: Store | None = None
+        self._tracked_lock = threading.Lock()
+        self._tracked_cache: tuple[float, dict[str, tuple[str, int]]] | None = None
+        #: sandboxes with stored changes no pass had planned when this agent started
+        self._pending_at_start: set[str] = set()
+        self.metrics.track_state(self._snapshot)
+        self.metrics.track_queue(self.queue.depth, self.queue.running)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Lock the state dir, open the socket and metrics, start workers, queue the start pass."""
+        try:
+            os.makedirs(self.paths.state_dir, mode=0o700, exist_ok=True)
+        except OSError as err:
+            raise StateError(f"{self.paths.state_dir}: {err.strerror}") from None
+        self._take_lock()
+        try:
+            self._store = Store(self.paths.state_dir)
+            self._open_socket()
+            if self.metrics_port:
+                try:
+                    self._metrics_server = MetricsServer(self.metrics, self.metrics_port)
+                except OSError as err:
+                    raise StateError(
+                        f"metrics port 127.0.0.1:{self.metrics_port}: {err.strerror}"
+                    ) from None
+            # Crash recovery: whatever the last agent (or a killed hook) left half-done is
+            # planned again from the stored level.
+            self._pending_at_start = {sid for sid, _ in self._store.dirty()}
+            self._store.mark_dirty(None)
+            for i in range(self.n_workers):
+                t = threading.Thread(target=self._worker, name=f"vmpin-worker-{i}", daemon=True)
+                t.start()
+                self._workers.append(t)
+            self._accept_thread = threading.Thread(
+                target=self._accept_loop, name="vmpin-control", daemon=True
+            )
+            self._accept_thread.start()
+        except BaseException:
+            self._close_socket()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+            if self._store is not None:
+                self._store.close()
+            self._release_lock()
+            raise
+        _log(
+            logging.INFO,
+            "agent started",
+            pid=os.getpid(),
+            version=__version__,
+            state_dir=self.paths.state_dir,
+            socket=self.paths.control_socket,
+            interval=self.interval,
+            workers=self.n_workers,
+            holdoff=self.queue.holdoff,
+            metrics=(f"127.0.0.1:{self._metrics_server.port}" if self._metrics_server else None),
+        )
+        self.full_pass("startup")
+
+    def run(self) -> int:
+        """The main thread: periodic passes until stopped, then drain; the exit code."""
+        import select
+
+        next_tick = time.monotonic() + self.interval
+        while not self.stop_event.is_set():
+            timeout = max(0.0, next_tick - time.monotonic())
+            ready, _, _ = select.select([self._wake_r], [], [], timeout)
+            if ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            if self._stop_signal is not None or self.stop_event.is_set():
+                break
+            with self._lock:
+                requested, self._pass_requested = self._pass_requested, False
+            if requested or time.monotonic() >= next_tick:
+                try:
+                    self.full_pass("periodic")
+                except (VmpinError, sqlite3.Error) as err:
+                    self.metrics.errors.labels("internal").inc()
+                    _log(logging.ERROR, "cannot start a pass", error=str(err))
+                next_tick = time.monotonic() + self.interval
+        _log(logging.INFO, "stopping", signal=self._stop_signal)
+        return self.shutdown()
+
+    def request_stop(self, signum: int | None = None) -> None:
+        """Safe from a signal handler: sets a flag and writes one byte, takes no lock."""
+        if signum is not None:
+            self._stop_signal = signum
+        else:
+            self.stop_event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def shutdown(self) -> int:
+        """Drain: drop queued periodic work (the next start repeats it), finish the events
+        already queued while still accepting new ones (at most ``drain_timeout``), then close
+        the socket and let the workers finish the sandbox they are on."""
+        dropped = self.queue.drop_background()
+        drained = self.queue.wait_idle(self.drain_timeout)
+        self._close_socket()
+        self.queue.close()
+        for t in self._workers:
+            t.join(timeout=self.drain_timeout)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        if self._store is not None:
+            self._store.close()
+        self._release_lock()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        _log(
+            logging.INFO,
+            "agent stopped",
+            drained=drained,
+            dropped_periodic=dropped,
+            left=self.queue.depth(),
+            plans=self._plans,
+            events=self._events,
+        )
+        return self._exit_code
+
+    # -- the state dir lock and the socket ---------------------------------------------------
+    def _take_lock(self) -> None:
+        path = os.path.join(self.paths.state_dir, "agent.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise AgentRunning(
+                    f"another vmpin agent (pid {holder}) is running on {self.paths.state_dir}"
+                ) from None
+            raise StateError(f"{path}: {err.strerror}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lockfd = fd
+
+    def _release_lock(self) -> None:
+        if self._lockfd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lockfd, 0)
+            os.close(self._lockfd)  # closing the last fd releases the flock
+            self._lockfd = None
+
+    def _open_socket(self) -> None:
+        from vmpin.service.control import request
+
+        path = self.paths.control_socket
+        if os.path.lexists(path):
+            # We hold the lock, so an answering agent would be a foreign one (another state
+            # dir layout, an old version): refuse rather than steal its socket.
+            if request(self.paths, {"op": "status"}, timeout=0.5) is not None:
+                raise AgentRunning(f"another agent answers on {path}")
+            os.unlink(path)
+            _log(logging.INFO, "removed stale control socket", socket=path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            sock.bind(path)
+        except OSError as err:
+            sock.close()
+            raise StateError(f"{path}: cannot bind the control socket: {err.strerror}") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(512)
+        self._listener = sock
+        self._socket_ino = os.stat(path).st_ino
+
+    def _close_socket(self) -> None:
+        sock, self._listener = self._listener, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it
+        sock.close()
+        path = self.paths.control_socket
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == self._socket_ino:  # only ours, never a successor's
+                os.unlink(path)
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=2)
+
+    # -- control connections ----------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        me = os.getuid()
+        while True:
+            sock = self._listener
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                if self._listener is None:
+                    return
+                time.sleep(0.01)
+                continue
+            uid = _peer_uid(conn)
+            if uid is not None and uid not in (0, me):
+                conn.close()
+                self.metrics.errors.labels("control").inc()
+                continue
+            threading.Thread(
+                target=self._serve_conn, args=(conn,), daemon=True, name="vmpin-conn"
+            ).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(REQUEST_TIMEOUT)
+                buf = b""
+                while b"\n" not in buf and len(buf) < MAX_REQUEST:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                reply = self.handle(buf.split(b"\n", 1)[0])
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError as err:
+                _log(logging.DEBUG, "control connection dropped", error=str(err))
+
+    def handle(self, line: bytes) -> dict[str, Any]:
+        """One request line -> one reply (a dict; ``ok`` says whether it was understood)."""
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return self._bad("request is not JSON")
+        if not isinstance(msg, dict):
+            return self._bad("request is not a JSON object")
+        op = msg.get("op")
+        if op == "dirty":
+            ids = msg.get("sandboxes")
+            if not isinstance(ids, list):
+                return self._bad("dirty: 'sandboxes' must be a list of ids")
+            try:
+                sids = [check_id(s, "sandbox id") for s in ids]
+            except IdError as err:
+                return self._bad(f"dirty: {err}")
+            return {"ok": True, "queued": self.notify(sids)}
+        if op == "status":
+            sid = msg.get("sandbox")
+            return self.status(sid if isinstance(sid, str) else None)
+        if op == "reconcile":
+            with self._lock:
+                self._pass_requested = True
+            self._wake()
+            return {"ok": True}
+        return self._bad(f"unknown op {op!r} (dirty, status, reconcile)")
+
+    def _bad(self, error: str) -> dict[str, Any]:
+        self.metrics.errors.labels("control").inc()
+        _log(logging.WARNING, "bad control request", error=error)
+        return {"ok": False, "error": error}
+
+    def notify(self, sandbox_ids: list[str]) -> int:
+        """Mark sandboxes dirty (their new level is already in the store); how many queued."""
+        now = time.monotonic()
+        queued = 0
+        for sid in sandbox_ids:
+            self.metrics.events.inc()
+            if self.queue.add(sid, "event", now):
+                queued += 1
+            else:
+                self.metrics.coalesced.inc()
+        with self._lock:
+            self._events += len(sandbox_ids)
+        return queued
+
+    # -- passes -----------------------------------------------------------------------------
+    def full_pass(self, cause: str) -> bool:
+        """Queue every sandbox; False when the previous full pass has not finished yet."""
+        assert self._store is not None
+        with self._lock:
+            if self._pass is not None:
+                _log(
+                    logging.WARNING,
+                    "previous pass still running: tick skipped",
+                    number=self._pass.number,
+                    remaining=len(self._pass.remaining),
+                )
+                return False
+            self._passes += 1
+            self._store.ingest()  # containers whose hooks nobody has applied yet
+            ids = [s.id for s in self._store.sandboxes()]
+            # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
+            for gone in set(self._stats) - set(ids):
+                del self._stats[gone]
+            p = _FullPass(self._passes, cause, ids)
+            self._pass = p
+        for sid in ids:
+            self.queue.add(sid, cause)
+        if not ids:
+            self._finish_pass_if_done(p)
+        return True
+
+    def _finish_pass_if_done(self, p: _FullPass) -> None:
+        with self._lock:
+            if p.remaining or self._pass is not p:
+                return
+            self._pass = None
+            wall = time.monotonic() - p.started
+            cpu = time.process_time() - p.started_cpu
+            self._last_pass_end = time.monotonic()
+            self._last_pass = {
+                "number": p.number,
+                "cause": p.cause,
+                "sandboxes": p.total,
+                "duration_s": round(wall, 4),
+                "cpu_s": round(cpu, 4),
+                "repaired": p.repaired,
+                "errors": p.errors,
+            }
+        self.metrics.full_pass.observe(wall)
+        self.metrics.full_pass_cpu.set(cpu)
+        self.metrics.last_full_pass.set_to_current_time()
+        level = logging.INFO if (p.repaired or p.errors or p.cause == "startup") else logging.DEBUG
+        _log(level, "pass done", **self._last_pass)
+
+    def _worker(self) -> None:
+        try:
+            store = Store(self.paths.state_dir)
+            reconciler = self.reconciler_factory(store)
+        except VmpinError as err:
+            _log(logging.ERROR, "worker cannot start", error=str(err))
+            self.metrics.errors.labels("internal").inc()
+            self._exit_code = 1
+            self.request_stop()
+            return
+        with store:
+            while True:
+                work = self.queue.take()
+                if work is None:
+                    return
+                try:
+                    self._process(work, store, reconciler)
+                except Exception as err:  # a worker must survive any one sandbox
+                    self.metrics.errors.labels("internal").inc()
+                    with self._lock:
+                        self._errors += 1
+                    log.error(
+                        "sandbox pass failed",
+                        exc_info=True,
+                        extra={"fields": {"sandbox": work.sandbox_id, "error": str(err)}},
+                    )
+                finally:
+                    self.queue.done(work.sandbox_id)
+                    self._progress(work)
+
+    def _progress(self, work: Work) -> None:
+        with self._lock:
+            p = self._pass
+            if p is None or work.taken_at < p.started or work.sandbox_id not in p.remaining:
+                return
+            p.remaining.discard(work.sandbox_id)
+        self._finish_pass_if_done(p)
+
+    def _process(self, work: Work, store: Store, reconciler: Reconciler) -> None:
+        sid = work.sandbox_id
+        t0 = time.monotonic()
+        store.ingest()  # a plain container's hook journals its event and only notifies us
+        rec = store.sandbox(sid)
+        if rec is None:  # deleted (poststop) before we got to it
+            with self._lock:
+                self._stats.pop(sid, None)
+            return
+        report = reconciler.reconcile_sandbox(rec)
+        end = time.monotonic()
+        self.metrics.plans.labels(work.cause).inc()
+        self.metrics.sandbox_pass.observe(end - t0)
+        if work.first_event is not None:
+            self.metrics.latency.observe(end - work.first_event)
+        self._account(work, rec.gen, rec.dirty, report)
+
+    def _account(self, work: Work, gen: int, dirty: bool, r: SandboxReport) -> None:
+        """Metrics, bookkeeping and a log line for one sandbox pass."""
+        # Drift = what a pass repaired that no stored change asked for.  A periodic pass over
+        # a dirty sandbox is applying an update whose notification is still on its way; the
+        # start-up pass marks every sandbox dirty, so there it is the ones dirty before that.
+        if work.cause == "startup":
+            drift = work.sandbox_id not in self._pending_at_start
+        else:
+            drift = work.cause == "periodic" and not dirty
+        pinned_threads = [t for t in r.threads if t.action == "pinned"]
+        cgroup_fixed = sum(1 for d in r.cgroup_drift if d.get("repaired"))
+        failed = [t for t in r.threads if t.action == "error"]
+        errors = list(r.errors) + [f"tid {t.tid}: {t.error}" for t in failed]
+        for t in pinned_threads:
+            self.metrics.affinity_writes.labels(t.role).inc()
+        if failed:
+            self.metrics.errors.labels("affinity").inc(len(failed))
+        if r.errors:
+            self.metrics.errors.labels("sandbox").inc(len(r.errors))
+        if drift:
+            if pinned_threads:
+                self.metrics.drift.labels("thread").inc(len(pinned_threads))
+            if cgroup_fixed:
+                self.metrics.drift.labels("cgroup").inc(cgroup_fixed)
+            if r.vanished:
+                self.metrics.drift.labels("vanished").inc()
+        with self._lock:
+            self._plans += 1
+            self._errors += len(errors)
+            p = self._pass
+            if p is not None and work.sandbox_id in p.remaining:
+                if drift:
+                    p.repaired += len(pinned_threads) + cgroup_fixed + int(r.vanished)
+                p.errors += len(errors)
+            if r.vanished:
+                self._stats.pop(work.sandbox_id, None)
+            else:
+                st = self._stats.get(work.sandbox_id)
+                if st is None:
+                    st = self._stats[work.sandbox_id] = SandboxStat(r.runtime)
+                st.plans += 1
+                st.gen = gen
+                st.last = time.time()
+                st.containers = len(r.containers)
+                st.threads = len(r.threads)
+                st.mask = r.mask.to_list()
+                st.mode = r.mode
+                st.errors = errors
+                pinned: dict[str, int] = {}
+                for t in r.threads:
+                    if t.desired is not None and t.actual is not None and not t.violates():
+                        pinned[t.role] = pinned.get(t.role, 0) + 1
+                st.pinned = pinned
+        changed = bool(pinned_threads or cgroup_fixed or r.vanished or errors)
+        _log(
+            logging.INFO if changed else logging.DEBUG,
+            "sandbox pass",
+            sandbox=r.id,
+            cause=work.cause,
+            gen=gen,
+            mode=r.mode,
+            mask=r.mask.to_list(),
+            pinned=len(pinned_threads),
+            cgroups=cgroup_fixed,
+            vanished=r.vanished,
+            drift=drift and bool(pinned_threads or cgroup_fixed or r.vanished),
+            errors=errors,
+        )
+
+    # -- status and metrics ---------------------------------------------------------------------
+    def _tracked(self) -> dict[str, tuple[str, int]]:
+        """Sandbox -> (runtime, containers), as the store says now (cached for a second).
+
+        Read from the store rather than from the agent's bookkeeping: a sandbox whose last
+        container went away in a hook that notified nobody (a poststop of the sandbox
+        container) must not linger in the gauges until the next periodic pass.  A short-lived
+        connection of this thread's own (sqlite connections are per thread).
+        """
+        now = time.monotonic()
+        with self._tracked_lock:
+            cached = self._tracked_cache
+            if cached is not None and now - cached[0] < 1.0:
+                return cached[1]
+            with Store(self.paths.state_dir) as store:
+                runtimes = {s.id: s.runtime for s in store.sandboxes()}
+                counts: dict[str, int] = {}
+                for c in store.containers():
+                    counts[c.sandbox_id] = counts.get(c.sandbox_id, 0) + 1
+            tracked = {sid: (rt, counts.get(sid, 0)) for sid, rt in runtimes.items()}
+            self._tracked_cache = (now, tracked)
+            return tracked
+
+    def _snapshot(self) -> Snapshot:
+        try:
+            tracked = self._tracked()
+        except (VmpinError, sqlite3.Error) as err:
+            _log(logging.WARNING, "cannot read the store for metrics", error=str(err))
+            tracked = {}
+        runtimes: dict[str, tuple[int, int]] = {}
+        for runtime, n_containers in tracked.values():
+            n_s, n_c = runtimes.get(runtime, (0, 0))
+            runtimes[runtime] = (n_s + 1, n_c + n_containers)
+        roles: dict[str, int] = {}
+        with self._lock:
+            for sid, st in self._stats.items():
+                if sid in tracked:  # (the next full pass forgets the others)
+                    for role, n in st.pinned.items():
+                        roles[role] = roles.get(role, 0) + n
+        return runtimes, roles
+
+    def status(self, sandbox_id: str | None = None) -> dict[str, Any]:
+        now = time.monotonic()
+        runtimes, roles = self._snapshot()
+        with self._lock:
+            last_end = self._last_pass_end
+            age = None if last_end is None else now - last_end
+            # Healthy: every worker alive and a full pass finished lately (one may take
+            # longer than an interval on a crowded node: allow three, plus start-up slack).
+            workers_alive = sum(1 for t in self._workers if t.is_alive())
+            since = age if age is not None else now - self.started
+            healthy = workers_alive == self.n_workers and since < 3 * self.interval + 10
+            out: dict[str, Any] = {
+                "ok": True,
+                "healthy": healthy,
+                "pid": os.getpid(),
+                "version": __version__,
+                "uptime_s": round(now - self.started, 3),
+                "interval_s": self.interval,
+                "workers": workers_alive,
+                "sandboxes": sum(n for n, _ in runtimes.values()),
+                "containers": sum(c for _, c in runtimes.values()),
+                "threads_pinned": sum(roles.values()),
+                "queue": self.queue.depth(),
+                "running": self.queue.running(),
+                "events": self._events,
+                "plans": self._plans,
+                "errors": self._errors,
+                "passes": self._passes,
+                "pass_running": self._pass is not None,
+                "last_pass_age_s": None if age is None else round(age, 3),
+            }
+            if self._last_pass is not None:
+                out.update(
+                    {f"last_pass_{k}": v for k, v in self._last_pass.items() if k != "number"}
+                )
+            if sandbox_id is not None:
+                st = self._stats.get(sandbox_id)
+                out["sandbox"] = None if st is None else {"id": sandbox_id, **st.to_json()}
+        return out
+
+
+def serve(
+    ctx_obj: CtxLike,
+    *,
+    interval: float = DEFAULT_INTERVAL,
+    workers: int = DEFAULT_WORKERS,
+    metrics_port: int = 9464,
+    holdoff: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run the agent in the foreground until SIGTERM/SIGINT; the process exit code.
+
+    ``holdoff`` (seconds; also ``VMPIN_HOLDOFF``) is the least time between two passes over
+    one sandbox while events keep coming for it.
+    """
+    env = os.environ if env is None else env
+    setup_logging()
+    if holdoff is None:
+        raw = env.get("VMPIN_HOLDOFF")
+        try:
+            holdoff = float(raw) if raw else DEFAULT_HOLDOFF
+        except ValueError:
+            raise StateError(f"VMPIN_HOLDOFF={raw!r}: not a number of seconds") from None
+    agent = Agent(
+        ctx_obj.paths,
+        ctx_obj.reconciler,
+        interval=interval,
+        workers=workers,
+        metrics_port=metrics_port,
+        holdoff=holdoff,
+    )
+
+    def on_signal(signum: int, frame: object) -> None:
+        agent.request_stop(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+    except AgentRunning as err:
+        _log(logging.ERROR, "refusing to start", error=str(err))
+        raise
+    return agent.run()

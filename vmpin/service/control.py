@@ -1,0 +1,53 @@
+"""The agent's control socket, client side: how hooks and ``vmpin update`` hand work over.
+
+One JSON object per line, one reply line.  Requests: ``{"op": "dirty", "sandboxes": [...]}``
+(mark sandboxes dirty; the agent plans them, coalesced) and ``{"op": "status"}``.  The socket
+lives in the state dir with mode 0600: only root may ask the agent to act.
+
+The client never waits long: if no agent answers within ``timeout`` the caller does the work
+itself, so a hung agent slows a container start by at most that, and a dead one by nothing
+(the socket file is checked before ``socket`` is even imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vmpin.linux.paths import HostPaths
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def request(
+    paths: HostPaths, message: dict[str, Any], timeout: float = 1.0
+) -> dict[str, Any] | None:
+    """Send one request; the reply, or None when no agent answered."""
+    path = paths.control_socket
+    if not os.path.exists(path):
+        return None
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.sendall(json.dumps(message).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        reply = json.loads(buf) if buf else None
+    except (OSError, ValueError):
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+def notify(paths: HostPaths, sandbox_ids: list[str], timeout: float = 1.0) -> bool:
+    """Mark sandboxes dirty in the running agent; False when there is none to tell."""
+    reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
+    return bool(reply and reply.get("ok"))

@@ -1,0 +1,111 @@
+"""``vmpin hook STAGE``: the OCI hook, on the hot path of every container start.
+
+What it does: parse the state on stdin and the bundle's config.json, read what only this
+moment knows (the pid's start time, which runtime runs the sandbox), and journal that as one
+event (vmpin.state.journal) -- the store applies it exactly once.  Then bring the sandbox into line:
+
+- a Kata sandbox (its QEMU floats until pinned): apply the journal now, and hand the sandbox
+  to the running agent, or reconcile it here when no agent answers;
+- a plain container: runc has just written the spec's cpuset into its cgroup, which is
+  already vmpin's plan for it, so only the agent (when up) is told; the event is applied by
+  whichever vmpin process opens the store next.  This keeps sqlite3 (and the 28 ms that
+  re + json + sqlite3 cost to import) off the start of every plain container.
+
+Fail-open: a container must never fail to start because of vmpin, so any problem prints one
+line to stderr and exits 0; ``--strict`` makes it exit 1 (the runtime then fails the start).
+
+Kata's quirks (FACTS.md), and how each is handled:
+
+- ``ociVersion``/``status`` may be empty: not required.
+- For poststart and poststop the state's ``id`` is the *sandbox* id: the container is found
+  by its bundle (recorded at create), never by that id; when it was not recorded, its id is
+  taken from the bundle path (containerd and CRI-O name the bundle dir after the container).
+- The state's pid is the VMM's (or the shim's thread id) for Kata, the container's init for
+  runc: it is stored as the container's pid only for plain containers, and for Kata only
+  used as a hint when looking for the VMM.
+
+Lean by rule (see the import-linter contract in pyproject.toml and tests/test_hook_imports.py):
+json and the project's small modules; no typer, pydantic, psutil, kubernetes, dataclasses or
+typing, and sqlite3 only on the Kata path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from vmpin.core.errors import SpecError, VmpinError
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.oci import STAGES, parse_state
+from vmpin.state.journal import append, build
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from vmpin.state.store import Store
+
+USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
+
+
+def main(opts: dict[str, str], args: list[str]) -> int:
+    strict = "--strict" in args
+    rest = [a for a in args if a != "--strict"]
+    stage = rest[0] if rest else ""
+    try:
+        if len(rest) != 1 or stage not in STAGES:
+            raise SpecError(f"bad stage {stage!r}: {USAGE}")
+        paths = HostPaths.from_env(opts)
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SpecError("no OCI state on stdin")
+        data = sys.stdin.buffer.read()
+        run(paths, stage, data)
+        return 0
+    except VmpinError as err:
+        print(f"vmpin hook {stage or '?'}: {err}", file=sys.stderr)
+    except Exception as err:  # fail-open means *any* failure, not only the foreseen ones
+        print(f"vmpin hook {stage or '?'}: unexpected {type(err).__name__}: {err}", file=sys.stderr)
+    return 1 if strict else 0
+
+
+def run(paths: HostPaths, stage: str, data: bytes) -> str | None:
+    """Handle one hook invocation; returns the sandbox id it touched (None when nothing).
+
+    The event is journaled (see vmpin.state.journal) and, for a Kata sandbox, applied and reconciled
+    right here; a plain container's event waits for the agent or the next vmpin command.
+    """
+    state = parse_state(data, f"hook {stage}: state")
+    event = build(paths, stage, state)
+    append(paths.state_dir, event)
+    ident = event["ident"]
+    sandbox = ident["sandbox_id"] if ident else None
+    if event["runtime"] == "kata" or (sandbox is None and stage == "poststop"):
+        from vmpin.state.store import Store
+
+        # Not closed on purpose: the last connection to close checkpoints the WAL into the
+        # database, a synchronous write on a container start.  The console script leaves
+        # with os._exit(); what was committed is in the WAL for the next connection.
+        store = Store(paths.state_dir, ingest=False)
+        # another process may have applied our event already: then re-pin our sandbox anyway
+        touched = store.ingest() or ([sandbox] if sandbox else [])
+        live = [sid for sid in touched if store.sandbox(sid) is not None]
+        if live:
+            sync(paths, store, live)
+        return sandbox
+    if sandbox is not None:
+        from vmpin.service.control import notify
+
+        notify(paths, [sandbox])  # a no-op without a socket file: socket is not even imported
+    return sandbox
+
+
+def sync(paths: HostPaths, store: Store, sandbox_ids: list[str]) -> None:
+    """Hand the sandboxes to the agent, or reconcile them here when no agent answers."""
+    from vmpin.service.control import notify
+
+    if notify(paths, sandbox_ids):
+        return
+    from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.service.settings import guest_float, policy_from
+
+    rec = Reconciler(paths, store, policy=policy_from, float_policy=guest_float(), qmp_timeout=0.1)
+    for report in rec.reconcile(sandbox_ids):
+        for err in report.errors:
+            print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

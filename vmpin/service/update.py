@@ -1,0 +1,106 @@
+"""``vmpin update``: CRI UpdateContainerResources, as vmpin hears it.
+
+Validation happens before anything is written: an unknown container, a malformed list or
+JSON, or CPUs that are not online leave the state exactly as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import CpuSetError, SpecError, StateError
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler
+from vmpin.runtimes.oci import parse_resources_json
+from vmpin.state.store import Store
+
+
+def _read_resources(source: str) -> bytes:
+    if source == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(source, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise SpecError(f"{source}: {err.strerror}") from None
+
+
+def parse_update(cpuset_cpus: str | None, resources: str | None) -> CpuSet | None:
+    """The new CPU set; None when the resources carry no cpu.cpus (nothing for vmpin)."""
+    if cpuset_cpus is not None:
+        try:
+            return CpuSet.parse(cpuset_cpus)
+        except CpuSetError as err:
+            raise SpecError(f"--cpuset-cpus: {err}") from None
+    assert resources is not None
+    where = "stdin" if resources == "-" else resources
+    return parse_resources_json(_read_resources(resources), where).cpus
+
+
+def _wait_done(store: Store, sandbox_id: str, gen: int, timeout: float) -> bool:
+    """Wait until the sandbox was planned from generation ``gen`` or later (or is gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = store.sandbox(sandbox_id)
+        if rec is None or rec.done_gen >= gen:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def update_container(
+    paths: HostPaths,
+    container_id: str,
+    *,
+    cpuset_cpus: str | None = None,
+    resources: str | None = None,
+    reconciler_factory: Callable[[Store], Reconciler] | None = None,
+    wait: float = 10.0,
+) -> dict[str, Any]:
+    """Record the new set, then re-pin: through the agent when one answers (waiting until it
+    has planned from this write, so that the command returning means the threads moved), else
+    in this process."""
+    cpus = parse_update(cpuset_cpus, resources)
+    with Store(paths.state_dir) as store:
+        rec = store.container(container_id)
+        if rec is None:
+            raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
+        if cpus is None:
+            return {
+                "id": rec.id,
+                "sandbox": rec.sandbox_id,
+                "cpus": None if rec.cpus is None else rec.cpus.to_list(),
+                "applied_by": "nothing to do: no cpu.cpus given",
+            }
+        if not cpus:
+            raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
+        from vmpin.linux.sysfs import read_topology
+
+        topo = read_topology(paths.sys)
+        topo.check_online(cpus, f"container {container_id}")
+        rec = store.set_container_cpus(container_id, cpus, "update")
+        sandbox = store.sandbox(rec.sandbox_id)
+        gen = sandbox.gen if sandbox else 0
+        from vmpin.service.control import notify
+
+        if notify(paths, [rec.sandbox_id]) and _wait_done(store, rec.sandbox_id, gen, wait):
+            applied = "re-pinned by the agent"
+        else:
+            rec_ = (
+                reconciler_factory(store)
+                if reconciler_factory
+                else Reconciler(paths, store, topology=topo)
+            )
+            reports = rec_.reconcile([rec.sandbox_id])
+            errors = [e for r in reports for e in r.errors]
+            applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
+        return {
+            "id": rec.id,
+            "sandbox": rec.sandbox_id,
+            "cpus": cpus.to_list(),
+            "applied_by": applied,
+        }

@@ -1,0 +1,604 @@
+"""Durable state: containers, sandboxes and remembered thread roles, in SQLite under the state dir.
+
+Why SQLite, and how it is used:
+
+- Dozens of hook processes start at once on a busy node, each its own short-lived process.
+  WAL mode lets readers run beside the one writer; every write is a ``BEGIN IMMEDIATE``
+  transaction, so writers queue on the database lock (``busy_timeout``) instead of failing,
+  and a hook killed mid-way leaves either its whole change or none of it.
+- The schema is versioned with ``PRAGMA user_version``; a database from a newer vmpin is
+  refused rather than misread.
+- Events never carry state: every change writes the *level* (a container's CPU set) and bumps
+  its sandbox's generation ``gen``.  Whoever reconciles records the generation it planned
+  from in ``done_gen``; a sandbox with ``gen > done_gen`` is dirty.  A thousand updates to one
+  sandbox therefore cost one plan, and a crash between a write and its reconcile loses
+  nothing: the next pass sees the sandbox still dirty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from types import MappingProxyType
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import SpecError, StateError, VmpinError
+from vmpin.core.ids import check_id
+from vmpin.runtimes.oci import Identity, identify
+from vmpin.state import journal
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+
+SCHEMA_VERSION = 2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id            TEXT PRIMARY KEY,
+    runtime       TEXT NOT NULL,
+    vmm_pid       INTEGER,
+    vmm_start     INTEGER,
+    pod_uid       TEXT,
+    pod_name      TEXT,
+    pod_namespace TEXT,
+    gen           INTEGER NOT NULL DEFAULT 1,
+    done_gen      INTEGER NOT NULL DEFAULT 0,
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS containers (
+    id            TEXT PRIMARY KEY,
+    sandbox_id    TEXT NOT NULL,
+    is_sandbox    INTEGER NOT NULL,
+    name          TEXT,
+    pod_uid       TEXT,
+    pod_name      TEXT,
+    pod_namespace TEXT,
+    cpus          TEXT,
+    cpus_source   TEXT,
+    mems          TEXT,
+    bundle        TEXT,
+    pid           INTEGER,
+    pid_start     INTEGER,
+    cgroup        TEXT,
+    runtime_seen  TEXT,
+    kubelet_seen  TEXT,
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS containers_sandbox ON containers(sandbox_id);
+CREATE INDEX IF NOT EXISTS containers_bundle ON containers(bundle);
+CREATE TABLE IF NOT EXISTS threads (
+    sandbox_id TEXT NOT NULL,
+    vmm_pid    INTEGER NOT NULL,
+    vmm_start  INTEGER NOT NULL,
+    tid        INTEGER NOT NULL,
+    role       TEXT NOT NULL,
+    idx        INTEGER,
+    label      TEXT,
+    layer      TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, tid)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS journal (name TEXT PRIMARY KEY);
+"""
+
+
+class ContainerRec(NamedTuple):
+    id: str
+    sandbox_id: str
+    is_sandbox: bool
+    name: str | None = None
+    pod_uid: str | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    cpus: CpuSet | None = None
+    cpus_source: str | None = None
+    mems: str | None = None
+    bundle: str | None = None
+    pid: int | None = None
+    pid_start: int | None = None
+    cgroup: str | None = None
+    runtime_seen: str | None = None
+    kubelet_seen: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class SandboxRec(NamedTuple):
+    id: str
+    runtime: str
+    vmm_pid: int | None = None
+    vmm_start: int | None = None
+    pod_uid: str | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    gen: int = 1
+    done_gen: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def dirty(self) -> bool:
+        return self.gen > self.done_gen
+
+
+class ThreadRec(NamedTuple):
+    tid: int
+    role: str
+    idx: int | None
+    label: str | None
+    layer: str
+
+
+_CONTAINER_COLS = list(ContainerRec._fields)
+_SANDBOX_COLS = list(SandboxRec._fields)
+
+
+def _container(row: sqlite3.Row) -> ContainerRec:
+    values = dict(zip(_CONTAINER_COLS, row, strict=True))
+    values["is_sandbox"] = bool(values["is_sandbox"])
+    values["cpus"] = None if values["cpus"] is None else CpuSet.parse(values["cpus"])
+    return ContainerRec(**values)
+
+
+def _sandbox(row: sqlite3.Row) -> SandboxRec:
+    return SandboxRec(**dict(zip(_SANDBOX_COLS, row, strict=True)))
+
+
+class Store:
+    """One connection to the state database; cheap to open, so each process opens its own."""
+
+    def __init__(self, state_dir: str, *, timeout: float = 30.0, ingest: bool = True) -> None:
+        """Open (creating if needed) the state in ``state_dir``; with ``ingest``, first apply
+        whatever the hooks journaled since, so every reader sees every recorded event."""
+        self.state_dir = state_dir
+        self._depth = 0
+        self.path = os.path.join(state_dir, "state.db")
+        try:
+            os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        except OSError as err:
+            raise StateError(f"{state_dir}: cannot create state dir: {err.strerror}") from None
+        try:
+            # Create the file 0600 before SQLite does: it would use 0644, and the -wal and -shm
+            # files it creates next copy the database file's mode.  Only when it is missing
+            # (O_EXCL): closing any fd of an open database drops every POSIX lock this process
+            # holds on it, so another process would take over the WAL under the feet of this
+            # process's other connections (the agent's workers) -- they then read a stale WAL.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise StateError(f"{self.path}: {err.strerror}") from None
+        try:
+            self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        except sqlite3.Error as err:
+            raise StateError(f"{self.path}: {err}") from None
+        self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+        self._masks: Mapping[str, CpuSet] = MappingProxyType({})
+        self._masks_key: tuple[int, int] | None = None
+        self._ensure_schema()
+        if ingest:
+            self.ingest()
+
+    def _ensure_schema(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            return
+        if version > SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path}: schema version {version} is newer than this vmpin ({SCHEMA_VERSION})"
+            )
+        # WAL must be switched on outside a transaction; it is persistent once set.  Processes
+        # opening a fresh database at once race here, and SQLite answers the losers "database
+        # is locked" at once (a lock upgrade: busy_timeout would deadlock), so retry.
+        for attempt in range(1000):
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as err:
+                if attempt == 999:
+                    raise StateError(f"{self.path}: cannot switch to WAL: {err}") from err
+                time.sleep(0.01)
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        with self.transaction():
+            if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                # executescript() would COMMIT the open transaction: run statements one by one.
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self.db.execute(statement)
+                self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        with suppress(OSError):
+            os.chmod(self.path, 0o600)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction: the database lock is taken at the start, not at first write.
+
+        Nested uses join the outer transaction (applying journaled events calls the same
+        methods as everyone else, all inside one transaction)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self.db
+            finally:
+                self._depth -= 1
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        else:
+            self.db.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    # -- applying journaled hook events ----------------------------------------------------
+    def _apply(self, ev: dict[str, Any]) -> str | None:
+        """Apply one event; the sandbox it touched (None when nothing is left to re-pin)."""
+        if ev["stage"] == "poststop":
+            return self._forget(ev)
+        bundle = ev["bundle"]
+        existing = self.container_by_bundle(bundle) if bundle else None
+        if existing is None and ev["stage"] in journal.CREATE_STAGES:
+            existing = self.container(ev["id"])
+        if existing is not None:
+            sandbox = self.sandbox(existing.sandbox_id)
+            if ev["host_pid"] and existing.pid is None and sandbox and sandbox.runtime == "runc":
+                self.put_container(existing._replace(pid=ev["host_pid"], pid_start=ev["pid_start"]))
+            return existing.sandbox_id
+        if ev["ident"] is None or not ev.get("has_config"):
+            raise SpecError(f"hook {ev['stage']} for {ev['id']!r}: container unknown and no spec")
+        ident = Identity(**ev["ident"])
+        sandbox = self.sandbox(ident.sandbox_id)
+        runtime = sandbox.runtime if sandbox else ev["runtime"]
+        if sandbox is None:
+            # For Kata the state pid may be the VMM: kept as an unverified hint (no start time).
+            hint = ev["host_pid"] if runtime == "kata" else None
+            self.put_sandbox(
+                SandboxRec(
+                    ident.sandbox_id,
+                    runtime,
+                    hint,
+                    None,
+                    ident.pod_uid,
+                    ident.pod_name,
+                    ident.pod_namespace,
+                )
+            )
+        pid = ev["host_pid"] if runtime == "runc" else None
+        self.put_container(
+            ContainerRec(
+                id=ident.container_id,
+                sandbox_id=ident.sandbox_id,
+                is_sandbox=ident.is_sandbox,
+                name=ident.name,
+                pod_uid=ident.pod_uid,
+                pod_name=ident.pod_name,
+                pod_namespace=ident.pod_namespace,
+                cpus=None if ev["cpus"] is None else CpuSet.parse(ev["cpus"]),
+                cpus_source="spec",
+                mems=ev["mems"],
+                bundle=bundle,
+                pid=pid,
+                pid_start=ev["pid_start"] if pid else None,
+            )
+        )
+        return ident.sandbox_id
+
+
+    def _forget(self, ev: dict[str, Any]) -> str | None:
+        """poststop: find the container by bundle (Kata sends the sandbox id), then forget it."""
+        rec = self.container_by_bundle(ev["bundle"]) if ev["bundle"] else None
+        if rec is None:
+            candidate = self.container(ev["id"])
+            # By id only when the id is the container's own: a Kata poststop of a non-sandbox
+            # container carries the sandbox id, and must not tear the whole sandbox down.
+            ann = ev["annotations"]
+            ident = identify(ev["id"], ann) if ann else None
+            if candidate is not None and (
+                ident is None or ident.is_sandbox == candidate.is_sandbox
+            ):
+                rec = candidate
+        if rec is None:
+            return None
+        self.delete_container(rec.id)
+        return None if rec.is_sandbox else rec.sandbox_id
+
+
+    def ingest(self) -> list[str]:
+        """Apply every pending event once, in order; the sandboxes they touched."""
+        names = journal.pending(self.state_dir)
+        if not names:
+            return []
+        d = journal.journal_dir(self.state_dir)
+        touched: list[str] = []
+        with self.transaction() as db:
+            done = {r[0] for r in db.execute("SELECT name FROM journal")}
+            for name in names:
+                if name in done:
+                    continue
+                try:
+                    with open(os.path.join(d, name), "rb") as f:
+                        ev = json.loads(f.read())
+                except FileNotFoundError:
+                    continue  # another process applied and removed it
+                except (OSError, ValueError) as err:
+                    print(f"vmpin: journal {name}: unreadable, skipped: {err}", file=sys.stderr)
+                    ev = None
+                if isinstance(ev, dict) and ev.get("v") == journal.VERSION:
+                    try:
+                        sid = self._apply(ev)
+                    except VmpinError as err:
+                        print(f"vmpin: journal {name}: {err}", file=sys.stderr)
+                        sid = None
+                    if sid and sid not in touched:
+                        touched.append(sid)
+                db.execute("INSERT OR IGNORE INTO journal VALUES (?)", (name,))
+            # names sort by time: a recorded name older than every file still pending was
+            # unlinked, and no process can come across it again
+            db.execute("DELETE FROM journal WHERE name < ?", (names[0],))
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, name))
+        return touched
+
+    def put_container(self, rec: ContainerRec) -> None:
+        """Insert or replace a container and mark its sandbox dirty, in one transaction."""
+        check_id(rec.id, "container id")
+        check_id(rec.sandbox_id, "sandbox id")
+        now = time.time()
+        with self.transaction() as db:
+            old = db.execute("SELECT created_at FROM containers WHERE id=?", (rec.id,)).fetchone()
+            values = {k: getattr(rec, k) for k in _CONTAINER_COLS}
+            values["cpus"] = None if rec.cpus is None else rec.cpus.to_list()
+            values["is_sandbox"] = int(rec.is_sandbox)
+            values["created_at"] = old[0] if old else now
+            values["updated_at"] = now
+            cols = ",".join(_CONTAINER_COLS)
+            marks = ",".join("?" for _ in _CONTAINER_COLS)
+            db.execute(
+                f"INSERT OR REPLACE INTO containers ({cols}) VALUES ({marks})",
+                [values[k] for k in _CONTAINER_COLS],
+            )
+            self._bump(db, rec.sandbox_id, now)
+
+    def set_container_cpus(
+        self, container_id: str, cpus: CpuSet | None, source: str, **seen: str | None
+    ) -> ContainerRec:
+        """Record a container's new CPU set (an update) and mark its sandbox dirty."""
+        allowed = {"runtime_seen", "kubelet_seen"}
+        if set(seen) - allowed:
+            raise ValueError(f"unknown columns {set(seen) - allowed}")
+        now = time.time()
+        with self.transaction() as db:
+            row = db.execute("SELECT sandbox_id FROM containers WHERE id=?", (container_id,))
+            found = row.fetchone()
+            if found is None:
+                raise StateError(f"unknown container {container_id!r}")
+            sets = ["cpus=?", "cpus_source=?", "updated_at=?"] + [f"{k}=?" for k in seen]
+            db.execute(
+                f"UPDATE containers SET {','.join(sets)} WHERE id=?",
+                [
+                    None if cpus is None else cpus.to_list(),
+                    source,
+                    now,
+                    *seen.values(),
+                    container_id,
+                ],
+            )
+            self._bump(db, found[0], now)
+        rec = self.container(container_id)
+        assert rec is not None
+        return rec
+
+    def note_seen(self, container_id: str, **seen: str | None) -> None:
+        """Remember what a runtime or kubelet last said, without changing the desired set."""
+        allowed = {"runtime_seen", "kubelet_seen", "cgroup"}
+        if not seen or set(seen) - allowed:
+            raise ValueError(f"bad columns {set(seen)}")
+        sets = ",".join(f"{k}=?" for k in seen)
+        with self.transaction() as db:
+            db.execute(f"UPDATE containers SET {sets} WHERE id=?", [*seen.values(), container_id])
+
+    def container(self, container_id: str) -> ContainerRec | None:
+        cols = ",".join(_CONTAINER_COLS)
+        row = self.db.execute(f"SELECT {cols} FROM containers WHERE id=?", (container_id,))
+        found = row.fetchone()
+        return _container(found) if found else None
+
+    def container_by_bundle(self, bundle: str) -> ContainerRec | None:
+        cols = ",".join(_CONTAINER_COLS)
+        row = self.db.execute(f"SELECT {cols} FROM containers WHERE bundle=?", (bundle,))
+        found = row.fetchone()
+        return _container(found) if found else None
+
+    def containers(self, sandbox_id: str | None = None) -> list[ContainerRec]:
+        cols = ",".join(_CONTAINER_COLS)
+        if sandbox_id is None:
+            rows = self.db.execute(f"SELECT {cols} FROM containers ORDER BY sandbox_id, id")
+        else:
+            rows = self.db.execute(
+                f"SELECT {cols} FROM containers WHERE sandbox_id=? ORDER BY id", (sandbox_id,)
+            )
+        return [_container(r) for r in rows.fetchall()]
+
+    def delete_container(self, container_id: str) -> ContainerRec | None:
+        """Forget a container; forgetting a sandbox container forgets its whole sandbox."""
+        rec = self.container(container_id)
+        if rec is None:
+            return None
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("DELETE FROM containers WHERE id=?", (container_id,))
+            if rec.is_sandbox:
+                db.execute("DELETE FROM containers WHERE sandbox_id=?", (rec.sandbox_id,))
+                db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
+                self._forget_threads(db, rec.sandbox_id)
+            else:
+                left = db.execute(
+                    "SELECT COUNT(*) FROM containers WHERE sandbox_id=?", (rec.sandbox_id,)
+                ).fetchone()[0]
+                if left == 0:
+                    db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
+                    self._forget_threads(db, rec.sandbox_id)
+                else:
+                    self._bump(db, rec.sandbox_id, now)
+        return rec
+
+    # -- sandboxes -----------------------------------------------------------------------
+    def put_sandbox(self, rec: SandboxRec) -> None:
+        """Insert a sandbox, or update its runtime/VMM/pod fields, and mark it dirty."""
+        check_id(rec.id, "sandbox id")
+        now = time.time()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO sandboxes (id, runtime, vmm_pid, vmm_start, pod_uid, pod_name,"
+                " pod_namespace, gen, done_gen, created_at, updated_at)"
+                " VALUES (?,?,?,?,?,?,?,1,0,?,?)"
+                " ON CONFLICT(id) DO UPDATE SET runtime=excluded.runtime,"
+                " vmm_pid=COALESCE(excluded.vmm_pid, vmm_pid),"
+                " vmm_start=COALESCE(excluded.vmm_start, vmm_start),"
+                " pod_uid=COALESCE(excluded.pod_uid, pod_uid),"
+                " pod_name=COALESCE(excluded.pod_name, pod_name),"
+                " pod_namespace=COALESCE(excluded.pod_namespace, pod_namespace),"
+                " gen=gen+1, updated_at=excluded.updated_at",
+                (
+                    rec.id,
+                    rec.runtime,
+                    rec.vmm_pid,
+                    rec.vmm_start,
+                    rec.pod_uid,
+                    rec.pod_name,
+                    rec.pod_namespace,
+                    now,
+                    now,
+                ),
+            )
+
+    def set_vmm(self, sandbox_id: str, vmm_pid: int | None, vmm_start: int | None) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE sandboxes SET vmm_pid=?, vmm_start=?, updated_at=? WHERE id=?",
+                (vmm_pid, vmm_start, time.time(), sandbox_id),
+            )
+
+    def sandbox(self, sandbox_id: str) -> SandboxRec | None:
+        cols = ",".join(_SANDBOX_COLS)
+        row = self.db.execute(f"SELECT {cols} FROM sandboxes WHERE id=?", (sandbox_id,))
+        found = row.fetchone()
+        return _sandbox(found) if found else None
+
+    def sandboxes(self) -> list[SandboxRec]:
+        cols = ",".join(_SANDBOX_COLS)
+        rows = self.db.execute(f"SELECT {cols} FROM sandboxes ORDER BY id").fetchall()
+        return [_sandbox(r) for r in rows]
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM containers WHERE sandbox_id=?", (sandbox_id,))
+            db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
+            self._forget_threads(db, sandbox_id)
+
+    def mark_dirty(self, sandbox_ids: Iterable[str] | None = None) -> None:
+        """Bump generations: of the given sandboxes, or of all (after an agent restart)."""
+        now = time.time()
+        with self.transaction() as db:
+            if sandbox_ids is None:
+                db.execute("UPDATE sandboxes SET gen=gen+1, updated_at=?", (now,))
+            else:
+                for sid in sandbox_ids:
+                    self._bump(db, sid, now)
+
+    def cpu_masks(self) -> Mapping[str, CpuSet]:
+        """Each sandbox's mask: the union of its containers' CPU sets (sandboxes with none
+        are absent).  Cached until the database changes (``PRAGMA data_version`` moves when
+        another connection commits, ``total_changes`` when this one writes): until then the
+        same read-only mapping is returned, so callers may cache what they derive from it."""
+        key = (self.db.execute("PRAGMA data_version").fetchone()[0], self.db.total_changes)
+        if self._masks_key != key:
+            parsed: dict[str, CpuSet] = {}
+            cpus: dict[str, set[int]] = {}
+            rows = self.db.execute("SELECT sandbox_id, cpus FROM containers WHERE cpus IS NOT NULL")
+            for sid, text in rows.fetchall():
+                cs = parsed.get(text)
+                if cs is None:
+                    cs = parsed[text] = CpuSet.parse(text)
+                cpus.setdefault(sid, set()).update(cs)
+            self._masks = MappingProxyType({sid: CpuSet(c) for sid, c in cpus.items()})
+            self._masks_key = key
+        return self._masks
+
+    def dirty(self) -> list[tuple[str, int]]:
+        rows = self.db.execute("SELECT id, gen FROM sandboxes WHERE gen > done_gen ORDER BY id")
+        return [(r[0], r[1]) for r in rows.fetchall()]
+
+    def mark_done(self, sandbox_id: str, gen: int) -> None:
+        """Record that the sandbox was planned from generation ``gen`` (never moves back)."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE sandboxes SET done_gen=MAX(done_gen, ?) WHERE id=?", (gen, sandbox_id)
+            )
+
+    @staticmethod
+    def _forget_threads(db: sqlite3.Connection, sandbox_id: str) -> None:
+        db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
+        db.execute("DELETE FROM meta WHERE key LIKE ?", (f"missing-vcpus:{sandbox_id}:%",))
+
+    @staticmethod
+    def _bump(db: sqlite3.Connection, sandbox_id: str, now: float) -> None:
+        db.execute("UPDATE sandboxes SET gen=gen+1, updated_at=? WHERE id=?", (now, sandbox_id))
+
+    # -- remembered thread roles -----------------------------------------------------------
+    def threads(self, sandbox_id: str, vmm_pid: int, vmm_start: int) -> dict[int, ThreadRec]:
+        rows = self.db.execute(
+            "SELECT tid, role, idx, label, layer FROM threads"
+            " WHERE sandbox_id=? AND vmm_pid=? AND vmm_start=?",
+            (sandbox_id, vmm_pid, vmm_start),
+        ).fetchall()
+        return {r[0]: ThreadRec(*r) for r in rows}
+
+    def save_threads(
+        self, sandbox_id: str, vmm_pid: int, vmm_start: int, threads: Iterable[ThreadRec]
+    ) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
+            db.executemany(
+                "INSERT INTO threads VALUES (?,?,?,?,?,?,?,?)",
+                [
+                    (sandbox_id, vmm_pid, vmm_start, t.tid, t.role, t.idx, t.label, t.layer)
+                    for t in threads
+                ],
+            )
+
+    # -- meta ----------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
