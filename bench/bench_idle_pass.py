@@ -42,8 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import fakevmm  # noqa: E402
-
+from tests.support import fakevmm  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.affinity import SchedAffinity  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402

@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_idle_pass import env_for, make_paths, vmpin_cmd  # noqa: E402
 
-from tests.qemu_util import launch  # noqa: E402
+from tests.support.qemu_util import launch  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.service import control  # noqa: E402

@@ -1,6 +1,6 @@
 """Fixture sysfs trees: named machines, each defined once, written as real directories.
 
-``python -m tests.make_sysfs`` (re)writes ``tests/fixtures/sysfs/<name>/devices/system/...``
+``python -m tests.support.make_sysfs`` (re)writes ``tests/fixtures/sysfs/<name>/devices/system/...``
 for every machine in :data:`MACHINES`; the trees are committed next to this generator, and
 ``tests/test_topology.py`` checks that they still match it.  Tests read the trees through
 :func:`vmpin.linux.sysfs.read_topology`, exactly as vmpin reads ``/sys`` (no patched ``open``).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 
-SYSFS_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
+SYSFS_FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "sysfs"
 
 
 @dataclass(frozen=True)

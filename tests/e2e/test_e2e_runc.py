@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import vmpin_cmd
-from tests.runc_util import RuncSession, missing, new_id
+from tests.support.runc_util import RuncSession, missing, new_id
 from vmpin.linux.paths import HostPaths
 
 pytestmark = pytest.mark.runc

@@ -49,7 +49,7 @@ from vmpin.linux.cgroups import cgroup_of_pid
 from vmpin.linux.paths import ENVVARS, HostPaths
 from vmpin.runtimes.oci import STAGES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUSYBOX = "/usr/bin/busybox"
 #: the stages whose hooks run on the host side, where vmpin can run at all.
 HOST_STAGES = tuple(s for s in STAGES if s != "startContainer")

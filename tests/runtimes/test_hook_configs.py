@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests import runc_util
-from tests.runc_util import HOST_STAGES, RuncSession, new_id
+from tests.support import runc_util
+from tests.support.runc_util import HOST_STAGES, RuncSession, new_id
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES
 
-HOOKS = Path(__file__).resolve().parent.parent / "hooks"
+HOOKS = Path(__file__).resolve().parents[2] / "hooks"
 GUEST = HOOKS / "kata-guest" / "usr" / "share" / "oci" / "hooks"
 _MISSING = runc_util.missing()
 

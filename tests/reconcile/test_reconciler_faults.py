@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pytest_mock import MockerFixture
 
-from tests.qemu_util import QemuHandle, launch, require_qemu
+from tests.support.qemu_util import QemuHandle, launch, require_qemu
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, vmpin_cmd
-from tests.qemu_util import wait_until
+from tests.support.qemu_util import wait_until
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
@@ -41,7 +41,7 @@ from vmpin.service.agent import Agent, DirtyQueue
 from vmpin.state.store import ContainerRec, SandboxRec, Store
 
 sys.path.insert(0, str(ROOT / "bench"))
-import fakevmm
+from tests.support import fakevmm
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -397,7 +397,7 @@ def test_real_qemu_update_drift_and_vanish(
     env: dict[str, str],
     vm_dir: Path,
 ) -> None:
-    from tests.qemu_util import start_qemu
+    from tests.support.qemu_util import start_qemu
 
     with (
         start_qemu(vm_dir, "sbq", smp=2, debug_threads=True) as qemu,
@@ -475,7 +475,7 @@ def test_successive_cli_updates_are_all_applied_by_the_agent(
 def test_storm_of_1000_updates_costs_a_handful_of_plans(
     agent_factory: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
 ) -> None:
-    from tests.qemu_util import start_qemu
+    from tests.support.qemu_util import start_qemu
 
     with (
         start_qemu(vm_dir, "storm", smp=2, debug_threads=True) as qemu,
@@ -684,7 +684,7 @@ def test_runc_container_under_agent_kill9_and_restart(
     """A real runc container whose hooks journal their events for a running agent; the agent
     dies (kill -9), runc update and a hand edit of the cgroup happen while it is down, and one
     pass of the restarted agent puts everything right."""
-    from tests.runc_util import RuncSession, missing, new_id
+    from tests.support.runc_util import RuncSession, missing, new_id
 
     why = missing()
     if why:

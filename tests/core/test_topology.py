@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES, ROOT, vmpin_cmd
-from tests.make_sysfs import MACHINES, write_all
+from tests.support.make_sysfs import MACHINES, write_all
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import TopologyError
 from vmpin.core.topology import CpuInfo, Topology
@@ -56,7 +56,7 @@ def test_committed_trees_match_generator(tmp_path: Path) -> None:
     for name in MACHINES:
         committed, fresh = SYSFS / name, tmp_path / name
         mismatch = _tree_diff(committed, fresh)
-        assert not mismatch, f"{name}: run `python -m tests.make_sysfs`: {mismatch[:5]}"
+        assert not mismatch, f"{name}: run `python -m tests.support.make_sysfs`: {mismatch[:5]}"
 
 
 def _tree_diff(a: Path, b: Path) -> list[str]:

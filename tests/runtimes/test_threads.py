@@ -21,7 +21,7 @@ from typing import NamedTuple
 import pytest
 from pytest_mock import MockerFixture
 
-from tests.qemu_util import (
+from tests.support.qemu_util import (
     QemuHandle,
     hold_qmp,
     mounted_debugfs,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import runc_util
-from tests.runc_util import HOST_STAGES, RuncSession, new_id, own_cpuset_cgroup
+from tests.support import runc_util
+from tests.support.runc_util import HOST_STAGES, RuncSession, new_id, own_cpuset_cgroup
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import RuntimeKindError
 from vmpin.linux import procfs

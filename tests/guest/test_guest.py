@@ -30,14 +30,14 @@ from typing import Any
 
 import pytest
 
-from tests import runc_util
 from tests.conftest import vmpin_cmd
-from tests.runc_util import RuncSession, new_id
+from tests.support import runc_util
+from tests.support.runc_util import RuncSession, new_id
 from vmpin.guest import bundle
 from vmpin.guest import program as guest
 from vmpin.linux.paths import HostPaths
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CPUSET = Path("/sys/fs/cgroup/cpuset")
 NCPUS = len(os.sched_getaffinity(0))
 
@@ -597,7 +597,7 @@ def test_wait_for_a_late_map(tmp_path: Path) -> None:
 def test_end_to_end(
     paths: HostPaths, env: dict[str, str], vm_dir: Path, runc: RuncSession, tmp_path: Path
 ) -> None:
-    from tests.qemu_util import start_qemu
+    from tests.support.qemu_util import start_qemu
     from vmpin.core.cpuset import CpuSet
     from vmpin.state.store import ContainerRec, SandboxRec, Store
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.qemu_util import QemuHandle, qemu_factory, reap_if_child, wait_until
+from tests.support.qemu_util import QemuHandle, qemu_factory, reap_if_child, wait_until
 from vmpin.core.errors import IdError
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import vmpin_cmd
-from tests.qemu_util import QemuHandle, hold_qmp, qemu_factory, require_qemu
+from tests.support.qemu_util import QemuHandle, hold_qmp, qemu_factory, require_qemu
 from vmpin.linux.paths import HostPaths
 
 pytestmark = pytest.mark.qemu

@@ -13,7 +13,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import KubeError
 from vmpin.runtimes.kubelet import Checkpoint, cpus_for, read_checkpoint
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "kubelet"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet"
 POD_A = "6b2f1a4e-7c1d-4c55-9a57-2f0a5c1e9d10"
 POD_B = "0d9c3b8e-1111-4e2a-8f3b-0c2d4e6f8a9b"
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import FIXTURES
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, IdError
 from vmpin.core.guestmap import map_sandbox
@@ -26,8 +27,6 @@ from vmpin.guest import program as guest
 from vmpin.linux.paths import HostPaths
 from vmpin.linux.sysfs import read_topology
 from vmpin.runtimes import publish
-
-from .conftest import FIXTURES
 
 SID = "sb-1"
 
