@@ -19,8 +19,9 @@ import typer
 from vmpin import __version__
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
-from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.plan import NodePlan, SandboxPlan
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+from vmpin.service.settings import Settings
 from vmpin.state.store import ContainerRec, Store
 
 app = typer.Typer(
@@ -39,41 +40,34 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts in
 
 
 class Ctx:
-    def __init__(
-        self,
-        paths: HostPaths,
-        helpers: str | None,
-        housekeeping: str | None,
-        vcpus: str | None,
-        guest_float: str | None,
-    ) -> None:
-        self.paths = paths
-        self._policy = (helpers, housekeeping, vcpus)
-        self._guest_float = guest_float
+    """What every command gets: the one Settings value, and the one factory built from it."""
+
+    def __init__(self, settings: Settings, given: dict[str, str | None] | None = None) -> None:
+        self.settings = settings
+        self.paths = settings.paths
+        self._given = given or {}
 
     def export_policy(self) -> None:
         """Put policy options given on the command line where in-process hooks read them."""
         from vmpin.service.settings import ENV
 
-        given = dict(zip(("helpers", "housekeeping", "vcpus"), self._policy, strict=True))
-        given["guest_float"] = self._guest_float
-        for key, value in given.items():
+        for key in ("helpers", "housekeeping", "vcpus", "guest_float"):
+            value = self._given.get(key)
             if value is not None:
                 os.environ[ENV[key]] = value
 
     def store(self) -> Store:
+        """The store for commands that write (update, reconcile, serve): created if missing."""
         return Store(self.paths.state_dir)
 
-    def reconciler(self, store: Store | None = None) -> Reconciler:
-        from vmpin.service.settings import guest_float, policy_from
+    def reader(self) -> Store:
+        """The store for read-only commands: never written; missing state is an error."""
+        return Store.open_readonly(self.paths.state_dir)
 
-        helpers, hk, vcpus = self._policy
-        return Reconciler(
-            self.paths,
-            store or self.store(),
-            policy=policy_from(helpers=helpers, housekeeping=hk, vcpus=vcpus),
-            float_policy=guest_float(value=self._guest_float),
-        )
+    def reconciler(self, store: Store | None = None) -> Reconciler:
+        from vmpin.service.settings import build_reconciler
+
+        return build_reconciler(self.settings, store or self.store())
 
 
 def _version(value: bool) -> None:
@@ -86,60 +80,57 @@ def _version(value: bool) -> None:
 def main(
     ctx: typer.Context,
     state_dir: Annotated[
-        str, typer.Option(envvar="VMPIN_STATE_DIR", help="Where vmpin keeps its SQLite state.")
-    ] = "/run/vmpin",
+        Optional[str],
+        typer.Option(help="Where vmpin keeps its SQLite state. [env: VMPIN_STATE_DIR]"),
+    ] = None,
     vm_dir: Annotated[
-        str,
-        typer.Option(
-            envvar="VMPIN_VM_DIR", help="Kata's VM dir: <vm-dir>/<sandbox>/{pid,qmp.sock}."
-        ),
-    ] = "/run/vc/vm",
+        Optional[str],
+        typer.Option(help="Kata's VM dir: <vm-dir>/<sandbox>/{pid,qmp.sock}. [env: VMPIN_VM_DIR]"),
+    ] = None,
     proc_root: Annotated[
-        str, typer.Option(envvar="VMPIN_PROC_ROOT", help="procfs root.")
-    ] = "/proc",
+        Optional[str], typer.Option(help="procfs root. [env: VMPIN_PROC_ROOT]")
+    ] = None,
     sysfs_root: Annotated[
-        str, typer.Option(envvar="VMPIN_SYSFS_ROOT", help="sysfs root.")
-    ] = "/sys",
+        Optional[str], typer.Option(help="sysfs root. [env: VMPIN_SYSFS_ROOT]")
+    ] = None,
     cgroup_root: Annotated[
-        str, typer.Option(envvar="VMPIN_CGROUP_ROOT", help="cgroup filesystem root.")
-    ] = "/sys/fs/cgroup",
+        Optional[str], typer.Option(help="cgroup filesystem root. [env: VMPIN_CGROUP_ROOT]")
+    ] = None,
     runc_root: Annotated[
-        str, typer.Option(envvar="VMPIN_RUNC_ROOT", help="runc's state root (runc --root).")
-    ] = "/run/runc",
+        Optional[str], typer.Option(help="runc's state root (runc --root). [env: VMPIN_RUNC_ROOT]")
+    ] = None,
     kubelet_state: Annotated[
-        str,
-        typer.Option(envvar="VMPIN_KUBELET_STATE", help="kubelet's cpu_manager_state (read only)."),
-    ] = "/var/lib/kubelet/cpu_manager_state",
+        Optional[str],
+        typer.Option(help="kubelet's cpu_manager_state (read only). [env: VMPIN_KUBELET_STATE]"),
+    ] = None,
     publish_dir: Annotated[
-        str,
+        Optional[str],
         typer.Option(
-            envvar="VMPIN_PUBLISH_DIR",
-            help="Host dir shared with each guest, where guest maps are published"
+            help="[env: VMPIN_PUBLISH_DIR] "
+            "Host dir shared with each guest, where guest maps are published"
             " (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox} template).",
         ),
-    ] = "/run/kata-containers/shared/sandboxes",
+    ] = None,
     helper_policy: Annotated[
         Optional[str],
         typer.Option(
-            envvar="VMPIN_HELPER_POLICY",
-            help="Emulator/iothread/vhost placement: share (the sandbox mask), isolate, none.",
+            help="[env: VMPIN_HELPER_POLICY] "
+            "Emulator/iothread/vhost placement: share (the sandbox mask), isolate, none.",
         ),
     ] = None,
     housekeeping: Annotated[
         Optional[str],
-        typer.Option(
-            envvar="VMPIN_HOUSEKEEPING", help="CPU list for helper threads under 'isolate'."
-        ),
+        typer.Option(help="CPU list for helper threads under 'isolate'. [env: VMPIN_HOUSEKEEPING]"),
     ] = None,
     vcpu_policy: Annotated[
         Optional[str],
-        typer.Option(envvar="VMPIN_VCPU_POLICY", help="auto (1:1 where correct) or float."),
+        typer.Option(help="auto (1:1 where correct) or float. [env: VMPIN_VCPU_POLICY]"),
     ] = None,
     guest_float: Annotated[
         Optional[str],
         typer.Option(
-            envvar="VMPIN_GUEST_FLOAT",
-            help="Guest map under a floating plan: all vCPUs, or a proportional share.",
+            help="[env: VMPIN_GUEST_FLOAT] "
+            "Guest map under a floating plan: all vCPUs, or a proportional share.",
         ),
     ] = None,
     version: Annotated[
@@ -150,20 +141,30 @@ def main(
     ] = False,
 ) -> None:
     """Pin Kata sandboxes' QEMU threads and plain containers to the CPUs kubelet gave them."""
-    paths = HostPaths(
-        state_dir=state_dir,
-        vm_dir=vm_dir,
-        proc=proc_root,
-        sys=sysfs_root,
-        cgroup=cgroup_root,
-        runc_root=runc_root,
-        kubelet_state=kubelet_state,
-        publish_dir=publish_dir,
-    )
-    ctx.obj = Ctx(paths, helper_policy, housekeeping, vcpu_policy, guest_float)
+    from vmpin.service.settings import Settings
+
+    given = {
+        "state_dir": state_dir,
+        "vm_dir": vm_dir,
+        "proc": proc_root,
+        "sys": sysfs_root,
+        "cgroup": cgroup_root,
+        "runc_root": runc_root,
+        "kubelet_state": kubelet_state,
+        "publish_dir": publish_dir,
+        "helpers": helper_policy,
+        "housekeeping": housekeeping,
+        "vcpus": vcpu_policy,
+        "guest_float": guest_float,
+    }
+    ctx.obj = Ctx(Settings.from_env(given), given)
 
 
-def _emit(data: Any) -> None:
+def _emit(data: Any, view: str) -> None:
+    """Print a ``--json`` view, checked against its schema first (vmpin.reconcile.views)."""
+    from vmpin.reconcile.views import check
+
+    check(view, data)
     typer.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
@@ -262,7 +263,7 @@ def update(
         reconciler_factory=c.reconciler,
     )
     if as_json:
-        _emit(result)
+        _emit(result, "update")
     else:
         typer.echo(
             f"{result['id']}: cpus {result['cpus'] or '-'} "
@@ -270,60 +271,118 @@ def update(
         )
 
 
+def _node_plan(ctx: typer.Context, store: Store) -> NodePlan:
+    """The node as the host shows it now (pure: observe and plan, nothing written)."""
+    plan: NodePlan = ctx.obj.reconciler(store).plan()
+    return plan
+
+
+def _fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
+    """Each tracked container with the CPU set its sources give it now; where that is not
+    what the store holds, ``stored_cpus`` shows the store's and ``host_differs`` is true."""
+    rows = []
+    gone = set(plan.forget_containers)
+    for sp in plan.sandboxes:
+        if not sp.obs.tracked:
+            continue
+        fresh = {c.rec.id: c.rec for c in sp.containers}
+        for c in sp.obs.containers:
+            rec = fresh.get(c.rec.id, c.rec)
+            row = container_json(rec, sp.runtime)
+            row["stored_cpus"] = _cpus(c.rec.cpus)
+            row["host_differs"] = rec.cpus != c.rec.cpus or c.rec.id in gone
+            row["gone"] = c.rec.id in gone
+            rows.append(row)
+    return rows
+
+
 @app.command()
 def containers(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """List tracked containers with their CPU sets."""
-    with ctx.obj.store() as store:
-        runtimes = _runtimes(store)
-        rows = [container_json(c, runtimes.get(c.sandbox_id)) for c in store.containers()]
+    """List tracked containers with their CPU sets (fresh from runc and kubelet)."""
+    with ctx.obj.reader() as store:
+        rows = _fresh_containers(_node_plan(ctx, store))
     if as_json:
-        _emit(rows)
+        _emit(rows, "containers")
         return
     _table(
         ["id", "sandbox", "name", "cpus", "runtime", "source"],
         [
-            [r["id"], r["sandbox"], r["name"], r["cpus"], r["runtime"], r["cpus_source"]]
+            [
+                r["id"],
+                r["sandbox"],
+                r["name"],
+                (r["cpus"] or "-") + (" *" if r["host_differs"] else ""),
+                r["runtime"],
+                r["cpus_source"],
+            ]
             for r in rows
         ],
     )
+    if any(r["host_differs"] for r in rows):
+        typer.echo("* the host says otherwise than vmpin's store: the next pass adopts it")
 
 
 @app.command()
 def sandboxes(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List tracked sandboxes: runtime, VMM pid, mask (union of container CPU sets)."""
-    with ctx.obj.store() as store:
-        out = []
-        for s in store.sandboxes():
-            ctrs = store.containers(s.id)
-            mask = CpuSet.union_all(c.cpus for c in ctrs if c.cpus is not None)
-            out.append(
-                {
-                    "id": s.id,
-                    "runtime": s.runtime,
-                    "vmm_pid": s.vmm_pid if s.vmm_start is not None else None,
-                    "mask": mask.to_list(),
-                    "containers": [
-                        {
-                            "id": c.id,
-                            "name": c.name,
-                            "cpus": _cpus(c.cpus),
-                            "is_sandbox": c.is_sandbox,
-                        }
-                        for c in ctrs
-                    ],
-                    "pod_uid": s.pod_uid,
-                    "pod_name": s.pod_name,
-                    "pod_namespace": s.pod_namespace,
-                    "dirty": s.dirty,
-                }
-            )
+    with ctx.obj.reader() as store:
+        plan = _node_plan(ctx, store)
+    out: list[dict[str, Any]] = []
+    for sp in plan.sandboxes:
+        s = sp.obs.record
+        if s is None:
+            continue
+        stored = CpuSet.union_all(c.rec.cpus for c in sp.obs.containers if c.rec.cpus is not None)
+        vmm = sp.obs.vmm
+        out.append(
+            {
+                "id": s.id,
+                "runtime": sp.runtime,
+                "vmm_pid": vmm.pid if vmm is not None else None,
+                "mask": sp.mask.to_list() if sp.runtime == "kata" and sp.plan else _mask(sp),
+                "containers": [
+                    {
+                        "id": c.rec.id,
+                        "name": c.rec.name,
+                        "cpus": _cpus(c.rec.cpus),
+                        "is_sandbox": c.rec.is_sandbox,
+                    }
+                    for c in sp.containers
+                ],
+                "pod_uid": s.pod_uid,
+                "pod_name": s.pod_name,
+                "pod_namespace": s.pod_namespace,
+                "dirty": s.dirty,
+                "mode": sp.mode,
+                "stored_mask": stored.to_list(),
+                "host_differs": _mask(sp) != stored.to_list()
+                or sp.vanished
+                or (vmm.pid if vmm else None) != (s.vmm_pid if s.vmm_start is not None else None),
+                "vanished": sp.vanished,
+            }
+        )
     if as_json:
-        _emit(out)
+        _emit(out, "sandboxes")
         return
     _table(
         ["id", "runtime", "vmm_pid", "mask", "containers"],
-        [[s["id"], s["runtime"], s["vmm_pid"], s["mask"], len(s["containers"])] for s in out],
+        [
+            [
+                s["id"],
+                s["runtime"] + (" *" if s["host_differs"] else ""),
+                s["vmm_pid"],
+                s["mask"],
+                len(s["containers"]),
+            ]
+            for s in out
+        ],
     )
+    if any(s["host_differs"] for s in out):
+        typer.echo("* the host says otherwise than vmpin's store: the next pass adopts it")
+
+
+def _mask(sp: SandboxPlan) -> str:
+    return CpuSet.union_all(c.rec.cpus for c in sp.containers if c.rec.cpus is not None).to_list()
 
 
 def show_json(r: SandboxReport) -> dict[str, Any]:
@@ -344,7 +403,7 @@ def show_json(r: SandboxReport) -> dict[str, Any]:
 
 
 def _one(ctx: typer.Context, sandbox: str) -> SandboxReport:
-    with ctx.obj.store() as store:
+    with ctx.obj.reader() as store:
         rec = store.sandbox(sandbox)
         if rec is None:
             raise StateError(f"unknown sandbox {sandbox!r} (see `vmpin sandboxes`)")
@@ -361,7 +420,7 @@ def show(
     """One sandbox: its threads with role, desired and actual affinity, and its guest map."""
     r = _one(ctx, sandbox)
     if as_json:
-        _emit(show_json(r))
+        _emit(show_json(r), "show")
         return
     typer.echo(
         f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
@@ -394,7 +453,7 @@ def guest_map(
     as_json: JsonOpt = False,
 ) -> None:
     """A container's host CPUs and the guest vCPUs they are under the current plan."""
-    with ctx.obj.store() as store:
+    with ctx.obj.reader() as store:
         c = store.container(container)
         if c is None:
             raise StateError(f"unknown container {container!r} (see `vmpin containers`)")
@@ -417,7 +476,7 @@ def guest_map(
     else:
         out = entry
     if as_json:
-        _emit(out)
+        _emit(out, "guest-map")
     else:
         typer.echo(
             f"{out['container']} (sandbox {out['sandbox']}): host CPUs "
@@ -434,7 +493,7 @@ def topology(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     t = read_topology(ctx.obj.paths.sys)
     data = t.to_json()
     if as_json:
-        _emit(data)
+        _emit(data, "topology")
         return
     typer.echo(
         f"online {data['online']}  offline {data['offline'] or '-'}  "
@@ -457,16 +516,17 @@ def topology(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 @app.command()
 def audit(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """Compare every tracked thread's actual affinity with its plan; exit 1 on any violation."""
-    with ctx.obj.store() as store:
+    """The node-wide invariant: every VMM thread and runc container against the node plan
+    (drift, double-pin, foreign-on-exclusive, conflict, stale-pin, error); exit 1 on any."""
+    with ctx.obj.reader() as store:
         result = ctx.obj.reconciler(store).audit()
     if as_json:
-        _emit(result)
+        _emit(result, "audit")
     else:
         for v in result["violations"]:
             typer.echo(
-                f"VIOLATION sandbox {v['sandbox']} tid {v['tid'] or '-'} {v['role']}: "
-                f"desired {v['desired']} actual {v['actual']} ({v['reason']})"
+                f"VIOLATION {v['kind']} sandbox {v['sandbox'] or '-'} tid {v['tid'] or '-'}"
+                f" {v['role'] or '-'}: desired {v['desired']} actual {v['actual']} ({v['reason']})"
             )
         for e in result["errors"]:
             typer.echo(f"error     {e}")
@@ -503,7 +563,7 @@ def reconcile(
         for r in reports
     ]
     if as_json:
-        _emit(out)
+        _emit(out, "reconcile")
     else:
         for o in out:
             state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
@@ -512,6 +572,29 @@ def reconcile(
                 typer.echo(f"  error: {e}")
     if any(o["errors"] for o in out):
         raise typer.Exit(1)
+
+
+@app.command()
+def schema(
+    command: Annotated[
+        Optional[str],
+        typer.Argument(metavar="COMMAND", help="A command with --json output (default: all)."),
+    ] = None,
+) -> None:
+    """The JSON Schema of each --json output (keys scripts may rely on; extra keys may come)."""
+    from vmpin.reconcile.views import VIEWS
+    from vmpin.reconcile.views import schema as view_schema
+
+    if command is None:
+        _print({name: view_schema(name) for name in VIEWS})
+        return
+    if command not in VIEWS:
+        raise SpecError(f"no --json view for {command!r} (one of: {', '.join(VIEWS)})")
+    _print(view_schema(command))
+
+
+def _print(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
 @app.command()
@@ -539,7 +622,7 @@ def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     reply = request(ctx.obj.paths, {"op": "status"}, timeout=2.0)
     out = reply or {"ok": False, "error": f"no agent answering on {ctx.obj.paths.control_socket}"}
     if as_json:
-        _emit(out)
+        _emit(out, "status")
     elif reply:
         typer.echo(" ".join(f"{k}={v}" for k, v in reply.items()))
     else:

@@ -27,13 +27,30 @@ def test_version_and_help(env: dict[str, str]) -> None:
         assert command in h.stdout
 
 
+def init(env: dict[str, str]) -> None:
+    """Create the state as the writing commands do (read-only ones never create it)."""
+    assert vmpin(env, "reconcile", "--once").returncode == 0
+
+
 @pytest.mark.parametrize("command", ["containers", "sandboxes"])
 def test_empty_listings(env: dict[str, str], command: str) -> None:
+    init(env)
     out = vmpin(env, command, "--json")
     assert out.returncode == 0 and json.loads(out.stdout) == []
 
 
+@pytest.mark.parametrize("args", [["containers"], ["sandboxes"], ["show", "x"],
+                                  ["guest-map", "x"], ["audit"]])
+def test_read_only_commands_need_existing_state(env: dict[str, str], args: list[str]) -> None:
+    """A mistyped --state-dir is an error, not a new empty store (issue 9)."""
+    out = vmpin(env, *args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"no vmpin state at {env['VMPIN_STATE_DIR']}" in out.stderr
+    assert list(Path(env["VMPIN_STATE_DIR"]).iterdir()) == []
+
+
 def test_empty_audit_and_reconcile(env: dict[str, str]) -> None:
+    init(env)
     audit = vmpin(env, "audit", "--json")
     assert audit.returncode == 0
     assert json.loads(audit.stdout)["ok"] is True
@@ -52,6 +69,7 @@ def test_empty_audit_and_reconcile(env: dict[str, str]) -> None:
 ])
 def test_bad_usage_exits_2_without_traceback(env: dict[str, str], args: list[str],
                                              words: str) -> None:
+    init(env)
     out = vmpin(env, *args)
     assert out.returncode == 2, out.stderr
     assert words in out.stderr + out.stdout
@@ -67,5 +85,5 @@ def test_status_without_agent_exits_1(env: dict[str, str]) -> None:
 def test_global_options_win_over_env(env: dict[str, str], tmp_path: Path) -> None:
     """--state-dir on the command line wins over VMPIN_STATE_DIR."""
     other = tmp_path / "other-state"
-    assert vmpin(env, "--state-dir", str(other), "containers").returncode == 0
+    assert vmpin(env, "--state-dir", str(other), "reconcile", "--once").returncode == 0
     assert (other / "state.db").exists()

@@ -71,6 +71,7 @@ from vmpin.core.ids import check_id
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
+from vmpin.service.settings import Settings
 from vmpin.state.store import Store
 
 DEFAULT_INTERVAL = 5.0
@@ -396,6 +397,7 @@ class CtxLike(Protocol):
     """What the CLI hands :func:`serve` (``vmpin.cli.Ctx``), without importing typer here."""
 
     paths: HostPaths
+    settings: Settings
 
     def reconciler(self, store: Store | None = None) -> Reconciler: ...
 
@@ -828,17 +830,34 @@ class Agent:
         t0 = time.monotonic()
         store.ingest()  # a plain container's hook journals its event and only notifies us
         rec = store.sandbox(sid)
-        if rec is None:  # deleted (poststop) before we got to it
+        if rec is None:  # deleted (poststop): the node is still re-planned (undo its pins)
+            reconciler.reconcile([sid])
+            self._note_conflicts(reconciler)
             with self._lock:
                 self._stats.pop(sid, None)
             return
         report = reconciler.reconcile_sandbox(rec)
+        self._note_conflicts(reconciler)
         end = time.monotonic()
         self.metrics.plans.labels(work.cause).inc()
         self.metrics.sandbox_pass.observe(end - t0)
         if work.first_event is not None:
             self.metrics.latency.observe(end - work.first_event)
         self._account(work, rec.gen, rec.dirty, report)
+
+    def _note_conflicts(self, reconciler: Reconciler) -> None:
+        """Invariant 5: conflicting exclusive claims are a metric and a log line, never merged."""
+        plan = reconciler.last_plan
+        if plan is None:
+            return
+        self.metrics.conflicts.set(len(plan.conflicts))
+        for c in plan.conflicts:
+            _log(
+                logging.WARNING,
+                "conflict",
+                cpus=c.cpus.to_list(),
+                claimants=[c.first.to_json(), c.second.to_json()],
+            )
 
     def _account(self, work: Work, gen: int, dirty: bool, r: SandboxReport) -> None:
         """Metrics, bookkeeping and a log line for one sandbox pass."""
@@ -1005,10 +1024,10 @@ def serve(
     ``holdoff`` (seconds; also ``VMPIN_HOLDOFF``) is the least time between two passes over
     one sandbox while events keep coming for it.
     """
-    env = os.environ if env is None else env
     setup_logging()
     if holdoff is None:
-        raw = env.get("VMPIN_HOLDOFF")
+        # VMPIN_HOLDOFF, read where every variable is read: Settings.from_env
+        raw = ctx_obj.settings.holdoff if env is None else env.get("VMPIN_HOLDOFF", "")
         try:
             holdoff = float(raw) if raw else DEFAULT_HOLDOFF
         except ValueError:

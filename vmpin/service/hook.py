@@ -6,10 +6,13 @@ event (vmpin.state.journal) -- the store applies it exactly once.  Then bring th
 
 - a Kata sandbox (its QEMU floats until pinned): apply the journal now, and hand the sandbox
   to the running agent, or reconcile it here when no agent answers;
-- a plain container: runc has just written the spec's cpuset into its cgroup, which is
-  already vmpin's plan for it, so only the agent (when up) is told; the event is applied by
-  whichever vmpin process opens the store next.  This keeps sqlite3 (and the 28 ms that
-  re + json + sqlite3 cost to import) off the start of every plain container.
+- a plain container on a node without VMs: runc has just written the spec's cpuset into its
+  cgroup, which is already vmpin's plan for it, so only the agent (when up) is told; the
+  event is applied by whichever vmpin process opens the store next.  This keeps sqlite3 (and
+  the 28 ms that re + json + sqlite3 cost to import) off the start of every plain container.
+- a plain container while VM sandboxes run (the VM dir is not empty): its CPUs can change
+  their plans (a vCPU pinned 1:1 on a CPU this container now uses), so the node is re-planned
+  as for Kata (issue 9: the invariant holds when the hook returns, agent or not).
 
 Fail-open: a container must never fail to start because of vmpin, so any problem prints one
 line to stderr and exits 0; ``--strict`` makes it exit 1 (the runtime then fails the start).
@@ -36,6 +39,7 @@ import sys
 from vmpin.core.errors import SpecError, VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES, parse_state
+from vmpin.service.settings import Settings
 from vmpin.state.journal import append, build
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -52,11 +56,11 @@ def main(opts: dict[str, str], args: list[str]) -> int:
     try:
         if len(rest) != 1 or stage not in STAGES:
             raise SpecError(f"bad stage {stage!r}: {USAGE}")
-        paths = HostPaths.from_env(opts)
+        settings = Settings.from_env(opts)
         if sys.stdin is None or sys.stdin.isatty():
             raise SpecError("no OCI state on stdin")
         data = sys.stdin.buffer.read()
-        run(paths, stage, data)
+        run(settings.paths, stage, data, settings)
         return 0
     except VmpinError as err:
         print(f"vmpin hook {stage or '?'}: {err}", file=sys.stderr)
@@ -65,7 +69,17 @@ def main(opts: dict[str, str], args: list[str]) -> int:
     return 1 if strict else 0
 
 
-def run(paths: HostPaths, stage: str, data: bytes) -> str | None:
+def _vms_present(paths: HostPaths) -> bool:
+    import os
+
+    try:
+        with os.scandir(paths.vm_dir) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
+
+
+def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = None) -> str | None:
     """Handle one hook invocation; returns the sandbox id it touched (None when nothing).
 
     The event is journaled (see vmpin.state.journal) and, for a Kata sandbox, applied and reconciled
@@ -76,7 +90,11 @@ def run(paths: HostPaths, stage: str, data: bytes) -> str | None:
     append(paths.state_dir, event)
     ident = event["ident"]
     sandbox = ident["sandbox_id"] if ident else None
-    if event["runtime"] == "kata" or (sandbox is None and stage == "poststop"):
+    if (
+        event["runtime"] == "kata"
+        or (sandbox is None and stage == "poststop")
+        or _vms_present(paths)
+    ):
         from vmpin.state.store import Store
 
         # Not closed on purpose: the last connection to close checkpoints the WAL into the
@@ -85,9 +103,8 @@ def run(paths: HostPaths, stage: str, data: bytes) -> str | None:
         store = Store(paths.state_dir, ingest=False)
         # another process may have applied our event already: then re-pin our sandbox anyway
         touched = store.ingest() or ([sandbox] if sandbox else [])
-        live = [sid for sid in touched if store.sandbox(sid) is not None]
-        if live:
-            sync(paths, store, live)
+        # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
+        sync(settings or Settings.from_env(), store, touched, paths)
         return sandbox
     if sandbox is not None:
         from vmpin.service.control import notify
@@ -96,16 +113,29 @@ def run(paths: HostPaths, stage: str, data: bytes) -> str | None:
     return sandbox
 
 
-def sync(paths: HostPaths, store: Store, sandbox_ids: list[str]) -> None:
-    """Hand the sandboxes to the agent, or reconcile them here when no agent answers."""
+def _wait_done(store: Store, gens: dict[str, int], timeout: float) -> bool:
+    """Until every sandbox was planned from its generation or later (or is gone)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((r := store.sandbox(sid)) is None or r.done_gen >= gen for sid, gen in gens.items()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def sync(settings: Settings, store: Store, sandbox_ids: list[str], paths: HostPaths) -> None:
+    """Hand the sandboxes to the agent, or re-plan the node here when no agent answers."""
     from vmpin.service.control import notify
+    from vmpin.service.settings import build_reconciler
 
-    if notify(paths, sandbox_ids):
+    live = {sid: sb.gen for sid in sandbox_ids if (sb := store.sandbox(sid)) is not None}
+    # The invariant is to hold when the hook returns: wait for the agent's pass.
+    told = live and len(live) == len(sandbox_ids) and notify(paths, sandbox_ids)
+    if told and _wait_done(store, live, 5.0):
         return
-    from vmpin.reconcile.reconciler import Reconciler
-    from vmpin.service.settings import guest_float, policy_from
-
-    rec = Reconciler(paths, store, policy=policy_from, float_policy=guest_float(), qmp_timeout=0.1)
+    rec = build_reconciler(settings._replace(paths=paths), store, qmp_timeout=0.1)
     for report in rec.reconcile(sandbox_ids):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

@@ -152,6 +152,11 @@ class Metrics:
         self.running = Gauge("vmpin_running", "Sandboxes being planned right now", registry=r)
         info = Gauge("vmpin_agent_info", "The running agent", ["version"], registry=r)
         info.labels(__version__).set(1)
+        self.conflicts = Gauge(
+            "vmpin_conflicts",
+            "Pairs of pods claiming one exclusive CPU in the last plan (invariant 5)",
+            registry=r,
+        )
         for kind in ("affinity", "sandbox", "internal", "control"):
             self.errors.labels(kind)  # export zeros, so rate() works from the first scrape
         for kind in ("thread", "cgroup", "vanished"):

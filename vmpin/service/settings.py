@@ -1,8 +1,15 @@
-"""Placement settings shared by every entry point, from CLI options or the environment.
+"""Settings: the one value every entry point builds, and the one factory of the reconcile pass.
 
-The hook, ``vmpin update``, ``reconcile`` and the agent must plan alike, so the policy lives in
-environment variables that the systemd unit / DaemonSet sets once for all of them
-(``VMPIN_HELPER_POLICY``, ``VMPIN_HOUSEKEEPING``, ``VMPIN_VCPU_POLICY``, ``VMPIN_GUEST_FLOAT``).
+:meth:`Settings.from_env` is the only reader of vmpin's environment variables (the host roots
+of DESIGN.md, ``VMPIN_HELPER_POLICY``, ``VMPIN_HOUSEKEEPING``, ``VMPIN_VCPU_POLICY``,
+``VMPIN_GUEST_FLOAT``, ``VMPIN_HOLDOFF``): options given explicitly (CLI, hook argv) win over
+the environment, which wins over the defaults.  The hook, ``vmpin update``, ``reconcile``,
+the read-only views and the agent then build their :class:`Reconciler` with
+:func:`build_reconciler`, so that they all plan alike (issue 9: ``update`` without the agent
+used to plan with the default policy).
+
+Lean on purpose (the hook imports it): a NamedTuple from ``vmpin.core._lean``, and the
+planner's Policy is only built when a pass needs it.
 """
 
 from __future__ import annotations
@@ -11,18 +18,114 @@ import os
 from collections.abc import Mapping
 
 from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.linux.paths import ENVVARS as PATH_ENVVARS
+from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
+    from typing import NamedTuple
+
     from vmpin.core.planner import Policy
+    from vmpin.linux.affinity import AffinityBackend
+    from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.state.store import Store
+else:
+    from vmpin.core._lean import NamedTuple
 
 ENV = {
     "helpers": "VMPIN_HELPER_POLICY",
     "housekeeping": "VMPIN_HOUSEKEEPING",
     "vcpus": "VMPIN_VCPU_POLICY",
     "guest_float": "VMPIN_GUEST_FLOAT",
+    "holdoff": "VMPIN_HOLDOFF",
 }
+
+
+class Settings(NamedTuple):
+    paths: HostPaths
+    helpers: str = "share"
+    housekeeping: str = ""
+    vcpus: str = "auto"
+    guest_float: str = "all"
+    #: the agent's least time between two passes over one sandbox ("" = its default)
+    holdoff: str = ""
+
+    @classmethod
+    def from_env(
+        cls,
+        overrides: Mapping[str, str | None] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Settings:
+        """Build from explicit options (path names of HostPaths, or helpers, housekeeping,
+        vcpus, guest_float, holdoff), then the environment, then the defaults."""
+        env = os.environ if env is None else env
+        given = dict(overrides or {})
+        path_opts = {k: given.pop(k) for k in list(given) if k in PATH_ENVVARS}
+        unknown = set(given) - set(ENV)
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}")
+        paths = HostPaths.from_env(path_opts, env)
+
+        def pick(key: str, default: str) -> str:
+            value = given.get(key)
+            if value is not None:
+                return value
+            return env.get(ENV[key]) or default
+
+        return cls(
+            paths,
+            helpers=pick("helpers", "share"),
+            housekeeping=pick("housekeeping", ""),
+            vcpus=pick("vcpus", "auto"),
+            guest_float=pick("guest_float", "all"),
+            holdoff=pick("holdoff", ""),
+        )
+
+    def policy(self) -> Policy:
+        """The planner's policy, validated (a bad value is a PlanError naming it)."""
+        from vmpin.core.planner import Policy
+
+        hk = CpuSet.parse(self.housekeeping) if self.housekeeping else EMPTY
+        return Policy(helpers=self.helpers, housekeeping=hk, vcpus=self.vcpus).check()
+
+    def float_policy(self) -> str:
+        if self.guest_float not in ("all", "proportional"):
+            from vmpin.core.errors import PlanError
+
+            raise PlanError(
+                f"guest float policy {self.guest_float!r}: expected all or proportional"
+            )
+        return self.guest_float
+
+    def as_env(self) -> dict[str, str]:
+        """The policy as environment variables, for hooks a CLI command runs in-process."""
+        return {
+            ENV["helpers"]: self.helpers,
+            ENV["housekeeping"]: self.housekeeping,
+            ENV["vcpus"]: self.vcpus,
+            ENV["guest_float"]: self.guest_float,
+        }
+
+
+def build_reconciler(
+    settings: Settings,
+    store: Store | None = None,
+    *,
+    affinity: AffinityBackend | None = None,
+    qmp_timeout: float = 0.3,
+) -> Reconciler:
+    """The one factory: every entry point's observe -> plan -> apply machinery."""
+    from vmpin.reconcile.reconciler import Reconciler
+
+    return Reconciler(
+        settings.paths,
+        store,
+        policy=settings.policy,
+        affinity=affinity,
+        float_policy=settings.float_policy(),
+        qmp_timeout=qmp_timeout,
+    )
 
 
 def policy_from(
@@ -31,22 +134,11 @@ def policy_from(
     housekeeping: str | None = None,
     vcpus: str | None = None,
 ) -> Policy:
-    from vmpin.core.planner import Policy
-
-    env = os.environ if env is None else env
-    hk = housekeeping if housekeeping is not None else env.get(ENV["housekeeping"], "")
-    return Policy(
-        helpers=helpers or env.get(ENV["helpers"]) or "share",
-        housekeeping=CpuSet.parse(hk) if hk else EMPTY,
-        vcpus=vcpus or env.get(ENV["vcpus"]) or "auto",
-    ).check()
+    """The policy from explicit values, then the environment (kept for callers and tests)."""
+    return Settings.from_env(
+        {"helpers": helpers, "housekeeping": housekeeping, "vcpus": vcpus}, env
+    ).policy()
 
 
 def guest_float(env: Mapping[str, str] | None = None, value: str | None = None) -> str:
-    env = os.environ if env is None else env
-    out = value or env.get(ENV["guest_float"]) or "all"
-    if out not in ("all", "proportional"):
-        from vmpin.core.errors import PlanError
-
-        raise PlanError(f"guest float policy {out!r}: expected all or proportional")
-    return out
+    return Settings.from_env({"guest_float": value}, env).float_policy()

@@ -16,6 +16,7 @@ from vmpin.core.errors import CpuSetError, SpecError, StateError
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.runtimes.oci import parse_resources_json
+from vmpin.service.settings import Settings, build_reconciler
 from vmpin.state.store import Store
 
 
@@ -59,11 +60,12 @@ def update_container(
     cpuset_cpus: str | None = None,
     resources: str | None = None,
     reconciler_factory: Callable[[Store], Reconciler] | None = None,
+    settings: Settings | None = None,
     wait: float = 10.0,
 ) -> dict[str, Any]:
     """Record the new set, then re-pin: through the agent when one answers (waiting until it
     has planned from this write, so that the command returning means the threads moved), else
-    in this process."""
+    in this process (a node-wide pass: another sandbox's plan may depend on this set)."""
     cpus = parse_update(cpuset_cpus, resources)
     with Store(paths.state_dir) as store:
         rec = store.container(container_id)
@@ -90,11 +92,13 @@ def update_container(
         if notify(paths, [rec.sandbox_id]) and _wait_done(store, rec.sandbox_id, gen, wait):
             applied = "re-pinned by the agent"
         else:
-            rec_ = (
-                reconciler_factory(store)
-                if reconciler_factory
-                else Reconciler(paths, store, topology=topo)
-            )
+            if reconciler_factory is not None:
+                rec_ = reconciler_factory(store)
+            else:
+                # the configured policy, as every other entry point (the one factory)
+                rec_ = build_reconciler(
+                    (settings or Settings.from_env())._replace(paths=paths), store
+                )
             reports = rec_.reconcile([rec.sandbox_id])
             errors = [e for r in reports for e in r.errors]
             applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)

@@ -222,6 +222,49 @@ class Store:
         with suppress(OSError):
             os.chmod(self.path, 0o600)
 
+    @classmethod
+    def open_readonly(cls, state_dir: str, *, timeout: float = 30.0) -> Store:
+        """Open existing state for reading only: no directory, file, schema or journal write.
+
+        Read-only commands use this, so that ``state.db`` stays byte-identical; a state dir
+        holding neither a database nor a journal is an error for them, not a new empty store.
+        SQLite's ``mode=ro`` connection never checkpoints the WAL into the database file.
+        Events the hooks journaled and no writer applied yet are applied to an in-memory
+        copy (SQLite's backup API), leaving the journal files for the next writer.
+        """
+        path = os.path.join(state_dir, "state.db")
+        pending = journal.pending(state_dir) if os.path.isdir(state_dir) else []
+        if not os.path.isfile(path) and not pending:
+            raise StateError(f"no vmpin state at {state_dir}")
+        from urllib.parse import quote  # (imports re: off the hook path, read-only commands only)
+
+        self = cls.__new__(cls)
+        self.state_dir, self.path, self._depth = state_dir, path, 0
+        self._masks = MappingProxyType({})
+        self._masks_key = None
+        try:
+            if os.path.isfile(path):
+                self.db = sqlite3.connect(
+                    f"file:{quote(path)}?mode=ro", uri=True, timeout=timeout, isolation_level=None
+                )
+                self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+                version = self.db.execute("PRAGMA user_version").fetchone()[0]
+                if version not in (0, SCHEMA_VERSION):
+                    raise StateError(
+                        f"{path}: schema version {version}, this vmpin reads {SCHEMA_VERSION}"
+                    )
+            if pending or not os.path.isfile(path):
+                memory = sqlite3.connect(":memory:", isolation_level=None)
+                if os.path.isfile(path):
+                    self.db.backup(memory)
+                    self.db.close()
+                self.db = memory
+                self._ensure_schema()
+                self.ingest(consume=False)
+        except sqlite3.Error as err:
+            raise StateError(f"{path}: {err}") from None
+        return self
+
     def close(self) -> None:
         self.db.close()
 
@@ -309,7 +352,6 @@ class Store:
         )
         return ident.sandbox_id
 
-
     def _forget(self, ev: dict[str, Any]) -> str | None:
         """poststop: find the container by bundle (Kata sends the sandbox id), then forget it."""
         rec = self.container_by_bundle(ev["bundle"]) if ev["bundle"] else None
@@ -328,9 +370,11 @@ class Store:
         self.delete_container(rec.id)
         return None if rec.is_sandbox else rec.sandbox_id
 
+    def ingest(self, *, consume: bool = True) -> list[str]:
+        """Apply every pending event once, in order; the sandboxes they touched.
 
-    def ingest(self) -> list[str]:
-        """Apply every pending event once, in order; the sandboxes they touched."""
+        ``consume=False`` (an in-memory copy for a read-only command) leaves the journal
+        files for the next writer."""
         names = journal.pending(self.state_dir)
         if not names:
             return []
@@ -361,7 +405,7 @@ class Store:
             # names sort by time: a recorded name older than every file still pending was
             # unlinked, and no process can come across it again
             db.execute("DELETE FROM journal WHERE name < ?", (names[0],))
-        for name in names:
+        for name in names if consume else ():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(d, name))
         return touched
@@ -598,6 +642,17 @@ class Store:
     def meta(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else str(row[0])
+
+    def meta_prefix(self, prefix: str) -> list[tuple[str, str]]:
+        """Every (key, value) whose key starts with ``prefix`` (no LIKE wildcards in it)."""
+        rows = self.db.execute(
+            "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix)
+        ).fetchall()
+        return [(str(r[0]), str(r[1])) for r in rows]
+
+    def delete_meta(self, keys: Iterable[str]) -> None:
+        with self.transaction() as db:
+            db.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in keys])
 
     def set_meta(self, key: str, value: str) -> None:
         with self.transaction() as db:

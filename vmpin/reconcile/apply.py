@@ -1,0 +1,205 @@
+"""Apply: a NodePlan vs what was observed -> the fewest host writes, verified, then the store.
+
+Host writes come first and are each read back (the kernel may hold a narrower set than was
+asked: cpuset restrictions); only threads and cgroups whose actual value differs from the
+plan are touched, so a second pass over an unchanged node makes no write at all.  A thread
+that exits between observe and apply is expected (``gone``), EPERM/EINVAL are an error on
+that thread only.
+
+Before vmpin's first pin of a VMM thread, the affinity it had is recorded in the store (meta
+``orig-affinity:...``), so that invariant 4's undo can give it back later.
+
+Store writes, after the host: what the sources said (adoptions), forgotten containers and
+sandboxes, a sandbox's VMM and thread roles when classified afresh, and ``done_gen``.  Then
+the guest map is published for the sandboxes whose plan has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import HostError, ProcessGone, VmpinError
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.observe import ORIG_PREFIX, missing_key, orig_key
+from vmpin.reconcile.plan import NodePlan, SandboxPlan, ThreadPlan
+from vmpin.state.store import Store, ThreadRec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from vmpin.linux.affinity import AffinityBackend
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What apply did for one thread: ok | pinned | gone | error | unmanaged | drift."""
+
+    action: str
+    actual: CpuSet | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Applied:
+    threads: dict[tuple[str, int], Outcome] = field(default_factory=dict)
+    cgroups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+
+def outcome_without_apply(t: ThreadPlan) -> Outcome:
+    """What a thread's state is when nothing is written (audit, show)."""
+    if t.actual is None:
+        return Outcome("error" if t.error else "gone", None, t.error)
+    if t.desired is None:
+        return Outcome("unmanaged", t.actual)
+    return Outcome("ok" if t.actual == t.desired else "drift", t.actual)
+
+
+class Applier:
+    def __init__(self, paths: HostPaths, affinity: AffinityBackend, *, publish: bool = True):
+        self.paths = paths
+        self.affinity = affinity
+        self.publish = publish
+
+    def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
+        """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
+        out = Applied()
+        for sp in plan.sandboxes:
+            if only is not None and sp.id not in only:
+                continue
+            if sp.vanished:
+                continue
+            if sp.runtime == "runc":
+                self._cgroups(sp, out)
+            self._remember_originals(store, sp)
+            for t in sp.threads:
+                if t.role == "container":
+                    continue
+                out.threads[(sp.id, t.tid)] = self._thread(sp, t)
+        self._record(store, plan, only)
+        return out
+
+    # -- host ----------------------------------------------------------------------------------
+    def _cgroups(self, sp: SandboxPlan, out: Applied) -> None:
+        from vmpin.linux import cgroups
+
+        for c in sp.containers:
+            ref, current = c.obs.cgroup, c.obs.cgroup_cpus
+            if ref is None or current is None or c.desired is None or current == c.desired:
+                continue
+            drift: dict[str, Any] = {
+                "container": c.rec.id,
+                "cgroup": ref.path,
+                "desired": c.desired.to_list(),
+                "actual": current.to_list(),
+            }
+            try:
+                cgroups.write_cpus(ref, c.desired)
+                drift["repaired"] = cgroups.read_cpus(ref) == c.desired
+            except VmpinError as err:
+                out.errors.setdefault(sp.id, []).append(f"container {c.rec.id}: {err}")
+                drift["repaired"] = False
+            out.cgroups.setdefault(sp.id, []).append(drift)
+
+    def _remember_originals(self, store: Store, sp: SandboxPlan) -> None:
+        """Before vmpin's first pin in a VMM, record every thread's affinity (invariant 4).
+
+        Only the first time: a thread created later inherits its creator's pinned affinity,
+        and observe gives it the main thread's record instead.
+        """
+        vmm = sp.obs.vmm
+        if vmm is None or any(t.original is not None for t in sp.threads):
+            return
+        if not any(
+            t.kind == "plan" and t.desired is not None and t.actual not in (None, t.desired)
+            for t in sp.threads
+        ):
+            return
+        with store.transaction():
+            for t in sp.threads:
+                if t.actual is not None:
+                    store.set_meta(orig_key(sp.id, vmm.pid, vmm.start, t.tid), t.actual.to_list())
+
+    def _thread(self, sp: SandboxPlan, t: ThreadPlan) -> Outcome:
+        if t.actual is None:
+            return Outcome("error" if t.error else "gone", None, t.error)
+        if t.desired is None:
+            return Outcome("unmanaged", t.actual)
+        if t.actual == t.desired:
+            return Outcome("ok", t.actual)
+        try:
+            actual = self.affinity.set(t.tid, t.desired)
+        except ProcessGone:
+            return Outcome("gone", None)
+        except HostError as err:
+            return Outcome("error", t.actual, str(err))
+        if actual != t.desired:
+            return Outcome("error", actual, f"kernel holds {actual} after setting {t.desired}")
+        return Outcome("pinned", actual)
+
+    # -- store ---------------------------------------------------------------------------------
+    def _record(self, store: Store, plan: NodePlan, only: set[str] | None) -> None:
+        for a in plan.adoptions:
+            try:
+                if a.adopt:
+                    store.set_container_cpus(a.container, a.cpus, a.source, **{a.column: a.seen})
+                else:
+                    store.note_seen(a.container, **{a.column: a.seen})
+            except VmpinError:
+                continue  # deleted by another process meanwhile
+        for cid in plan.forget_containers:
+            store.delete_container(cid)
+        live_vmms: set[str] = set()
+        for sp in plan.sandboxes:
+            s = sp.obs
+            if s.vmm is not None:
+                live_vmms.add(f"{ORIG_PREFIX}{sp.id}:{s.vmm.pid}:{s.vmm.start}:")
+            if not s.tracked or s.record is None:
+                continue
+            if sp.vanished:
+                if s.vmm_gone:
+                    store.delete_sandbox(sp.id)
+                continue
+            if s.became_kata:
+                store.put_sandbox(s.record._replace(runtime="kata"))
+            for c in sp.containers:
+                if c.obs.cgroup is not None and c.obs.cgroup.rel != c.rec.cgroup:
+                    store.note_seen(c.rec.id, cgroup=c.obs.cgroup.rel)
+            vmm = s.vmm
+            if vmm is not None:
+                rec = s.record
+                if (rec.vmm_pid, rec.vmm_start) != (vmm.pid, vmm.start):
+                    store.set_vmm(sp.id, vmm.pid, vmm.start)
+                if vmm.classified:
+                    store.save_threads(
+                        sp.id,
+                        vmm.pid,
+                        vmm.start,
+                        [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in vmm.threads],
+                    )
+                    store.set_meta(
+                        missing_key(sp.id, vmm.pid, vmm.start),
+                        ",".join(map(str, vmm.missing_vcpus)),
+                    )
+            if (only is None or sp.id in only) and s.record.gen > s.record.done_gen:
+                # (an idle sandbox is already done at gen: skipping the no-op write keeps the
+                # store's cpu_masks() cache valid across a periodic pass)
+                store.mark_done(sp.id, s.record.gen)
+            if self.publish and sp.guest_map is not None and (only is None or sp.id in only):
+                self._publish(sp.id, sp.guest_map)
+        # what vmpin recorded for VMMs that no longer run is of no use to anyone
+        stale = [k for k in plan.originals if not any(k.startswith(prefix) for prefix in live_vmms)]
+        if stale:
+            store.delete_meta(stale)
+
+    def _publish(self, sandbox_id: str, guest_map: dict[str, Any]) -> None:
+        try:
+            from vmpin.runtimes.publish import publish_map
+        except ImportError:
+            return
+        try:
+            publish_map(self.paths, sandbox_id, guest_map)
+        except VmpinError:
+            return

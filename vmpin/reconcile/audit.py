@@ -1,0 +1,191 @@
+"""Audit: the node-wide invariant, checked on an observation and its plan, writing nothing.
+
+``vmpin audit`` exits 1 exactly when one of these is found (DESIGN.md's violation kinds):
+
+- ``drift``: a managed thread (or a runc container's cgroup) is not where the plan puts it
+  (invariant 3);
+- ``double-pin``: a CPU that a vCPU is pinned to 1:1 is also in the actual affinity of a
+  thread of another sandbox -- managed or not, tracked or merely in the VM dir, or a runc
+  container's task (invariant 1);
+- ``foreign-on-exclusive``: a thread or a runc cgroup may run on a CPU kubelet assigns
+  exclusively to a container of another pod (invariant 2);
+- ``stale-pin``: a thread vmpin pinned and no longer manages still has vmpin's affinity,
+  not the one it is to get back (invariant 4);
+- ``conflict``: two pods claim one exclusive CPU; ``claimants`` names both (invariant 5);
+- ``error``: an object that could not be read, or a plan that breaks the node rules.
+
+Every check reads ``actual`` values of the observation, i.e. straight from /proc and cgroupfs.
+"""
+
+from __future__ import annotations
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.reconcile.plan import NodePlan, SandboxPlan, ThreadPlan
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+KINDS = ("drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin", "error")
+
+
+def _cpus(c: CpuSet | None) -> str | None:
+    return None if c is None else c.to_list()
+
+
+def _v(
+    kind: str, sandbox: str | None, t: ThreadPlan | None, reason: str, **extra: Any
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": kind,
+        "sandbox": sandbox,
+        "tid": None if t is None else t.tid,
+        "role": None if t is None else t.role,
+        "index": None if t is None else t.index,
+        "desired": None if t is None else _cpus(t.desired),
+        "actual": None if t is None else _cpus(t.actual),
+        "container": None if t is None else t.container,
+        "reason": reason,
+    }
+    out.update(extra)
+    return out
+
+
+def violations(plan: NodePlan) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    pods = {sp.id: _pod_of(sp) for sp in plan.sandboxes}
+    for sp in plan.sandboxes:
+        if sp.vanished:
+            continue
+        out.extend(_errors(sp))
+        for t in sp.threads:
+            if t.actual is None or t.desired is None:
+                continue
+            if t.role == "container":
+                # a process may narrow itself inside its container's cpuset
+                wrong = not t.actual.issubset(t.desired)
+            else:
+                wrong = t.actual != t.desired
+            if wrong and t.kind == "undo":
+                out.append(_v("stale-pin", sp.id, t, "vmpin's pin left behind: not given back"))
+            elif wrong:
+                out.append(_v("drift", sp.id, t, "affinity differs from plan"))
+        for c in sp.containers:
+            cur = c.obs.cgroup_cpus
+            if c.obs.cgroup is None or cur is None or c.desired is None or cur == c.desired:
+                continue
+            out.append(
+                _v(
+                    "drift",
+                    sp.id,
+                    None,
+                    "cgroup cpuset.cpus differs from plan",
+                    role="container",
+                    container=c.rec.id,
+                    cgroup=c.obs.cgroup.path,
+                    desired=c.desired.to_list(),
+                    actual=cur.to_list(),
+                )
+            )
+        # invariant 1, read from the actual affinities of everyone else
+        for cpu, tid in sorted(sp.pinned_cpus.items()):
+            pinned = next(t for t in sp.threads if t.tid == tid)
+            for other in plan.sandboxes:
+                if other.id == sp.id or other.vanished:
+                    continue
+                for t in other.threads:
+                    if t.actual is not None and cpu in t.actual:
+                        out.append(
+                            _v(
+                                "double-pin",
+                                sp.id,
+                                pinned,
+                                f"CPU {cpu} is vCPU {pinned.index}'s alone, and thread {t.tid}"
+                                f" ({t.role}) of {other.id} may run there",
+                                other_sandbox=other.id,
+                                other_tid=t.tid,
+                                other_role=t.role,
+                            )
+                        )
+        # invariant 2
+        for t in sp.threads:
+            if t.actual is None:
+                continue
+            hit = _foreign(plan, t.actual, pods[sp.id])
+            if hit:
+                out.append(_v("foreign-on-exclusive", sp.id, t, hit[0], claimant=hit[1]))
+        for c in sp.containers:
+            if c.obs.cgroup_cpus is None:
+                continue
+            hit = _foreign(plan, c.obs.cgroup_cpus, pods[sp.id])
+            if hit:
+                out.append(
+                    _v(
+                        "foreign-on-exclusive",
+                        sp.id,
+                        None,
+                        "cgroup: " + hit[0],
+                        role="container",
+                        container=c.rec.id,
+                        claimant=hit[1],
+                        actual=c.obs.cgroup_cpus.to_list(),
+                    )
+                )
+    for conflict in plan.conflicts:
+        first, second = conflict.first, conflict.second
+        out.append(
+            _v(
+                "conflict",
+                first.sandbox or second.sandbox,
+                None,
+                f"CPUs {conflict.cpus} claimed as their own by pod {first.pod} ({first.container})"
+                f" and pod {second.pod} ({second.container})",
+                actual=conflict.cpus.to_list(),
+                claimants=[first.to_json(), second.to_json()],
+            )
+        )
+    for problem in plan.problems:
+        out.append(_v("error", None, None, f"plan: {problem}"))
+    return out
+
+
+def _pod_of(sp: SandboxPlan) -> str:
+    from vmpin.reconcile.plan import _pod
+
+    return _pod(sp.obs)
+
+
+def _foreign(plan: NodePlan, actual: CpuSet, pod: str) -> tuple[str, dict[str, Any]] | None:
+    for cpu in actual:
+        claim = plan.exclusive.get(cpu)
+        if claim is not None and claim.pod != pod:
+            return (
+                f"may run on CPU {cpu}, exclusive to pod {claim.pod} ({claim.container})",
+                claim.to_json(),
+            )
+    return None
+
+
+def _errors(sp: SandboxPlan) -> list[dict[str, Any]]:
+    out = [_v("error", sp.id, None, e) for e in sp.errors]
+    for c in sp.containers:
+        if c.obs.error:
+            out.append(_v("error", sp.id, None, c.obs.error, container=c.rec.id))
+    for t in sp.threads:
+        if t.error:
+            out.append(_v("error", sp.id, t, t.error))
+    return out
+
+
+def audit(plan: NodePlan, checkpoint_error: str | None = None) -> dict[str, Any]:
+    found = violations(plan)
+    if checkpoint_error:
+        found.append(_v("error", None, None, checkpoint_error))
+    live = [sp for sp in plan.sandboxes if not sp.vanished and sp.obs.tracked]
+    return {
+        "ok": not found,
+        "violations": found,
+        "sandboxes": len(live),
+        "threads": sum(len(sp.threads) for sp in live),
+        "errors": [f"{sp.id}: {e}" for sp in live for e in sp.errors],
+    }

@@ -1,0 +1,452 @@
+"""Observe: host + store -> one immutable :class:`Observation` of the node, with no writes.
+
+This module owns *reading*: every tracked sandbox and container (from the store), every VMM
+found in the VM dir (tracked or not), each VMM's threads with their actual affinity, each
+runc container's cgroup with its actual cpuset and tasks, runc's own state value, kubelet's
+checkpoint (shared pool and exclusive assignments), and what vmpin recorded before its first
+pin of a thread (for the undo of invariant 4).  Nothing here writes the store, a cgroup or an
+affinity: ``vmpin show``/``audit``/... are built on it and must leave ``state.db`` untouched.
+
+One bad object is an error *against that object*: a container whose runc state.json cannot
+be read, a VMM whose QMP socket does not answer, a checkpoint that does not parse -- each
+carries its ``error`` string and the pass goes on.
+
+Identity is (pid, start time): a runc container's cgroup is looked up from its pid only when
+the pid still has the start time recorded at create; a pid without a start time cannot be
+proven to be the container's, so it is not followed (the cgroup is then found by the
+runtime's layouts, or not at all).
+
+Extension point: a :class:`SandboxObs` carries its ``runtime`` ("kata", "runc"; a libvirt
+backend adds "libvirt" with its own VMM finder) and its own ``policy`` (the node's today;
+per-pod policy from the Kubernetes API replaces it per sandbox), so :mod:`.plan` needs no
+change to learn either.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.core.errors import HostError, ProcessGone, VmpinError
+from vmpin.core.planner import Policy
+from vmpin.linux import procfs
+from vmpin.linux.paths import HostPaths
+from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from vmpin.linux.cgroups import CgroupRef
+    from vmpin.runtimes.kubelet import Checkpoint
+
+ORIG_PREFIX = "orig-affinity:"
+
+
+def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
+    """Store meta key of a thread's affinity before vmpin first pinned it (invariant 4)."""
+    return f"{ORIG_PREFIX}{sandbox_id}:{vmm_pid}:{vmm_start}:{tid}"
+
+
+def missing_key(sandbox_id: str, pid: int, start: int) -> str:
+    return f"missing-vcpus:{sandbox_id}:{pid}:{start}"
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadObs:
+    """One host thread as seen now: a VMM thread or a task of a container's cgroup."""
+
+    tid: int
+    role: str  # vcpu | iothread | vhost | emulator | container
+    index: int | None = None
+    label: str | None = None
+    layer: str = ""
+    name: str | None = None
+    #: None when the thread was gone by the time its affinity was read
+    actual: CpuSet | None = None
+    #: the affinity vmpin recorded before its first pin of this thread, if it ever pinned it
+    original: CpuSet | None = None
+    error: str | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self.actual is None and self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class VmmObs:
+    pid: int
+    start: int
+    threads: tuple[ThreadObs, ...] = ()
+    #: True when the roles were classified afresh in this observation (apply records them)
+    classified: bool = False
+    missing_vcpus: tuple[int, ...] = ()
+    layers: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerObs:
+    rec: ContainerRec
+    #: True/False when the init's (pid, start) could be checked, None when there was nothing
+    alive: bool | None = None
+    #: runc's state.json value of cpuset_cpus ("" = none, None = no state file)
+    runc_cpus: str | None = None
+    #: kubelet's value for (pod uid, container name): exclusive set or shared pool
+    kubelet_cpus: CpuSet | None = None
+    cgroup: CgroupRef | None = None
+    cgroup_cpus: CpuSet | None = None
+    tasks: tuple[ThreadObs, ...] = ()
+    notes: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxObs:
+    """One sandbox: tracked (``record`` set) or merely present in the VM dir (``record`` None)."""
+
+    id: str
+    runtime: str  # kata | runc (| libvirt, later)
+    policy: Policy
+    record: SandboxRec | None
+    containers: tuple[ContainerObs, ...] = ()
+    vmm: VmmObs | None = None
+    #: the recorded VMM (pid, start) no longer runs: the sandbox went away without a poststop
+    vmm_gone: bool = False
+    #: the sandbox was recorded as plain runc but has a VM dir: it is Kata's
+    became_kata: bool = False
+    notes: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    @property
+    def tracked(self) -> bool:
+        return self.record is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    sandboxes: tuple[SandboxObs, ...]
+    checkpoint: Checkpoint | None = None
+    checkpoint_error: str | None = None
+    #: what vmpin recorded before its first pins, by (sandbox, vmm pid, vmm start, tid)
+    originals: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def shared_pool(self) -> CpuSet | None:
+        cp = self.checkpoint
+        if cp is None or cp.policy != "static" or not cp.default:
+            return None
+        pool: CpuSet = cp.default
+        return pool
+
+    def sandbox(self, sandbox_id: str) -> SandboxObs | None:
+        return next((s for s in self.sandboxes if s.id == sandbox_id), None)
+
+
+def pid_alive(paths: HostPaths, pid: int | None, start: int | None) -> bool | None:
+    """True/False when we can tell, None when there is nothing to check."""
+    if not pid:
+        return None
+    try:
+        fields = procfs.stat_fields(paths.proc, pid)
+        # A zombie (state Z) keeps its pid and start time until reaped, but runs nothing:
+        # runc delete leaves the init that way for a moment.
+        if fields[2] in ("Z", "X"):
+            return False
+        return start is None or int(fields[21]) == start
+    except ProcessGone:
+        return False
+    except HostError:
+        return None
+
+
+class Observer:
+    """Reads the node.  Holds caches that only save work (checkpoint by mtime)."""
+
+    def __init__(
+        self,
+        paths: HostPaths,
+        policy: Policy,
+        *,
+        qmp_timeout: float = 0.3,
+        policy_for: Mapping[str, Policy] | None = None,
+    ) -> None:
+        self.paths = paths
+        self.policy = policy
+        #: per-sandbox policy overrides (per-pod policy plugs in here)
+        self.policy_for = dict(policy_for or {})
+        self.qmp_timeout = qmp_timeout
+        self._checkpoint_cache: tuple[int, Checkpoint | None] | None = None
+
+    # -- kubelet ---------------------------------------------------------------------------
+    def checkpoint(self) -> tuple[Checkpoint | None, str | None]:
+        """kubelet's cpu_manager_state (re-read only when its mtime changes), and its error."""
+        try:
+            mtime = os.stat(self.paths.kubelet_state).st_mtime_ns
+        except OSError:
+            self._checkpoint_cache = None
+            return None, None
+        from vmpin.runtimes.kubelet import read_checkpoint
+
+        if self._checkpoint_cache is None or self._checkpoint_cache[0] != mtime:
+            try:
+                self._checkpoint_cache = (mtime, read_checkpoint(self.paths.kubelet_state))
+            except VmpinError as err:
+                return None, f"kubelet checkpoint {self.paths.kubelet_state}: {err}"
+        return self._checkpoint_cache[1], None
+
+    # -- the node ----------------------------------------------------------------------------
+    def observe(self, store: Store) -> Observation:
+        checkpoint, cp_error = self.checkpoint()
+        originals = dict(store.meta_prefix(ORIG_PREFIX))
+        out: list[SandboxObs] = []
+        seen: set[str] = set()
+        for rec in store.sandboxes():
+            seen.add(rec.id)
+            out.append(self._sandbox(store, rec, checkpoint, originals))
+        for sid in self._vm_dir_ids():
+            if sid not in seen:
+                out.append(self._untracked(sid, originals))
+        return Observation(tuple(out), checkpoint, cp_error, originals)
+
+    def _vm_dir_ids(self) -> list[str]:
+        from vmpin.core.errors import IdError
+        from vmpin.core.ids import check_id
+
+        try:
+            names = sorted(os.listdir(self.paths.vm_dir))
+        except OSError:
+            return []
+        out = []
+        for n in names:
+            try:
+                check_id(n, "VM dir entry")
+            except IdError:
+                continue  # not a sandbox dir vmpin could name
+            if os.path.isdir(os.path.join(self.paths.vm_dir, n)):
+                out.append(n)
+        return out
+
+    def _policy(self, sandbox_id: str) -> Policy:
+        return self.policy_for.get(sandbox_id, self.policy)
+
+    def _untracked(self, sid: str, originals: Mapping[str, str]) -> SandboxObs:
+        """A VMM in the VM dir that vmpin does not manage: it floats, and it may need undo."""
+        from vmpin.runtimes import vmm as vmm_mod
+
+        try:
+            vmm = vmm_mod.find_vmm(self.paths, sid, scan=False)
+        except VmpinError as err:
+            return SandboxObs(sid, "kata", self._policy(sid), None, errors=(str(err),))
+        if vmm is None:
+            return SandboxObs(sid, "kata", self._policy(sid), None, notes=("no VMM running",))
+        threads = self._vmm_threads_plain(sid, vmm.pid, vmm.start, originals)
+        return SandboxObs(
+            sid,
+            "kata",
+            self._policy(sid),
+            None,
+            vmm=VmmObs(vmm.pid, vmm.start, threads),
+            notes=("in the VM dir, not tracked by vmpin",),
+        )
+
+    def _sandbox(
+        self,
+        store: Store,
+        rec: SandboxRec,
+        cp: Checkpoint | None,
+        originals: Mapping[str, str],
+    ) -> SandboxObs:
+        runtime = rec.runtime
+        became_kata = False
+        if runtime == "runc" and os.path.isdir(os.path.join(self.paths.vm_dir, rec.id)):
+            # Recorded before its VM dir existed (hooks ran ahead of the VMM): it is Kata's.
+            runtime, became_kata = "kata", True
+        containers = tuple(self._container(c, runtime, cp) for c in store.containers(rec.id))
+        policy = self._policy(rec.id)
+        if runtime != "kata":
+            return SandboxObs(rec.id, runtime, policy, rec, containers, became_kata=became_kata)
+        try:
+            vmm, gone, notes = self._vmm(store, rec, originals)
+        except VmpinError as err:
+            return SandboxObs(
+                rec.id, runtime, policy, rec, containers, became_kata=became_kata,
+                errors=(str(err),),
+            )  # fmt: skip
+        return SandboxObs(
+            rec.id, runtime, policy, rec, containers, vmm, gone, became_kata, tuple(notes)
+        )
+
+    # -- containers ----------------------------------------------------------------------------
+    def _container(self, c: ContainerRec, runtime: str, cp: Checkpoint | None) -> ContainerObs:
+        from vmpin.runtimes.kubelet import cpus_for
+
+        kubelet = cpus_for(cp, c.pod_uid, c.name) if cp and c.pod_uid and c.name else None
+        if runtime != "runc":
+            return ContainerObs(c, kubelet_cpus=kubelet)
+        from vmpin.linux import cgroups
+        from vmpin.runtimes.runcstate import runc_cpus
+
+        notes: list[str] = []
+        try:
+            runc = runc_cpus(self.paths, c.id)
+        except VmpinError as err:
+            return ContainerObs(c, kubelet_cpus=kubelet, error=f"runc state: {err}")
+        alive = pid_alive(self.paths, c.pid, c.pid_start)
+        ref = None
+        try:
+            if c.cgroup:
+                ref = cgroups.ref_from_rel(self.paths, c.cgroup)
+            if ref is None or not os.path.isdir(ref.path):
+                # Follow the pid only while (pid, start time) proves it is still the
+                # container's init: a reused pid belongs to a stranger, whose cgroup is not ours.
+                pid = c.pid if alive is True and c.pid_start is not None else None
+                if c.pid and pid is None:
+                    notes.append(
+                        f"pid {c.pid}: "
+                        + ("no start time recorded, identity unproven" if alive else "gone")
+                        + ": its cgroup is not followed"
+                    )
+                ref = cgroups.find_container_cgroup(self.paths, c.id, c.pod_uid, pid)
+            if ref is None:
+                return ContainerObs(c, alive, runc, kubelet, notes=tuple(notes))
+            current = cgroups.read_cpus(ref)
+            tasks = tuple(self._task(tid) for tid in cgroups.tasks(ref))
+        except VmpinError as err:
+            return ContainerObs(c, alive, runc, kubelet, ref, error=str(err), notes=tuple(notes))
+        return ContainerObs(c, alive, runc, kubelet, ref, current, tasks, tuple(notes))
+
+    def _task(self, tid: int) -> ThreadObs:
+        try:
+            return ThreadObs(
+                tid,
+                "container",
+                actual=procfs.cpus_allowed(self.paths.proc, tid),
+                name=procfs.comm(self.paths.proc, tid),
+                layer="cgroup",
+            )
+        except ProcessGone:
+            return ThreadObs(tid, "container", layer="cgroup")
+        except HostError as err:
+            return ThreadObs(tid, "container", layer="cgroup", error=str(err))
+
+    # -- VMMs ----------------------------------------------------------------------------------
+    def _vmm(
+        self, store: Store, rec: SandboxRec, originals: Mapping[str, str]
+    ) -> tuple[VmmObs | None, bool, list[str]]:
+        from vmpin.runtimes import vmm as vmm_mod
+        from vmpin.runtimes.threads import VmmThread, classify
+
+        vmm = None
+        if rec.vmm_pid and rec.vmm_start is not None:
+            candidate = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)
+            if vmm_mod.is_same(self.paths, candidate, rec.id):
+                vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=False)
+        if vmm is None:
+            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            if vmm is None:
+                if rec.vmm_pid and rec.vmm_start is not None:
+                    return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
+                return None, False, ["no VMM found yet for this sandbox"]
+        remembered = store.threads(rec.id, vmm.pid, vmm.start)
+        try:
+            current = set(procfs.tids(self.paths.proc, vmm.pid))
+        except ProcessGone:
+            return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
+        missing_before = store.meta(missing_key(rec.id, vmm.pid, vmm.start))
+        if remembered and not missing_before and self._complete(remembered, current):
+            # Fast path: the same threads as last time, their roles are known; no QMP.
+            roles = list(remembered.values())
+            threads = tuple(self._thread(rec.id, vmm.pid, vmm.start, t, originals) for t in roles)
+            layers = tuple(sorted({t.layer for t in roles}))
+            return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
+        sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
+        result = classify(
+            self.paths,
+            vmm,
+            sock if os.path.exists(sock) else None,
+            {t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer) for t in remembered.values()},
+            qmp_timeout=self.qmp_timeout,
+        )
+        threads = tuple(
+            self._thread(
+                rec.id, vmm.pid, vmm.start, ThreadRec(t.tid, t.role, t.index, t.label, t.layer),
+                originals,
+            )
+            for t in result.threads
+        )  # fmt: skip
+        obs = VmmObs(
+            vmm.pid,
+            vmm.start,
+            threads,
+            True,
+            tuple(result.missing_vcpus),
+            tuple(result.layers),
+            tuple(result.notes),
+        )
+        return obs, False, []
+
+    def _complete(self, remembered: dict[int, ThreadRec], current: set[int]) -> bool:
+        """The same threads as last time (vhost kthreads before Linux 6.4 live outside
+        ``task/`` and must merely still exist)."""
+        outside = set(remembered) - current
+        if set(remembered) - outside != current:
+            return False
+        return all(
+            remembered[tid].role == "vhost"
+            and os.path.exists(os.path.join(self.paths.proc, str(tid)))
+            for tid in outside
+        )
+
+    def _thread(
+        self, sid: str, pid: int, start: int, t: ThreadRec, originals: Mapping[str, str]
+    ) -> ThreadObs:
+        # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
+        owner = pid if t.role != "vhost" or procfs.exists(self.paths.proc, pid, t.tid) else t.tid
+        # a thread created after vmpin's first pin inherited the pin: what the VMM had before
+        # (its main thread's record) is what it is to get back
+        orig_text = originals.get(orig_key(sid, pid, start, t.tid)) or originals.get(
+            orig_key(sid, pid, start, pid)
+        )
+        original = CpuSet.parse(orig_text) if orig_text else None
+        base = ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
+        try:
+            actual = procfs.cpus_allowed(self.paths.proc, owner, t.tid)
+            name = procfs.comm(self.paths.proc, owner, t.tid)
+        except ProcessGone:
+            return base
+        except HostError as err:
+            return _replace(base, error=str(err))
+        return _replace(base, actual=actual, name=t.label or name)
+
+    def _vmm_threads_plain(
+        self, sid: str, pid: int, start: int, originals: Mapping[str, str]
+    ) -> tuple[ThreadObs, ...]:
+        """An untracked VMM's threads, unclassified (vmpin plans nothing for them but undo)."""
+        try:
+            tids = procfs.tids(self.paths.proc, pid)
+        except ProcessGone:
+            return ()
+        return tuple(
+            self._thread(sid, pid, start, ThreadRec(tid, "emulator", None, None, ""), originals)
+            for tid in tids
+        )
+
+
+def _replace(t: ThreadObs, **kw: object) -> ThreadObs:
+    from dataclasses import replace
+
+    return replace(t, **kw)  # type: ignore[arg-type]
+
+
+__all__ = [
+    "EMPTY",
+    "ContainerObs",
+    "Observation",
+    "Observer",
+    "SandboxObs",
+    "ThreadObs",
+    "VmmObs",
+    "orig_key",
+    "pid_alive",
+]

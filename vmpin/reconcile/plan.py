@@ -1,0 +1,471 @@
+"""Plan: a pure function from an :class:`~.observe.Observation` (+ topology) to a NodePlan.
+
+It owns the node-wide rules (issue 9's invariants), on top of the per-sandbox placement of
+:func:`vmpin.core.planner.plan_sandbox`:
+
+1. a vCPU pinned alone on a CPU (1:1) shares it with no thread of another sandbox: every
+   other sandbox's *footprint* is passed to the planner as ``others`` -- its mask, or, for a
+   sandbox without a CPU set (tracked or merely in the VM dir), the CPUs it floats over: the
+   shared pool when kubelet's is known, else every online CPU;
+2. no thread of a sandbox is planned on a CPU kubelet's checkpoint assigns exclusively to a
+   container of another pod (those CPUs go into ``others_exclusive``; undo goes to the pool);
+3. every managed thread gets a desired affinity (apply repairs, audit reports the drift);
+4. a sandbox that vmpin no longer pins (no CPU set left, or forgotten) gets its threads back
+   to the shared pool when known, else to the affinity recorded before vmpin's first pin;
+5. two pods claiming the same exclusive CPU is a :class:`Conflict` naming both claimants;
+   it is never merged (both then float, as CPUs shared between sandboxes do).
+
+:func:`check_node` (the successor of ``planner.check_global``) runs on every plan.
+
+Desired CPU sets also come from sources that change behind vmpin's back (runc's state after
+``runc update``; kubelet's checkpoint): a source is *adopted* when its value changed since
+vmpin last saw it there (:func:`adopt`); the adoption is part of the plan, and apply records it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.core.errors import VmpinError
+from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
+from vmpin.core.topology import Topology
+from vmpin.reconcile.observe import ContainerObs, Observation, SandboxObs, ThreadObs
+from vmpin.state.store import ContainerRec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPlan:
+    tid: int
+    role: str
+    index: int | None
+    name: str | None
+    layer: str
+    desired: CpuSet | None
+    actual: CpuSet | None
+    #: plan (vmpin's placement) | undo (give back what vmpin took) | none (left alone)
+    kind: str = "plan"
+    container: str | None = None
+    original: CpuSet | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Adoption:
+    """A container's CPU set as a source now says it (``cpus`` changed only when ``adopt``)."""
+
+    container: str
+    source: str  # runc | kubelet
+    column: str  # runtime_seen | kubelet_seen
+    seen: str
+    cpus: CpuSet | None
+    adopt: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerPlan:
+    rec: ContainerRec  # with adopted values
+    desired: CpuSet | None
+    obs: ContainerObs
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Who holds a CPU as its own: a pod's container (from vmpin's record or kubelet's)."""
+
+    sandbox: str | None
+    pod: str
+    container: str | None
+    source: str  # vmpin | kubelet
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sandbox": self.sandbox,
+            "pod": self.pod,
+            "container": self.container,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    cpus: CpuSet
+    first: Claim
+    second: Claim
+
+    def sandboxes(self) -> set[str]:
+        return {c.sandbox for c in (self.first, self.second) if c.sandbox}
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxPlan:
+    id: str
+    runtime: str
+    obs: SandboxObs
+    mask: CpuSet = EMPTY
+    mode: str = "none"
+    reason: str = ""
+    #: the CPUs this sandbox's threads may use (its footprint seen by others)
+    footprint: CpuSet = EMPTY
+    plan: Plan | None = None
+    threads: tuple[ThreadPlan, ...] = ()
+    containers: tuple[ContainerPlan, ...] = ()
+    #: the store should forget it (VMM gone, or its last container gone)
+    vanished: bool = False
+    guest_map: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    @property
+    def pinned_cpus(self) -> dict[int, int]:
+        """CPU -> tid of the vCPUs this plan pins 1:1."""
+        if self.plan is None:
+            return {}
+        out = {}
+        by_idx = {t.index: t.tid for t in self.threads if t.role == "vcpu"}
+        for idx, cpu in self.plan.vcpu_map.items():
+            if idx in by_idx:
+                out[cpu] = by_idx[idx]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    sandboxes: tuple[SandboxPlan, ...]
+    adoptions: tuple[Adoption, ...] = ()
+    forget_containers: tuple[str, ...] = ()
+    conflicts: tuple[Conflict, ...] = ()
+    #: violations of the node-wide rules found in the plan itself (should stay empty)
+    problems: tuple[str, ...] = ()
+    #: kubelet's exclusive assignments: CPU -> claimant
+    exclusive: Mapping[int, Claim] = field(default_factory=dict)
+    shared_pool: CpuSet | None = None
+    #: store keys of every original affinity vmpin had recorded when observing
+    originals: tuple[str, ...] = ()
+
+    def sandbox(self, sandbox_id: str) -> SandboxPlan | None:
+        return next((s for s in self.sandboxes if s.id == sandbox_id), None)
+
+    @property
+    def undo(self) -> list[tuple[str, ThreadPlan]]:
+        return [(s.id, t) for s in self.sandboxes for t in s.threads if t.kind == "undo"]
+
+
+# -- desired CPU sets ----------------------------------------------------------------------------
+def adopt(rec: ContainerRec, source: str, column: str, seen: str, want: CpuSet | None) -> Adoption:
+    """Adopt a source's value when it changed since vmpin last looked there.
+
+    Before the first look, what the source "last said" is taken to be the spec the container
+    was created with -- unless vmpin has been told otherwise since (an update), in which case
+    a source still holding an older value is not news.
+    """
+    stored: str | None = rec._asdict()[column]
+    last = stored
+    if last is None:
+        if rec.cpus_source == "spec":
+            last = "" if rec.cpus is None else rec.cpus.to_list()
+        else:
+            last = seen
+    return Adoption(rec.id, source, column, seen, want, seen != last)
+
+
+def _with(rec: ContainerRec, a: Adoption) -> ContainerRec:
+    if a.column == "runtime_seen":
+        rec = rec._replace(runtime_seen=a.seen)
+    else:
+        rec = rec._replace(kubelet_seen=a.seen)
+    return rec._replace(cpus=a.cpus, cpus_source=a.source) if a.adopt else rec
+
+
+def refresh(c: ContainerObs, runtime: str) -> tuple[ContainerRec | None, list[Adoption]]:
+    """The container's record with the sources' news adopted; None when it is gone."""
+    rec = c.rec
+    out: list[Adoption] = []
+    if runtime == "runc":
+        if c.alive is False and c.runc_cpus is None:
+            return None, out
+        if c.runc_cpus is not None and c.error is None:
+            want = CpuSet.parse(c.runc_cpus) if c.runc_cpus else None
+            a = adopt(rec, "runc", "runtime_seen", c.runc_cpus, want)
+            if a.adopt or rec.runtime_seen != a.seen:
+                out.append(a)
+            rec = _with(rec, a)
+    if c.kubelet_cpus is not None:
+        a = adopt(rec, "kubelet", "kubelet_seen", c.kubelet_cpus.to_list(), c.kubelet_cpus)
+        if a.adopt or rec.kubelet_seen != a.seen:
+            out.append(a)
+        rec = _with(rec, a)
+    return rec, out
+
+
+# -- the node ------------------------------------------------------------------------------------
+def _pod(s: SandboxObs) -> str:
+    if s.record is not None and s.record.pod_uid:
+        return s.record.pod_uid
+    for c in s.containers:
+        if c.rec.pod_uid:
+            return c.rec.pod_uid
+    return f"sandbox:{s.id}"
+
+
+def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all") -> NodePlan:
+    """Plan every sandbox and runc container of the node from one observation."""
+    pool = obs.shared_pool
+    online = topology.online
+    adoptions: list[Adoption] = []
+    forget: list[str] = []
+    live: dict[str, list[ContainerRec]] = {}
+    cplans: dict[str, list[ContainerPlan]] = {}
+    for s in obs.sandboxes:
+        recs: list[ContainerRec] = []
+        cps: list[ContainerPlan] = []
+        for c in s.containers:
+            rec, adopted = refresh(c, s.runtime)
+            adoptions.extend(adopted)
+            if rec is None:
+                forget.append(c.rec.id)
+                continue
+            recs.append(rec)
+            desired = rec.cpus if rec.cpus is not None else pool
+            cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else rec.cpus, c))
+        live[s.id], cplans[s.id] = recs, cps
+
+    # Footprints: where each sandbox's threads may run once this plan is applied.
+    pods = {s.id: _pod(s) for s in obs.sandboxes}
+    masks: dict[str, CpuSet] = {}
+    footprint: dict[str, CpuSet] = {}
+    for s in obs.sandboxes:
+        mask = CpuSet.union_all(r.cpus for r in live[s.id] if r.cpus is not None)
+        masks[s.id] = mask
+        if s.runtime == "runc":
+            runs = any(c.obs.tasks for c in cplans[s.id])
+            fp = CpuSet.union_all(
+                (c.desired if c.desired is not None else online)
+                for c in cplans[s.id]
+                if c.obs.tasks
+            )
+            footprint[s.id] = fp if runs else EMPTY
+        elif s.vmm is None:
+            footprint[s.id] = EMPTY  # nothing runs
+        else:
+            footprint[s.id] = mask or pool or online
+
+    exclusive, conflicts = _claims(obs, live, pods, pool)
+    conflicted = {sid for c in conflicts for sid in c.sandboxes()}
+    plans: list[SandboxPlan] = []
+    for s in obs.sandboxes:
+        others = CpuSet.union_all(fp for sid, fp in footprint.items() if sid != s.id)
+        count: dict[int, int] = {}
+        for m in masks.values():
+            for cpu in m:
+                count[cpu] = count.get(cpu, 0) + 1
+        others_excl = CpuSet(
+            {cpu for sid, m in masks.items() if sid != s.id for cpu in m if count[cpu] == 1}
+        ) - (pool or EMPTY)
+        foreign_excl = CpuSet({cpu for cpu, cl in exclusive.items() if cl.pod != pods[s.id]})
+        plans.append(
+            _plan_sandbox(
+                s,
+                topology,
+                masks[s.id],
+                live[s.id],
+                cplans[s.id],
+                footprint[s.id],
+                others,
+                others_excl | foreign_excl,
+                pool,
+                float_policy,
+                conflicted,
+            )
+        )
+    problems = check_node(plans, exclusive, pods)
+    return NodePlan(
+        tuple(plans),
+        tuple(adoptions),
+        tuple(forget),
+        tuple(conflicts),
+        tuple(problems),
+        exclusive,
+        pool,
+        tuple(obs.originals),
+    )
+
+
+def _claims(
+    obs: Observation,
+    live: Mapping[str, list[ContainerRec]],
+    pods: Mapping[str, str],
+    pool: CpuSet | None,
+) -> tuple[dict[int, Claim], list[Conflict]]:
+    """kubelet's exclusive CPUs, and every pair of pods claiming one CPU as their own.
+
+    An exclusive claim needs kubelet's shared pool to tell "own" from "shared": a container's
+    CPUs outside the pool are its own; kubelet's entries are exclusive by definition.  Without
+    a static-policy checkpoint nothing is exclusive (overlapping masks then merely float).
+    """
+    exclusive: dict[int, Claim] = {}
+    if pool is None or obs.checkpoint is None:
+        return exclusive, []
+    claims: dict[int, list[Claim]] = {}
+    sandbox_of_pod = {pod: sid for sid, pod in pods.items()}
+    for pod, names in obs.checkpoint.entries.items():
+        for name, cpus in names.items():
+            claim = Claim(sandbox_of_pod.get(pod), pod, name, "kubelet")
+            for cpu in cpus:
+                exclusive.setdefault(cpu, claim)
+                claims.setdefault(cpu, []).append(claim)
+    for sid, recs in live.items():
+        for r in recs:
+            if r.cpus is None:
+                continue
+            claim = Claim(sid, pods[sid], r.name or r.id, "vmpin")
+            for cpu in r.cpus - pool:
+                claims.setdefault(cpu, []).append(claim)
+    by_pair: dict[tuple[Claim, Claim], set[int]] = {}
+    for cpu, cl in sorted(claims.items()):
+        first = cl[0]
+        for other in cl[1:]:
+            if other.pod != first.pod:
+                by_pair.setdefault((first, other), set()).add(cpu)
+    conflicts = [Conflict(CpuSet(cpus), a, b) for (a, b), cpus in by_pair.items()]
+    return exclusive, conflicts
+
+
+def _plan_sandbox(
+    s: SandboxObs,
+    topology: Topology,
+    mask: CpuSet,
+    recs: list[ContainerRec],
+    cplans: list[ContainerPlan],
+    footprint: CpuSet,
+    others: CpuSet,
+    others_exclusive: CpuSet,
+    pool: CpuSet | None,
+    float_policy: str,
+    conflicted: set[str],
+) -> SandboxPlan:
+    base = SandboxPlan(
+        s.id, s.runtime, s, mask, footprint=footprint,
+        containers=tuple(cplans), notes=s.notes, errors=s.errors,
+    )  # fmt: skip
+    if s.tracked and s.containers and not recs:
+        return _replace(base, vanished=True, reason="every container is gone")
+    if s.vmm_gone:
+        return _replace(base, vanished=True, reason="the VMM is gone")
+    if s.runtime == "runc":
+        threads = tuple(
+            _thread(t, c.desired, "plan" if c.desired is not None else "none", c.rec.id)
+            for c in cplans
+            for t in c.obs.tasks
+        )
+        return _replace(base, mode="cgroup", threads=threads)
+    if s.vmm is None:
+        return base
+    vthreads = s.vmm.threads
+    if not s.tracked:
+        # Present in the VM dir, not vmpin's: it floats; give back whatever vmpin pinned.
+        return _replace(
+            base,
+            mode="none",
+            reason="not tracked by vmpin: floats over the shared pool when known, else left alone"
+            " (pins vmpin made are undone)",
+            threads=tuple(
+                _thread(t, pool, "undo" if t.original else "plan")
+                if pool
+                else _undo_or_none(t, None)
+                for t in vthreads
+            ),
+        )
+    try:
+        plan = plan_sandbox(
+            topology,
+            s.id,
+            mask,
+            [Thread(t.tid, t.role, t.index, t.label) for t in vthreads],
+            s.policy,
+            others=others,
+            others_exclusive=others_exclusive,
+            shared_pool=pool,
+        )
+    except VmpinError as err:
+        return _replace(base, errors=(*base.errors, str(err)))
+    by_tid = {t.tid: t for t in vthreads}
+    vplans: list[ThreadPlan] = []
+    for p in plan.placements:
+        t = by_tid[p.tid]
+        if p.desired is None:
+            vplans.append(_undo_or_none(t, pool))
+        else:
+            vplans.append(_thread(t, p.desired, "plan"))
+    notes = list(base.notes) + list(plan.notes)
+    if s.id in conflicted:
+        notes.append("claims an exclusive CPU another pod claims too: see the conflicts")
+    from vmpin.core.guestmap import map_sandbox
+
+    ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
+    guest_map = map_sandbox(plan, ctrs, topology, float_policy)
+    return _replace(
+        base,
+        mask=plan.mask,
+        mode=plan.mode,
+        reason=plan.reason,
+        plan=plan,
+        threads=tuple(vplans),
+        guest_map=guest_map,
+        notes=tuple(notes),
+    )
+
+
+def _thread(
+    t: ThreadObs, desired: CpuSet | None, kind: str, container: str | None = None
+) -> ThreadPlan:
+    return ThreadPlan(
+        t.tid, t.role, t.index, t.name or t.label, t.layer, desired, t.actual, kind, container,
+        t.original, t.error,
+    )  # fmt: skip
+
+
+def _undo_or_none(t: ThreadObs, pool: CpuSet | None) -> ThreadPlan:
+    """Invariant 4: a thread vmpin pinned and no longer manages goes back (pool, or original)."""
+    if t.original is None:
+        return _thread(t, None, "none")
+    return _thread(t, pool or t.original, "undo")
+
+
+def _replace(p: SandboxPlan, **kw: object) -> SandboxPlan:
+    from dataclasses import replace
+
+    return replace(p, **kw)  # type: ignore[arg-type]
+
+
+def check_node(
+    plans: list[SandboxPlan], exclusive: Mapping[int, Claim], pods: Mapping[str, str]
+) -> list[str]:
+    """The node-wide rules on a plan (successor of ``planner.check_global``).
+
+    No CPU carries two 1:1 vCPUs; a 1:1 CPU lies in no other sandbox's footprint; no thread
+    is planned onto a CPU kubelet gives another pod exclusively.
+    """
+    problems = check_global([p.plan for p in plans if p.plan is not None])
+    for p in plans:
+        for cpu in p.pinned_cpus:
+            for q in plans:
+                if q.id != p.id and cpu in q.footprint:
+                    problems.append(f"CPU {cpu}: pinned 1:1 for {p.id}, in {q.id}'s footprint")
+        for t in p.threads:
+            if t.desired is None:
+                continue
+            for cpu in t.desired:
+                claim = exclusive.get(cpu)
+                if claim is not None and claim.pod != pods.get(p.id):
+                    problems.append(
+                        f"thread {t.tid} of {p.id} planned on CPU {cpu}, exclusive to pod"
+                        f" {claim.pod} ({claim.container})"
+                    )
+                    break
+    return problems
