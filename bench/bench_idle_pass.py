@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,33 +42,13 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from tests.support import fakevmm  # noqa: E402
+from tests.support.counting import CountingAffinity  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
-from vmpin.linux.affinity import SchedAffinity  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile.reconciler import Reconciler  # noqa: E402
 from vmpin.service import control  # noqa: E402
 from vmpin.service.agent import Agent  # noqa: E402
 from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
-
-
-class CountingAffinity:
-    """The real backend, counting every call (the proof that an idle pass writes nothing)."""
-
-    def __init__(self) -> None:
-        self.inner = SchedAffinity()
-        self.sets = 0
-        self.gets = 0
-        self._lock = threading.Lock()
-
-    def get(self, tid: int) -> CpuSet:
-        with self._lock:
-            self.gets += 1
-        return self.inner.get(tid)
-
-    def set(self, tid: int, cpus: CpuSet) -> CpuSet:
-        with self._lock:
-            self.sets += 1
-        return self.inner.set(tid, cpus)
 
 
 def make_paths(root: Path) -> HostPaths:

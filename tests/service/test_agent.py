@@ -33,7 +33,6 @@ import pytest
 from tests.conftest import ROOT, vmpin_cmd
 from tests.support.qemu_util import wait_until
 from vmpin.core.cpuset import CpuSet
-from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.service import control
@@ -42,6 +41,7 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store
 
 sys.path.insert(0, str(ROOT / "bench"))
 from tests.support import fakevmm
+from tests.support.counting import CountingAffinity
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -611,19 +611,6 @@ def test_kill9_mid_churn_then_restart_is_clean(
     assert check == ("ok",)
     store.close()
     assert again.stop() == 0
-
-
-class CountingAffinity:
-    def __init__(self) -> None:
-        self.inner = SchedAffinity()
-        self.sets = 0
-
-    def get(self, tid: int) -> CpuSet:
-        return self.inner.get(tid)
-
-    def set(self, tid: int, cpus: CpuSet) -> CpuSet:
-        self.sets += 1
-        return self.inner.set(tid, cpus)
 
 
 def test_idle_pass_makes_no_affinity_call(
