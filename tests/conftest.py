@@ -98,6 +98,7 @@ FIXTURE_MARKERS = {
 }
 
 _swept: Swept | None = None
+_collected: collections.Counter[str] = collections.Counter()
 _outcomes: dict[str, collections.Counter[str]] = {m: collections.Counter() for m in MARKERS}
 
 
@@ -114,6 +115,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(marker)
         if any(item.get_closest_marker(m) is not None for m in capabilities.TOUCHES_HOST):
             item.add_marker("host")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:  # after -m/-k deselection: what will run
+        _collected.update(_integration_markers(item))
 
 
 def _integration_markers(item: pytest.Item) -> list[str]:
@@ -176,6 +182,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
     counts = []
     for m, c in _outcomes.items():
-        others = "".join(f" {k}:{v}" for k, v in sorted(c.items()) if k != "passed")
-        counts.append(f"{m}={sum(c.values())}{others}")
+        # collected, then any outcome other than passed: "qemu=49", "runc=19 (skipped 2)"
+        others = ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k != "passed")
+        counts.append(f"{m}={_collected[m]}" + (f" ({others})" if others else ""))
     tr.write_line("tests per marker: " + ", ".join(counts) + (" (strict)" if STRICT else ""))

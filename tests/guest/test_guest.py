@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,13 @@ CPUSET = Path("/sys/fs/cgroup/cpuset")
 NCPUS = len(capabilities.online_cpus())
 
 _MISSING = runc_util.missing()
-needs_runc = pytest.mark.runc
+
+
+def needs_runc(test: Callable[..., Any]) -> Callable[..., Any]:
+    """runc containers, whose cgroups these tests read in the v1 cpuset (:func:`cpuset_dir`)."""
+    return pytest.mark.cgroup_v1(pytest.mark.runc(test))
+
+
 needs_two_cpus = pytest.mark.multi_cpu
 needs_v1_cpuset = pytest.mark.cgroup_v1
 
@@ -644,7 +650,15 @@ def test_end_to_end(
             cg = cpuset_dir(pid)
             assert (cg / "cpuset.cpus").read_text().strip() == cpus
             assert {allowed(t) for t in cgroup_tasks(cg)} == {cpus}
-        assert not vm.killed
+        # and the map tells the truth on the host: vCPU i's thread runs on vcpu_to_host[i]
+        from vmpin.runtimes.qmp import QmpClient
+
+        with QmpClient(str(vm.qmp_sock), timeout=5.0) as qmp:
+            vcpus = {index: tid for index, tid, _ in qmp.query_cpus_fast()}
+        assert sorted(vcpus) == [0, 1]
+        assert {i: allowed(t) for i, t in vcpus.items()} == {
+            i: str(doc["vcpu_to_host"][str(i)]) for i in vcpus
+        }
 
 
 # -- the follower: `vmpin guest follow` re-applies a republished map ----------------------------
