@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,16 +17,18 @@ import pytest
 
 from tests.conftest import vmpin_cmd
 from tests.support.qemu_util import QemuHandle, hold_qmp, qemu_factory, require_qemu
+from tests.support.session import new_id
 from vmpin.linux.paths import HostPaths
 
-pytestmark = pytest.mark.qemu
+#: real QEMUs, plans over host CPUs 0 and 1.
+pytestmark = [pytest.mark.qemu, pytest.mark.multi_cpu]
 
 CRI = "io.kubernetes.cri."
 
 
 def sid(prefix: str) -> str:
     """A sandbox id no concurrent test run shares (the /proc scan matches -name globally)."""
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+    return new_id(prefix)
 
 
 @pytest.fixture
@@ -121,6 +122,7 @@ def kata(tmp_path: Path, env: dict[str, str]) -> Kata:
     return Kata(tmp_path, env)
 
 
+@pytest.mark.kvm  # no names and QMP held: only the KVM fallback can tell vCPUs apart
 @pytest.mark.parametrize("debug_threads", [False, True], ids=["no-names", "debug-threads"])
 @pytest.mark.parametrize("qmp_held", [False, True], ids=["qmp-free", "qmp-held"])
 def test_mask_follows_container_cpus(
@@ -153,6 +155,7 @@ def test_mask_follows_container_cpus(
         del sock
 
 
+@pytest.mark.kvm  # vCPU threads named "CPU N/KVM"
 def test_two_containers_pin_vcpus_one_to_one_and_audit_repairs(
     qemu: Callable[..., QemuHandle], kata: Kata
 ) -> None:
@@ -224,6 +227,10 @@ def test_vanished_vmm_is_forgotten(qemu: Callable[..., QemuHandle], kata: Kata) 
 
 def test_pid_reuse_is_not_trusted(kata: Kata, paths: HostPaths, vm_dir: Path) -> None:
     """A pidfile naming a live process that is not that sandbox's QEMU is ignored."""
+    # the baseline comes before any hook runs, and spans both CPUs (multi_cpu widened it), so
+    # a hook that trusted the pidfile and pinned this process to the container's CPU 1 shows
+    before = {tid: os.sched_getaffinity(tid) for tid in map(int, os.listdir("/proc/self/task"))}
+    assert all(len(cpus) >= 2 for cpus in before.values()), before
     s5 = sid("sbx5")
     d = vm_dir / s5
     d.mkdir()
@@ -232,10 +239,10 @@ def test_pid_reuse_is_not_trusted(kata: Kata, paths: HostPaths, vm_dir: Path) ->
     kata.hook("prestart", s5, b, os.getpid())
     kata.bundle("c5", s5, "1", "c5")
     kata.hook("prestart", "c5", kata.tmp / "bundles" / "c5", None)
-    before = os.sched_getaffinity(0)
+    kata.vmpin("reconcile", "--once")
     show = kata.show(s5)
     assert show["vmm_pid"] is None and show["threads"] == []
-    assert os.sched_getaffinity(0) == before
+    assert {tid: os.sched_getaffinity(tid) for tid in before} == before
 
 
 def test_sandbox_recorded_before_its_vm_is_upgraded(

@@ -15,7 +15,8 @@ from tests.conftest import vmpin_cmd
 from tests.support.runc_util import RuncSession, missing, new_id
 from vmpin.linux.paths import HostPaths
 
-pytestmark = pytest.mark.runc
+#: runc on the host's v1 cpuset hierarchy (cgroup paths below are v1), plans over CPUs 0-1.
+pytestmark = [pytest.mark.runc, pytest.mark.cgroup_v1, pytest.mark.multi_cpu]
 
 
 @pytest.fixture

@@ -7,14 +7,13 @@ and their own ``sleep`` processes, and remove both afterwards.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import AffinityRejected, IdError, ProcessGone
 from vmpin.linux import procfs
@@ -273,22 +272,15 @@ HOST = HostPaths()
 CPUSET = Path(HOST.cgroup) / "cpuset"
 
 
-def _real_v1_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    if not (CPUSET / "cpuset.cpus").exists():
-        return "no cgroup v1 cpuset hierarchy at /sys/fs/cgroup/cpuset"
-    return None
-
-
-real_v1 = pytest.mark.skipif(_real_v1_reason() is not None, reason=str(_real_v1_reason()))
+#: root and a writable v1 cpuset hierarchy (tests/support/capabilities.py probes it).
+real_v1 = pytest.mark.cgroup_v1
 
 
 class RealCgroups:
     """Makes cgroups under one ``vmpin-test-<random>`` dir and processes to put in them."""
 
     def __init__(self) -> None:
-        self.top = CPUSET / f"vmpin-test-{uuid.uuid4().hex[:10]}"
+        self.top = CPUSET / new_id()
         self.dirs: list[Path] = []
         self.children: list[subprocess.Popen[bytes]] = []
         self.cpus = CpuSet.parse((CPUSET / "cpuset.effective_cpus").read_text())
@@ -331,8 +323,7 @@ def real() -> Iterator[RealCgroups]:
 
 
 def _last_cpu(r: RealCgroups) -> CpuSet:
-    if len(r.cpus) < 2:
-        pytest.skip("needs 2 CPUs")
+    assert len(r.cpus) >= 2, f"a multi_cpu test, yet the cpuset root has only {r.cpus}"
     return CpuSet([r.cpus.sorted()[-1]])
 
 
@@ -347,6 +338,7 @@ def test_real_write_read(real: RealCgroups) -> None:
 
 
 @real_v1
+@pytest.mark.multi_cpu
 def test_real_task_follows_cgroup(real: RealCgroups) -> None:
     last = _last_cpu(real)
     ref = real.make()
@@ -372,6 +364,7 @@ def test_real_thread_ids(real: RealCgroups) -> None:
 
 
 @real_v1
+@pytest.mark.multi_cpu
 def test_real_child_cannot_outgrow_parent(real: RealCgroups) -> None:
     last = _last_cpu(real)
     top = real.make(cpus=last)
@@ -389,6 +382,7 @@ def test_real_child_cannot_outgrow_parent(real: RealCgroups) -> None:
 
 
 @real_v1
+@pytest.mark.multi_cpu
 def test_real_parent_cannot_drop_childs_cpu(real: RealCgroups) -> None:
     last = _last_cpu(real)
     top = real.make()

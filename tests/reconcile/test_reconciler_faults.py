@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,19 +15,21 @@ import pytest
 from pytest_mock import MockerFixture
 
 from tests.support.qemu_util import QemuHandle, launch, require_qemu
+from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.state.store import ContainerRec, SandboxRec, Store
 
-pytestmark = pytest.mark.qemu
+#: real QEMUs under KVM (vCPU threads named "CPU N/KVM"), pinned to host CPU 1.
+pytestmark = [pytest.mark.qemu, pytest.mark.kvm, pytest.mark.multi_cpu]
 
 
 @pytest.fixture
 def sandbox(vm_dir: Path, paths: HostPaths) -> Iterator[tuple[QemuHandle, Store]]:
     require_qemu()
-    sid = f"flt-{uuid.uuid4().hex[:8]}"
-    q = launch(vm_dir, sid, smp=2, debug_threads=True)
+    sid = new_id("flt")
+    q = launch(vm_dir, sid, smp=2, debug_threads=True, accel="kvm")
     store = Store(paths.state_dir)
     try:
         store.put_sandbox(SandboxRec(sid, "kata"))

@@ -22,7 +22,6 @@ from vmpin.runtimes.oci import STAGES
 
 HOOKS = Path(__file__).resolve().parents[2] / "hooks"
 GUEST = HOOKS / "kata-guest" / "usr" / "share" / "oci" / "hooks"
-_MISSING = runc_util.missing()
 
 
 def check_hook(hook: dict[str, object], stage: str) -> None:
@@ -107,7 +106,6 @@ def runc(
 
 
 @pytest.mark.runc
-@pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 def test_containerd_runc_base_spec_runs_under_runc(runc: RuncSession, tmp_path: Path) -> None:
     """The runc base spec is a runnable spec, and its hook stages all fire on the host."""
     spec = json.loads((HOOKS / "containerd" / "base-runtime-spec-runc.json").read_text())

@@ -24,8 +24,7 @@ from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES
 from vmpin.runtimes.runcstate import runc_cgroup_paths, runc_cpus, runc_init_pid, state_path
 
-_MISSING = runc_util.missing()
-needs_runc = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+needs_runc = pytest.mark.runc
 
 
 @pytest.fixture
@@ -85,11 +84,11 @@ def test_init_pid_checks_start_time(paths: HostPaths) -> None:
 
 # -- real containers ------------------------------------------------------------------------
 @pytest.mark.runc
-@needs_runc
+@pytest.mark.cgroup_v1
+@pytest.mark.multi_cpu
 def test_update_is_seen_in_state_and_cgroup(runc: RuncSession, paths: HostPaths) -> None:
     cpus = host_cpus()
-    if len(cpus) < 2:
-        pytest.skip("needs 2 CPUs")
+    assert len(cpus) >= 2, f"a multi_cpu test, yet the cpuset root has only {cpus}"
     last = CpuSet([cpus.sorted()[-1]])
     first = CpuSet([cpus.first()])
     cid = new_id()
@@ -135,7 +134,6 @@ def test_update_is_seen_in_state_and_cgroup(runc: RuncSession, paths: HostPaths)
 
 
 @pytest.mark.runc
-@needs_runc
 def test_no_cpus_means_empty_string(runc: RuncSession, paths: HostPaths) -> None:
     cid = new_id()
     runc.run(cid, hooks=runc_util.true_argv)
@@ -144,7 +142,6 @@ def test_no_cpus_means_empty_string(runc: RuncSession, paths: HostPaths) -> None
 
 
 @pytest.mark.runc
-@needs_runc
 def test_hook_stages_and_what_each_sees(runc: RuncSession, tmp_path: Path) -> None:
     """Every stage runc 1.1 runs, with the environment and stdin runc_util sets up."""
     rec = tmp_path / "rec"
@@ -185,7 +182,6 @@ def test_hook_stages_and_what_each_sees(runc: RuncSession, tmp_path: Path) -> No
 
 
 @pytest.mark.runc
-@needs_runc
 def test_host_path_start_container_hook_stops_the_container(runc: RuncSession) -> None:
     """Why vmpin is never a startContainer hook: it runs after pivot_root, in the rootfs."""
     cid = new_id()

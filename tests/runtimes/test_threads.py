@@ -21,6 +21,7 @@ from typing import NamedTuple
 import pytest
 from pytest_mock import MockerFixture
 
+from tests.support.capabilities import HOST_LACKS
 from tests.support.qemu_util import (
     QemuHandle,
     hold_qmp,
@@ -29,6 +30,7 @@ from tests.support.qemu_util import (
     start_qemu,
     wait_until,
 )
+from tests.support.session import new_id
 from vmpin.core.errors import ProcessGone, QmpError
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
@@ -55,6 +57,8 @@ class IdleVm(NamedTuple):
     first_complete: Classification
     #: vCPU indexes some pass before it reported missing (vCPU 0 while the BIOS spins)
     seen_missing: frozenset[int]
+    #: every polled pass until then: (vCPUs found, vCPUs reported missing)
+    passes: tuple[tuple[dict[int, int], tuple[int, ...]], ...]
 
 
 def in_kvm_run(q: QemuHandle, tid: int) -> bool:
@@ -71,19 +75,21 @@ def idle_vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdleVm]:
     keeps vCPU 0 busy for ~5 s here (longer on a loaded host) before it halts, and that wait
     is paid once per module.
     """
-    with start_qemu(tmp_path_factory.mktemp("idle"), "idle", smp=2) as q:
+    with start_qemu(tmp_path_factory.mktemp("idle"), new_id("idle"), smp=2, accel="kvm") as q:
         cpus, iothreads = truth(q)
         paths = HostPaths(vm_dir=str(q.dir.parent))
         vmm = vmm_of(paths, q)
         seen_missing: set[int] = set()
+        passes: list[tuple[dict[int, int], tuple[int, ...]]] = []
 
         def done(c: Classification) -> bool:
             seen_missing.update(c.missing_vcpus)
+            passes.append((c.vcpus(), c.missing_vcpus))
             return len(c.vcpus()) == 2
 
         with hold_qmp(q.qmp_sock):
             first = classify_until(done, paths, vmm, str(q.qmp_sock), qmp_timeout=0.1, timeout=90)
-        yield IdleVm(q, cpus, iothreads, first, frozenset(seen_missing))
+        yield IdleVm(q, cpus, iothreads, first, frozenset(seen_missing), tuple(passes))
 
 
 def truth(q: QemuHandle) -> tuple[dict[int, int], dict[str, int]]:
@@ -140,7 +146,7 @@ def classify_until(
 # -- QMP client -----------------------------------------------------------------------------
 @pytest.mark.qemu
 def test_qmp_client_against_qemu(qemu: Callable[..., QemuHandle]) -> None:
-    q = qemu("qmp1", smp=2, iothreads=("io0", "io1"), paused=True)
+    q = qemu(new_id("qmp1"), smp=2, iothreads=("io0", "io1"), paused=True)
     with QmpClient(str(q.qmp_sock)) as qmp:
         assert qmp.greeting is not None and "QMP" in qmp.greeting
         assert qmp.peer_pid == q.pid
@@ -150,7 +156,7 @@ def test_qmp_client_against_qemu(qemu: Callable[..., QemuHandle]) -> None:
         assert {"socket-id", "core-id", "thread-id"} <= set(cpus[0][2])
         iothreads = qmp.query_iothreads()
         assert sorted(i[0] for i in iothreads) == ["io0", "io1"]
-        assert qmp.execute("query-name") == {"name": "sandbox-qmp1"}
+        assert qmp.execute("query-name") == {"name": f"sandbox-{q.sandbox_id}"}
         with pytest.raises(QmpError, match="CommandNotFound"):
             qmp.execute("no-such-command")
         assert qmp.execute("query-status")["status"] == "prelaunch"  # still usable after error
@@ -161,7 +167,7 @@ def test_qmp_client_against_qemu(qemu: Callable[..., QemuHandle]) -> None:
 
 @pytest.mark.qemu
 def test_qmp_held_by_another_client_times_out_quickly(qemu: Callable[..., QemuHandle]) -> None:
-    q = qemu("qmp2", paused=True)
+    q = qemu(new_id("qmp2"), paused=True)
     with hold_qmp(q.qmp_sock):
         t0 = time.monotonic()
         with pytest.raises(QmpTimeout, match="no greeting"), QmpClient(str(q.qmp_sock)):
@@ -300,7 +306,7 @@ def test_qmp_command_timeout_and_malformed_reply(tmp_path: Path) -> None:
 @pytest.mark.qemu
 @pytest.mark.parametrize("paused", [True, False])
 def test_classify_via_qmp(qemu: Callable[..., QemuHandle], paths: HostPaths, paused: bool) -> None:
-    q = qemu("c1", smp=2, paused=paused)
+    q = qemu(new_id("c1"), smp=2, paused=paused)
     cpus, iothreads = truth(q)
     c = classify(paths, vmm_of(paths, q), str(q.qmp_sock))
     assert c.vcpus() == cpus
@@ -317,7 +323,7 @@ def test_classify_via_qmp(qemu: Callable[..., QemuHandle], paths: HostPaths, pau
 def test_classify_qmp_is_fast_and_never_needs_the_kvm_layer(
     qemu: Callable[..., QemuHandle], paths: HostPaths, mocker: MockerFixture
 ) -> None:
-    q = qemu("c2", paused=False)
+    q = qemu(new_id("c2"), paused=False)
     vmm = vmm_of(paths, q)
     # fault injection: if the KVM fallback were consulted, it would blow up
     mocker.patch("vmpin.linux.procfs.syscall", side_effect=AssertionError("KVM layer used"))
@@ -329,11 +335,12 @@ def test_classify_qmp_is_fast_and_never_needs_the_kvm_layer(
 
 # -- classification: names ------------------------------------------------------------------
 @pytest.mark.qemu
+@pytest.mark.kvm
 @pytest.mark.parametrize("paused", [True, False])
 def test_classify_via_names_with_qmp_held(
     qemu: Callable[..., QemuHandle], paths: HostPaths, paused: bool, mocker: MockerFixture
 ) -> None:
-    q = qemu("n1", smp=2, debug_threads=True, paused=paused)
+    q = qemu(new_id("n1"), smp=2, debug_threads=True, paused=paused)
     cpus, iothreads = truth(q)
     vmm = vmm_of(paths, q)
     assert vmm.debug_threads
@@ -354,11 +361,12 @@ def test_classify_via_names_with_qmp_held(
 
 
 @pytest.mark.qemu
+@pytest.mark.tcg
 def test_classify_tcg_names_and_no_kvm_facts(
     qemu: Callable[..., QemuHandle], paths: HostPaths
 ) -> None:
-    named = qemu("t1", accel="tcg", debug_threads=True)
-    plain = qemu("t2", accel="tcg")
+    named = qemu(new_id("t1"), accel="tcg", debug_threads=True)
+    plain = qemu(new_id("t2"), accel="tcg")
     truth_named, _ = truth(named)
     truth_plain, _ = truth(plain)
     with hold_qmp(named.qmp_sock), hold_qmp(plain.qmp_sock):
@@ -377,26 +385,33 @@ def test_classify_tcg_names_and_no_kvm_facts(
 
 # -- classification: the KVM fallback -------------------------------------------------------
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_classify_fallback_from_boot_no_names_qmp_held(idle_vm: IdleVm) -> None:
     """Kata's default from boot: polled passes find every vCPU, exactly, without QMP or names.
 
     While the BIOS spins, vCPU 0 reads "running": a pass retries it briefly, then reports it
     in missing_vcpus; a later pass finds it.
     """
-    q, cpus, iothreads, c, seen_missing = idle_vm
+    q, cpus, iothreads, c, seen_missing, passes = idle_vm
     assert c.vcpus() == cpus, c.notes
     assert {c.by_tid()[tid].layer for tid in cpus.values()} == {"kvm-syscall"}
     assert c.missing_vcpus == ()
-    assert seen_missing <= {0, 1}
+    # every pass accounts for each vCPU, found or missing, and never names a wrong thread
+    for found, missing in passes:
+        assert set(found) | set(missing) == {0, 1} and not set(found) & set(missing), passes
+        assert all(cpus[ix] == tid for ix, tid in found.items()), (passes, cpus)
+    # the BIOS spin was seen: vCPU 0 was reported missing by an early pass, found by a later one
+    assert 0 in seen_missing and len(passes) >= 2, passes
     assert any("qmp unavailable" in n for n in c.notes)
     assert c.by_tid()[iothreads["io0"]].role == "emulator"
     assert_consistent(c, q)
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_classify_fallback_exact_mapping(idle_vm: IdleVm, paths: HostPaths) -> None:
     """Exact index -> tid from ioctl(KVM_RUN) + the kvm-vcpu fd links, QMP held, no names."""
-    q, cpus, iothreads, _, _ = idle_vm
+    q, cpus, iothreads, *_ = idle_vm
     vmm = vmm_of(paths, q)
     with hold_qmp(q.qmp_sock):
         c = classify_until(lambda c: len(c.vcpus()) == 2, paths, vmm, str(q.qmp_sock))
@@ -412,6 +427,7 @@ def test_classify_fallback_exact_mapping(idle_vm: IdleVm, paths: HostPaths) -> N
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_kvm_nx_lpage_thread_looks_like_a_vcpu_but_is_not(
     idle_vm: IdleVm, paths: HostPaths
 ) -> None:
@@ -419,7 +435,7 @@ def test_kvm_nx_lpage_thread_looks_like_a_vcpu_but_is_not(
     q, cpus, *_ = idle_vm
     helpers = lpage_tids(q)
     if not helpers:
-        pytest.skip("no kvm-nx-lpage-recovery thread (kernel without the NX huge page fix)")
+        pytest.skip(HOST_LACKS + "a kvm-nx-lpage-recovery thread (kernel without the NX fix)")
     fields = procfs.syscall(paths.proc, q.pid, helpers[0])
     c = classify_until(lambda c: len(c.vcpus()) == 2, paths, vmm_of(paths, q), None)
     assert c.by_tid()[helpers[0]].role == "emulator"
@@ -432,10 +448,11 @@ def test_kvm_nx_lpage_thread_looks_like_a_vcpu_but_is_not(
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_classify_fallback_paused_finds_nothing_but_remembers(
     qemu: Callable[..., QemuHandle], paths: HostPaths
 ) -> None:
-    q = qemu("p1", smp=2, paused=True)
+    q = qemu(new_id("p1"), smp=2, paused=True)
     cpus, iothreads = truth(q)
     vmm = vmm_of(paths, q)
     with hold_qmp(q.qmp_sock):
@@ -471,7 +488,7 @@ def test_current_evidence_beats_a_wrong_memory(
     qemu: Callable[..., QemuHandle], paths: HostPaths, record: type
 ) -> None:
     """Both record types work as memory: store.ThreadRec (idx) and VmmThread (index)."""
-    q = qemu("r1", smp=2, paused=True)
+    q = qemu(new_id("r1"), smp=2, paused=True)
     cpus, _ = truth(q)
     emulator = q.pid  # the main thread
     wrong = {emulator: record(emulator, "vcpu", 0, None, "kvm-syscall")}
@@ -488,6 +505,7 @@ def test_current_evidence_beats_a_wrong_memory(
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_classify_fallback_via_debugfs(idle_vm: IdleVm, paths: HostPaths, tmp_path: Path) -> None:
     q, cpus, *_ = idle_vm
     with mounted_debugfs(tmp_path / "sys") as sys_root:
@@ -507,7 +525,7 @@ def test_classify_fallback_via_debugfs(idle_vm: IdleVm, paths: HostPaths, tmp_pa
 def test_thread_gone_mid_classification_is_skipped(
     qemu: Callable[..., QemuHandle], paths: HostPaths, mocker: MockerFixture
 ) -> None:
-    q = qemu("g1", smp=2, paused=True)
+    q = qemu(new_id("g1"), smp=2, paused=True)
     cpus, _ = truth(q)
     vanishing = cpus[1]
     real_comm = procfs.comm
@@ -525,6 +543,7 @@ def test_thread_gone_mid_classification_is_skipped(
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_thread_gone_during_kvm_scan_is_skipped(
     idle_vm: IdleVm, paths: HostPaths, mocker: MockerFixture
 ) -> None:
@@ -546,6 +565,7 @@ def test_thread_gone_during_kvm_scan_is_skipped(
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm
 def test_remembered_vcpus_mean_no_syscall_reads_at_all(
     idle_vm: IdleVm, paths: HostPaths, mocker: MockerFixture
 ) -> None:
@@ -565,7 +585,7 @@ def test_remembered_vcpus_mean_no_syscall_reads_at_all(
 def test_classify_a_dead_or_reused_vmm_raises_process_gone(
     qemu: Callable[..., QemuHandle], paths: HostPaths
 ) -> None:
-    q = qemu("g3", paused=True)
+    q = qemu(new_id("g3"), paused=True)
     vmm = vmm_of(paths, q)
     with pytest.raises(ProcessGone):
         classify(paths, vmm._replace(start=vmm.start + 1), None)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.qemu_util import QemuHandle, qemu_factory, reap_if_child, wait_until
+from tests.support.session import new_id
 from vmpin.core.errors import IdError
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
@@ -140,19 +141,20 @@ def test_is_same_for_a_non_vmm(paths: HostPaths) -> None:
 def test_find_by_pidfile(
     qemu: Callable[..., QemuHandle], paths: HostPaths, debug_threads: bool
 ) -> None:
-    q = qemu("sb1", debug_threads=debug_threads, paused=True)
-    vmm = find_vmm(paths, "sb1", scan=False)
+    sid = new_id("sb1")
+    q = qemu(sid, debug_threads=debug_threads, paused=True)
+    vmm = find_vmm(paths, sid, scan=False)
     assert vmm is not None
     assert vmm.pid == q.pid
     assert vmm.start == q.start == procfs.start_time(paths.proc, q.pid)
     assert vmm.debug_threads is debug_threads
-    assert vmm.name == "sandbox-sb1"
-    assert vmm.cmdline[vmm.cmdline.index("-name") + 1].startswith("sandbox-sb1")
+    assert vmm.name == f"sandbox-{sid}"
+    assert vmm.cmdline[vmm.cmdline.index("-name") + 1].startswith(f"sandbox-{sid}")
     assert is_same(paths, vmm)
-    assert is_same(paths, Vmm(q.pid, q.start, (), False), "sb1")  # rebuilt from the store
+    assert is_same(paths, Vmm(q.pid, q.start, (), False), sid)  # rebuilt from the store
     assert not is_same(paths, Vmm(q.pid, q.start, (), False), "other")
-    assert not is_same(paths, Vmm(q.pid, q.start + 1, (), False), "sb1")
-    assert is_vmm_of(paths, q.pid, "sb1")
+    assert not is_same(paths, Vmm(q.pid, q.start + 1, (), False), sid)
+    assert is_vmm_of(paths, q.pid, sid)
     assert not is_vmm_of(paths, q.pid, "sb")
 
 
@@ -162,15 +164,16 @@ def test_find_by_pidfile(
 def test_find_by_scan_without_a_usable_pidfile(
     qemu: Callable[..., QemuHandle], paths: HostPaths, debug_threads: bool, how: str
 ) -> None:
-    q = qemu("sb2", debug_threads=debug_threads, paused=True)
+    sid = new_id("sb2")
+    q = qemu(sid, debug_threads=debug_threads, paused=True)
     if how == "deleted":
         q.pidfile.unlink()
     elif how == "renamed":
         q.pidfile.rename(q.dir / "pid.old")
     else:
         q.pidfile.write_text("" if how == "empty" else "not a pid\n")
-    assert find_vmm(paths, "sb2", scan=False) is None
-    vmm = find_vmm(paths, "sb2")
+    assert find_vmm(paths, sid, scan=False) is None
+    vmm = find_vmm(paths, sid)
     assert vmm is not None
     assert (vmm.pid, vmm.start, vmm.debug_threads) == (q.pid, q.start, debug_threads)
 
@@ -179,64 +182,70 @@ def test_find_by_scan_without_a_usable_pidfile(
 def test_stale_pidfile_pointing_at_a_live_non_qemu(
     qemu: Callable[..., QemuHandle], paths: HostPaths
 ) -> None:
-    q = qemu("sb3", paused=True)
+    sid = new_id("sb3")
+    q = qemu(sid, paused=True)
     q.pidfile.write_text(f"{os.getpid()}\n")  # the pid was "reused" by this test process
-    assert find_vmm(paths, "sb3", scan=False) is None
-    vmm = find_vmm(paths, "sb3")
+    assert find_vmm(paths, sid, scan=False) is None
+    vmm = find_vmm(paths, sid)
     assert vmm is not None and vmm.pid == q.pid
 
 
 @pytest.mark.qemu
 def test_find_by_hint_pid(qemu: Callable[..., QemuHandle], paths: HostPaths) -> None:
-    q = qemu("sb4", paused=True)
+    sid = new_id("sb4")
+    q = qemu(sid, paused=True)
     q.pidfile.unlink()
-    vmm = find_vmm(paths, "sb4", hint_pid=q.pid, scan=False)
+    vmm = find_vmm(paths, sid, hint_pid=q.pid, scan=False)
     assert vmm is not None and vmm.pid == q.pid
-    assert find_vmm(paths, "sb4", hint_pid=os.getpid(), scan=False) is None
+    assert find_vmm(paths, sid, hint_pid=os.getpid(), scan=False) is None
     # the hint is the QEMU of another sandbox: not ours
     assert find_vmm(paths, "other", hint_pid=q.pid, scan=False) is None
 
 
 @pytest.mark.qemu
 def test_name_prefix_is_not_a_match(qemu: Callable[..., QemuHandle], paths: HostPaths) -> None:
-    """ "sandbox-a1" is a substring of "sandbox-a1b": the scan must parse, not grep."""
-    long = qemu("a1b", paused=True)
+    """ "sandbox-<a1>" is a substring of "sandbox-<a1>b": the scan must parse, not grep."""
+    a1 = new_id("a1")
+    a1b = a1 + "b"
+    long = qemu(a1b, paused=True)
     long.pidfile.unlink()
-    assert find_vmm(paths, "a1") is None
-    short = qemu("a1", paused=True)
+    assert find_vmm(paths, a1) is None
+    short = qemu(a1, paused=True)
     short.pidfile.unlink()
-    found_short, found_long = find_vmm(paths, "a1"), find_vmm(paths, "a1b")
+    found_short, found_long = find_vmm(paths, a1), find_vmm(paths, a1b)
     assert found_short is not None and found_short.pid == short.pid
     assert found_long is not None and found_long.pid == long.pid
     # each pidfile pointing at the other sandbox's QEMU is refused
     (short.dir / "pid").write_text(f"{long.pid}\n")
-    assert find_vmm(paths, "a1", scan=False) is None
+    assert find_vmm(paths, a1, scan=False) is None
 
 
 @pytest.mark.qemu
 def test_pid_reuse_detected_after_kill(qemu: Callable[..., QemuHandle], paths: HostPaths) -> None:
-    q = qemu("sb5", paused=True)
-    vmm = find_vmm(paths, "sb5")
+    sid = new_id("sb5")
+    q = qemu(sid, paused=True)
+    vmm = find_vmm(paths, sid)
     assert vmm is not None and is_same(paths, vmm)
     # SIGKILL without reaping: the zombie keeps pid and start time, but no cmdline
     os.kill(q.pid, signal.SIGKILL)
     assert wait_until(lambda: procfs.status(paths.proc, q.pid)["State"].startswith("Z"), 10)
     assert not is_same(paths, vmm)
-    assert find_vmm(paths, "sb5") is None  # the pidfile names a zombie: refused
+    assert find_vmm(paths, sid) is None  # the pidfile names a zombie: refused
     q.kill()  # reaps it (adopted at launch) and waits until /proc/<pid> is gone
     assert not os.path.exists(f"/proc/{q.pid}")
     assert not reap_if_child(q.pid)
     assert not is_same(paths, vmm)
-    assert find_vmm(paths, "sb5") is None
+    assert find_vmm(paths, sid) is None
 
 
 @pytest.mark.qemu
 def test_newest_wins_when_two_qemus_claim_a_sandbox(
     qemu: Callable[..., QemuHandle], paths: HostPaths, vm_dir: Path
 ) -> None:
-    old = qemu("sb6", paused=True)
-    (vm_dir / "sb6").rename(vm_dir / "sb6-old")  # keep the first one's socket out of the way
-    new = qemu("sb6", paused=True)
+    sid = new_id("sb6")
+    old = qemu(sid, paused=True)
+    (vm_dir / sid).rename(vm_dir / f"{sid}-old")  # keep the first one's socket out of the way
+    new = qemu(sid, paused=True)
     new.pidfile.unlink()
-    vmm = find_vmm(paths, "sb6")
+    vmm = find_vmm(paths, sid)
     assert vmm is not None and vmm.pid == new.pid != old.pid

@@ -32,6 +32,7 @@ import pytest
 
 from tests.conftest import ROOT, vmpin_cmd
 from tests.support.qemu_util import wait_until
+from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
@@ -391,24 +392,27 @@ def test_stale_socket_is_replaced(
 
 
 @pytest.mark.qemu
+@pytest.mark.kvm  # vCPU threads named "CPU N/KVM"
+@pytest.mark.multi_cpu
 def test_real_qemu_update_drift_and_vanish(
     agent_factory: Callable[..., AgentProc],
     paths: HostPaths,
     env: dict[str, str],
     vm_dir: Path,
 ) -> None:
+    sbq = new_id("sbq")
     from tests.support.qemu_util import start_qemu
 
     with (
-        start_qemu(vm_dir, "sbq", smp=2, debug_threads=True) as qemu,
+        start_qemu(vm_dir, sbq, smp=2, debug_threads=True, accel="kvm") as qemu,
         Store(paths.state_dir) as store,
     ):
-        register(store, "sbq", "1")
+        register(store, sbq, "1")
         agent = agent_factory()
         assert wait_until(lambda: all_on(qemu.pid, "1"), 10), affinities(qemu.pid)
 
         # `vmpin update` hands the sandbox to the agent, which re-pins every QEMU thread
-        out = run_cli(env, "update", "sbq-app", "--cpuset-cpus", "0")
+        out = run_cli(env, "update", f"{sbq}-app", "--cpuset-cpus", "0")
         assert out.returncode == 0, out.stderr
         assert "by the agent" in out.stdout or "handed to the agent" in out.stdout
         assert wait_until(lambda: all_on(qemu.pid, "0"), 10), affinities(qemu.pid)
@@ -426,14 +430,14 @@ def test_real_qemu_update_drift_and_vanish(
         assert wait_until(
             lambda: metric(agent.port, "vmpin_drift_repaired_total", 'kind="thread"') >= 1, 5
         )
-        st = agent.status("sbq")
+        st = agent.status(sbq)
         assert st is not None and st["sandbox"]["threads_pinned"] == len(qemu.tids())
         assert metric(agent.port, "vmpin_sandboxes", 'runtime="kata"') == 1
         assert metric(agent.port, "vmpin_containers", 'runtime="kata"') == 2
 
         # the VMM vanishes without a poststop: the next pass forgets the sandbox
         qemu.kill()
-        assert wait_until(lambda: store.sandbox("sbq") is None, 10)
+        assert wait_until(lambda: store.sandbox(sbq) is None, 10)
         assert wait_until(
             lambda: metric(agent.port, "vmpin_drift_repaired_total", 'kind="vanished"') == 1, 5
         )
@@ -441,6 +445,7 @@ def test_real_qemu_update_drift_and_vanish(
         assert agent.stop() == 0
 
 
+@pytest.mark.multi_cpu
 def test_successive_cli_updates_are_all_applied_by_the_agent(
     agent_factory: Callable[..., AgentProc],
     paths: HostPaths,
@@ -453,38 +458,41 @@ def test_successive_cli_updates_are_all_applied_by_the_agent(
     (Regression: a Store that closed a raw fd of the open database dropped the agent's POSIX
     locks, the first CLI to exit then checkpointed and removed the WAL, and the agent read a
     stale snapshot from then on.)"""
-    vmm = fake_vmms("succ", vcpus=2)
+    succ = new_id("succ")
+    vmm = fake_vmms(succ, vcpus=2)
     with Store(paths.state_dir) as store:
-        register(store, "succ", "0")
+        register(store, succ, "0")
     agent_factory()
     assert wait_until(lambda: all_on(vmm.pid, "0"), 10)
     for cpus in ("1", "0", "1", "0-1", "0"):
         t0 = time.monotonic()
-        out = run_cli(env, "update", "succ-app", "--cpuset-cpus", cpus)
+        out = run_cli(env, "update", f"{succ}-app", "--cpuset-cpus", cpus)
         assert out.returncode == 0, out.stderr
         assert "by the agent" in out.stdout or "handed to the agent" in out.stdout, out.stdout
         assert time.monotonic() - t0 < 8
         if cpus != "0-1":
             assert wait_until(lambda cpus=cpus: all_on(vmm.pid, cpus), 5)  # type: ignore[misc]
     with Store(paths.state_dir) as store:
-        rec = store.sandbox("succ")
+        rec = store.sandbox(succ)
         assert rec is not None and rec.done_gen == rec.gen
 
 
 @pytest.mark.qemu
+@pytest.mark.multi_cpu
 def test_storm_of_1000_updates_costs_a_handful_of_plans(
     agent_factory: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
 ) -> None:
+    storm = new_id("storm")
     from tests.support.qemu_util import start_qemu
 
     with (
-        start_qemu(vm_dir, "storm", smp=2, debug_threads=True) as qemu,
+        start_qemu(vm_dir, storm, smp=2, debug_threads=True) as qemu,
         Store(paths.state_dir) as store,
     ):
-        register(store, "storm", "0-1")
+        register(store, storm, "0-1")
         agent = agent_factory()
         agent.wait_pass(1)
-        before = agent.status("storm")
+        before = agent.status(storm)
         assert before is not None and before["sandbox"] is not None
         event_plans_before = metric(agent.port, "vmpin_plans_total", 'cause="event"')
         passes_before = int(before["passes"])
@@ -492,16 +500,16 @@ def test_storm_of_1000_updates_costs_a_handful_of_plans(
         masks = ["0", "1", "0-1"]
         t0 = time.monotonic()
         for i in range(1000):
-            store.set_container_cpus("storm-app", CpuSet.parse(masks[i % 3]), "update")
-            assert control.notify(paths, ["storm"])
+            store.set_container_cpus(f"{storm}-app", CpuSet.parse(masks[i % 3]), "update")
+            assert control.notify(paths, [storm])
         last = "1"  # the storm's last word
-        store.set_container_cpus("storm-app", CpuSet.parse(last), "update")
-        assert control.notify(paths, ["storm"])
+        store.set_container_cpus(f"{storm}-app", CpuSet.parse(last), "update")
+        assert control.notify(paths, [storm])
         storm_s = time.monotonic() - t0
 
         assert wait_until(lambda: all_on(qemu.pid, last), 10), affinities(qemu.pid)
         assert wait_until(lambda: store.dirty() == [], 10)
-        after = agent.status("storm")
+        after = agent.status(storm)
         assert after is not None
         event_plans = metric(agent.port, "vmpin_plans_total", 'cause="event"') - event_plans_before
         plans = int(after["sandbox"]["plans"]) - int(before["sandbox"]["plans"])
@@ -518,11 +526,12 @@ def test_storm_of_1000_updates_costs_a_handful_of_plans(
         # nothing is left to do: the last update is what is pinned, and stays so
         time.sleep(1.0)
         assert all_on(qemu.pid, last)
-        rec = store.sandbox("storm")
+        rec = store.sandbox(storm)
         assert rec is not None and rec.done_gen == rec.gen
         assert agent.stop() == 0
 
 
+@pytest.mark.multi_cpu
 def test_kill9_mid_churn_then_restart_is_clean(
     agent_factory: Callable[..., AgentProc],
     paths: HostPaths,
@@ -536,7 +545,7 @@ def test_kill9_mid_churn_then_restart_is_clean(
     serial = [0]
 
     def create(store: Store) -> None:
-        sid = f"ch{serial[0]}"
+        sid = new_id(f"ch{serial[0]}")
         serial[0] += 1
         live[sid] = fake_vmms(sid, vcpus=2)
         cpus = rng.choice(["0", "1", "0-1"])
@@ -613,13 +622,15 @@ def test_kill9_mid_churn_then_restart_is_clean(
     assert again.stop() == 0
 
 
+@pytest.mark.multi_cpu  # the VMMs start on every CPU, as on a node, so each pin is a change
 def test_idle_pass_makes_no_affinity_call(
     paths: HostPaths, fake_vmms: Callable[..., fakevmm.FakeVmm]
 ) -> None:
     with Store(paths.state_dir) as store:
         for i in range(4):
-            fake_vmms(f"idle{i}", vcpus=2)
-            register(store, f"idle{i}", str(i % 2))
+            sid = new_id(f"idle{i}")
+            fake_vmms(sid, vcpus=2)
+            register(store, sid, str(i % 2))
     counter = CountingAffinity()
     agent = Agent(
         paths,
@@ -664,6 +675,9 @@ def test_hook_path_does_not_import_the_agent() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.multi_cpu
+@pytest.mark.runc
+@pytest.mark.cgroup_v1
 def test_runc_container_under_agent_kill9_and_restart(
     agent_factory: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str],
     tmp_path: Path,
@@ -671,11 +685,8 @@ def test_runc_container_under_agent_kill9_and_restart(
     """A real runc container whose hooks journal their events for a running agent; the agent
     dies (kill -9), runc update and a hand edit of the cgroup happen while it is down, and one
     pass of the restarted agent puts everything right."""
-    from tests.support.runc_util import RuncSession, missing, new_id
+    from tests.support.runc_util import RuncSession
 
-    why = missing()
-    if why:
-        pytest.skip(why)
     agent = agent_factory()
     with RuncSession(paths, tmp_path / "runc-work") as runc:
         cid = new_id("vmpin-agent")

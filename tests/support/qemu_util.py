@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import os
 import shutil
 import signal
@@ -37,8 +36,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import capabilities
+
 QEMU = shutil.which("qemu-system-x86_64")
-KVM_GET_API_VERSION = 0xAE00
 PR_SET_CHILD_SUBREAPER = 36
 
 #: the CPU model that works with KVM on this host, learned by the first launch.
@@ -52,17 +52,8 @@ def require_qemu() -> str:
 
 
 def kvm_usable() -> bool:
-    """/dev/kvm opens and answers KVM_GET_API_VERSION (12) — not merely exists."""
-    try:
-        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        return fcntl.ioctl(fd, KVM_GET_API_VERSION) == 12
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    """KVM really runs a vCPU here (tests/support/capabilities.py's probe, run once)."""
+    return capabilities.missing("kvm") is None
 
 
 def _start_time(pid: int) -> int | None:
@@ -290,13 +281,40 @@ def qemu_factory(vm_dir: Path) -> Iterator[Callable[..., QemuHandle]]:
             h.kill()
 
 
+def _connect_unix(path: str, timeout: float) -> socket.socket:
+    """Connect to a listening unix socket, retrying while its listen backlog is full.
+
+    A socket with a timeout is non-blocking underneath, and connect(2) on a unix stream
+    socket whose listener's backlog is full fails at once with EAGAIN (BlockingIOError)
+    instead of waiting, as TCP would (unix(7)).  QEMU's QMP chardev accepts one client at a
+    time with a small backlog, so while vmpin (or a previous test's client) is being served
+    another connect may hit a full queue: retry with a short backoff until ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(max(deadline - time.monotonic(), 0.05))
+        try:
+            s.connect(path)
+            return s
+        except BlockingIOError:
+            s.close()
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        except BaseException:
+            s.close()
+            raise
+
+
 @contextlib.contextmanager
 def hold_qmp(sock_path: Path | str, timeout: float = 5.0) -> Iterator[socket.socket]:
     """Be the Kata shim: a connected QMP client that has read its greeting and stays on."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s = _connect_unix(str(sock_path), timeout)
     try:
         s.settimeout(timeout)
-        s.connect(str(sock_path))
         buf = b""
         while b"\n" not in buf:
             chunk = s.recv(4096)
@@ -322,10 +340,10 @@ def mounted_debugfs(root: Path) -> Iterator[Path]:
         ["mount", "-t", "debugfs", "none", str(target)], capture_output=True, text=True
     )
     if proc.returncode != 0:
-        pytest.skip(f"cannot mount debugfs: {proc.stderr.strip()}")
+        pytest.skip(capabilities.HOST_LACKS + f"a debugfs mount: {proc.stderr.strip()}")
     try:
         if not (target / "kvm").is_dir():
-            pytest.skip("debugfs has no kvm directory")
+            pytest.skip(capabilities.HOST_LACKS + "a kvm directory in debugfs")
         yield root
     finally:
         rc = subprocess.run(["umount", str(target)], capture_output=True).returncode

@@ -37,12 +37,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tests.support.session import new_id as new_id  # ids name their creator (the sweep)
 from vmpin.core.errors import ProcessGone
 from vmpin.linux import procfs
 from vmpin.linux.cgroups import cgroup_of_pid
@@ -76,8 +76,6 @@ def missing() -> str | None:
     return None
 
 
-def new_id(prefix: str = "vmpin-test") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 # -- rootfs ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ different (its QEMU floats until pinned), so its hooks ingest and reconcile in-p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -150,8 +151,13 @@ def append(state_dir: str, event: dict[str, Any]) -> str:
     try:
         os.write(fd, json.dumps(event, separators=(",", ":")).encode())
         os.fsync(fd)
-    finally:
+    except BaseException:
+        # a failed write (ENOSPC, EIO, anything) leaves no temp file behind in the state dir
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
     os.rename(tmp, os.path.join(d, name))
     return name
 
