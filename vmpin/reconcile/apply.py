@@ -71,13 +71,18 @@ class Applier:
                 continue
             if sp.vanished:
                 continue
-            if sp.runtime == "runc":
-                self._cgroups(sp, out)
-            self._remember_originals(store, sp)
-            for t in sp.threads:
-                if t.role == "container":
-                    continue
-                out.threads[(sp.id, t.tid)] = self._thread(sp, t)
+            try:
+                if sp.runtime == "runc":
+                    self._cgroups(sp, out)
+                self._remember_originals(store, sp)
+                for t in sp.threads:
+                    if t.role == "container":
+                        continue
+                    out.threads[(sp.id, t.tid)] = self._thread(sp, t)
+            except Exception as err:
+                # A bug or an unforeseen error while applying one sandbox is an error against
+                # that sandbox: every other sandbox of the node is still brought into line.
+                out.errors.setdefault(sp.id, []).append(f"unexpected {type(err).__name__}: {err}")
         self._record(store, plan, only)
         return out
 
