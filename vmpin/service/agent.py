@@ -6,6 +6,7 @@ sandbox over instead (:mod:`vmpin.service.control`), which keeps hooks fast and 
 into a handful of plans.  The shape::
 
     control socket ──► dirty set (per-sandbox coalescing) ──► N workers ──► Reconciler
+    (server.py)         (queue.py)                    (workers.py; logs.py, metrics.py)
     (one accept thread)       ▲                                  (own Store + Reconciler each)
                               └── periodic full pass (main thread, every ``interval``)
 
@@ -49,348 +50,32 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import heapq
-import itertools
 import json
 import logging
 import os
 import signal
-import socket
 import sqlite3
-import struct
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime, timezone
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from vmpin import __version__
 from vmpin.core.errors import IdError, StateError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+from vmpin.service.logs import log, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
+from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
+from vmpin.service.server import AgentRunning, ControlServer
 from vmpin.service.settings import Settings
+from vmpin.service.workers import FullPass, SandboxStat
 from vmpin.state.store import Store
 
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WORKERS = 2
-#: events for a sandbox planned less than this ago wait for the rest of it (seconds) ...
-DEFAULT_HOLDOFF = 0.1
-#: ... backing off, while they keep coming, up to once per second.
-DEFAULT_MAX_HOLDOFF = 1.0
 DEFAULT_DRAIN_TIMEOUT = 10.0
-#: a client gets this long to send its request line (hooks send it at once).
-REQUEST_TIMEOUT = 2.0
-MAX_REQUEST = 1 << 20
-#: causes, strongest first: an event beats the start-up pass beats a periodic pass.
-CAUSES = ("event", "startup", "periodic")
-
-log = logging.getLogger("vmpin.service.agent")
-
-
-# -- logging: JSON lines on stderr ------------------------------------------------------------
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ``ts`` (UTC, ms), ``level``, ``event``, then the fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname.lower(),
-            "event": record.getMessage(),
-        }
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            out.update(fields)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging(stream: Any = None, level: str | None = None) -> None:
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("vmpin")
-    root.handlers[:] = [handler]
-    root.propagate = False
-    root.setLevel((level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper())
-
-
-def _log(level: int, event: str, **fields: Any) -> None:
-    if log.isEnabledFor(level):
-        log.log(level, event, extra={"fields": fields})
-
-
-# -- the dirty set ------------------------------------------------------------------------------
-class Work(NamedTuple):
-    """One sandbox taken by a worker: why, and since when an event has been waiting."""
-
-    sandbox_id: str
-    cause: str
-    first_event: float | None  # monotonic time of the oldest notification folded in
-    taken_at: float
-
-
-class _Entry:
-    __slots__ = ("cause", "first_event", "seq")
-
-    def __init__(self, cause: str, first_event: float | None, seq: int) -> None:
-        self.cause, self.first_event, self.seq = cause, first_event, seq
-
-    def merge(self, cause: str, event_time: float | None) -> None:
-        if CAUSES.index(cause) < CAUSES.index(self.cause):
-            self.cause = cause
-        if event_time is not None and (self.first_event is None or event_time < self.first_event):
-            self.first_event = event_time
-
-
-class DirtyQueue:
-    """Sandboxes waiting for a pass, each at most once, each worked on by one worker at a time.
-
-    Two heaps of (ready time, seq, sandbox): events, served first, and background work
-    (periodic and start-up passes).  A heap item is stale when its seq is no longer the
-    entry's (the entry was promoted to the event heap, or taken); stale items are skipped.
-
-    Rate limit, per sandbox and for event-driven passes only: an event for a sandbox whose
-    last event-driven pass ended less than its backoff ago waits for the rest of it; the
-    backoff starts at ``holdoff`` and doubles (up to ``max_holdoff``) each time events keep
-    arriving within it, and falls back to nothing after a quiet backoff.  An isolated update
-    is planned at once; a storm costs about log2(duration/holdoff) + duration/max_holdoff
-    plans, and its last update lands at most ``max_holdoff`` after the storm.
-    """
-
-    def __init__(
-        self,
-        holdoff: float = DEFAULT_HOLDOFF,
-        max_holdoff: float = DEFAULT_MAX_HOLDOFF,
-        clock: Callable[[], float] = time.monotonic,
-        background_workers: int = 1,
-    ) -> None:
-        self.holdoff = holdoff
-        self.max_holdoff = max(holdoff, max_holdoff)
-        self._clock = clock
-        self._cond = threading.Condition()
-        self._events: list[tuple[float, int, str]] = []
-        self._background: list[tuple[float, int, str]] = []
-        self._queued: dict[str, _Entry] = {}
-        #: sandbox being planned -> (its cause, the entry to run once more afterwards)
-        self._running: dict[str, tuple[str, _Entry | None]] = {}
-        #: sandbox -> (end of its last event-driven pass, backoff streak)
-        self._recent: dict[str, tuple[float, int]] = {}
-        self._seq = itertools.count()
-        self._closed = False
-        #: background (periodic, start-up) passes run on at most this many workers at once:
-        #: a pass over many idle sandboxes gains nothing from more (the GIL serialises it, and
-        #: two threads contending for it cost ~60 % more CPU), and the other workers stay
-        #: free for events.
-        self.background_workers = background_workers
-        self._bg_running = 0
-
-    def _backoff(self, streak: int) -> float:
-        return min(self.max_holdoff, self.holdoff * float(2 ** min(streak, 30)))
-
-    def add(self, sandbox_id: str, cause: str, event_time: float | None = None) -> bool:
-        """Queue a pass; False when it was folded into one already queued (coalesced)."""
-        with self._cond:
-            running = self._running.get(sandbox_id)
-            if running is not None:
-                run_cause, again = running
-                if again is None:
-                    self._running[sandbox_id] = (run_cause, _Entry(cause, event_time, -1))
-                    return True
-                again.merge(cause, event_time)
-                return False
-            entry = self._queued.get(sandbox_id)
-            if entry is not None:
-                was_event = entry.cause == "event"
-                entry.merge(cause, event_time)
-                if entry.cause == "event" and not was_event:
-                    self._push(sandbox_id, entry, self._ready_at(sandbox_id, "event"))  # promote
-                return False
-            entry = _Entry(cause, event_time, -1)
-            self._queued[sandbox_id] = entry
-            self._push(sandbox_id, entry, self._ready_at(sandbox_id, cause))
-            return True
-
-    def _ready_at(self, sandbox_id: str, cause: str) -> float:
-        now = self._clock()
-        recent = self._recent.get(sandbox_id)
-        if cause != "event" or recent is None:
-            return now
-        last, streak = recent
-        until = last + self._backoff(streak)
-        if now >= until:  # quiet for a whole backoff: start afresh
-            del self._recent[sandbox_id]
-            return now
-        self._recent[sandbox_id] = (last, streak + 1)
-        return until
-
-    def _push(self, sandbox_id: str, entry: _Entry, ready: float) -> None:
-        entry.seq = next(self._seq)
-        heap = self._events if entry.cause == "event" else self._background
-        heapq.heappush(heap, (ready, entry.seq, sandbox_id))
-        self._cond.notify()
-
-    def _top(self, heap: list[tuple[float, int, str]]) -> tuple[float, int, str] | None:
-        while heap:
-            _ready, seq, sid = heap[0]
-            entry = self._queued.get(sid)
-            if entry is not None and entry.seq == seq:
-                return heap[0]
-            heapq.heappop(heap)  # stale
-        return None
-
-    def take(self, timeout: float | None = None) -> Work | None:
-        """The next ready sandbox; None once closed (or when ``timeout`` passes)."""
-        deadline = None if timeout is None else self._clock() + timeout
-        with self._cond:
-            while not self._closed:
-                now = self._clock()
-                wait: float | None = None
-                for heap in (self._events, self._background):
-                    if heap is self._background and self._bg_running >= self.background_workers:
-                        continue  # done() wakes us when the background slot frees up
-                    top = self._top(heap)
-                    if top is None:
-                        continue
-                    if top[0] <= now:
-                        heapq.heappop(heap)
-                        sid = top[2]
-                        entry = self._queued.pop(sid)
-                        self._running[sid] = (entry.cause, None)
-                        if entry.cause != "event":
-                            self._bg_running += 1
-                        return Work(sid, entry.cause, entry.first_event, now)
-                    wait = top[0] - now if wait is None else min(wait, top[0] - now)
-                if deadline is not None:
-                    left = deadline - now
-                    if left <= 0:
-                        return None
-                    wait = left if wait is None else min(wait, left)
-                self._cond.wait(wait)
-            return None
-
-    def done(self, sandbox_id: str) -> None:
-        with self._cond:
-            if sandbox_id not in self._running:
-                return
-            cause, again = self._running.pop(sandbox_id)
-            if cause != "event":
-                self._bg_running -= 1
-            now = self._clock()
-            if cause == "event":
-                _, streak = self._recent.get(sandbox_id, (now, 0))
-                if again is not None and again.cause == "event":
-                    # events kept coming while this one was planned: back off
-                    self._queued[sandbox_id] = again
-                    self._push(sandbox_id, again, now + self._backoff(streak))
-                    again = None
-                    streak += 1
-                self._recent[sandbox_id] = (now, streak)
-            if again is not None:
-                self._queued[sandbox_id] = again
-                self._push(sandbox_id, again, now)
-            if len(self._recent) > 4096:
-                for s, (last, streak) in list(self._recent.items()):
-                    if now >= last + self._backoff(streak):
-                        del self._recent[s]
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def drop_background(self) -> int:
-        """Forget queued periodic and start-up work (not events); how many were dropped."""
-        with self._cond:
-            gone = [sid for sid, e in self._queued.items() if e.cause != "event"]
-            for sid in gone:
-                del self._queued[sid]  # its heap items are stale now
-            self._background.clear()
-            self._cond.notify_all()
-            return len(gone)
-
-    def depth(self) -> int:
-        with self._cond:
-            return len(self._queued)
-
-    def running(self) -> int:
-        with self._cond:
-            return len(self._running)
-
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._queued and not self._running
-
-    def wait_idle(self, timeout: float) -> bool:
-        deadline = self._clock() + timeout
-        with self._cond:
-            while self._queued or self._running:
-                left = deadline - self._clock()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.1))
-            return True
-
-
-# -- per-sandbox bookkeeping --------------------------------------------------------------------
-class SandboxStat:
-    """What the agent knows about one sandbox after its last pass (for status and gauges)."""
-
-    __slots__ = (
-        "containers",
-        "errors",
-        "gen",
-        "last",
-        "mask",
-        "mode",
-        "pinned",
-        "plans",
-        "runtime",
-        "threads",
-    )
-
-    def __init__(self, runtime: str) -> None:
-        self.runtime = runtime
-        self.plans = 0
-        self.gen = 0
-        self.last = 0.0
-        self.containers = 0
-        self.threads = 0
-        self.pinned: dict[str, int] = {}
-        self.mask = ""
-        self.mode = ""
-        self.errors: list[str] = []
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "runtime": self.runtime,
-            "plans": self.plans,
-            "gen": self.gen,
-            "last_pass_unix": round(self.last, 3),
-            "containers": self.containers,
-            "threads": self.threads,
-            "threads_pinned": sum(self.pinned.values()),
-            "mask": self.mask,
-            "mode": self.mode,
-            "errors": self.errors,
-        }
-
-
-class _FullPass:
-    def __init__(self, number: int, cause: str, sandboxes: Iterable[str]) -> None:
-        self.number = number
-        self.cause = cause
-        self.remaining = set(sandboxes)
-        self.total = len(self.remaining)
-        self.started = time.monotonic()
-        self.started_cpu = time.process_time()
-        self.repaired = 0
-        self.errors = 0
 
 
 class CtxLike(Protocol):
@@ -400,19 +85,6 @@ class CtxLike(Protocol):
     settings: Settings
 
     def reconciler(self, store: Store | None = None) -> Reconciler: ...
-
-
-class AgentRunning(StateError):
-    """Another agent holds the state dir."""
-
-
-def _peer_uid(conn: socket.socket) -> int | None:
-    try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return None
-    _pid, uid, _gid = struct.unpack("3i", raw)
-    return int(uid)
 
 
 class Agent:
@@ -436,6 +108,7 @@ class Agent:
             raise StateError(f"--metrics-port {metrics_port}: not a TCP port (0 = off)")
         self.paths = paths
         self.reconciler_factory = reconciler_factory
+        self._conflicts: set[tuple[str, Any, Any]] = set()
         self.interval = interval
         self.n_workers = workers
         self.metrics_port = metrics_port
@@ -449,7 +122,7 @@ class Agent:
         self.started = time.monotonic()
         self._lock = threading.Lock()  # guards the bookkeeping below
         self._stats: dict[str, SandboxStat] = {}
-        self._pass: _FullPass | None = None
+        self._pass: FullPass | None = None
         self._passes = 0
         self._last_pass: dict[str, Any] | None = None
         self._last_pass_end: float | None = None
@@ -458,9 +131,7 @@ class Agent:
         self._plans = 0
         self._errors = 0
         self._workers: list[threading.Thread] = []
-        self._listener: socket.socket | None = None
-        self._socket_ino: int | None = None
-        self._accept_thread: threading.Thread | None = None
+        self._server: ControlServer | None = None
         self._lockfd: int | None = None
         self._metrics_server: MetricsServer | None = None
         self._store: Store | None = None
@@ -497,10 +168,8 @@ class Agent:
                 t = threading.Thread(target=self._worker, name=f"vmpin-worker-{i}", daemon=True)
                 t.start()
                 self._workers.append(t)
-            self._accept_thread = threading.Thread(
-                target=self._accept_loop, name="vmpin-control", daemon=True
-            )
-            self._accept_thread.start()
+            assert self._server is not None
+            self._server.start()
         except BaseException:
             self._close_socket()
             if self._metrics_server is not None:
@@ -509,7 +178,7 @@ class Agent:
                 self._store.close()
             self._release_lock()
             raise
-        _log(
+        log_event(
             logging.INFO,
             "agent started",
             pid=os.getpid(),
@@ -543,9 +212,9 @@ class Agent:
                     self.full_pass("periodic")
                 except (VmpinError, sqlite3.Error) as err:
                     self.metrics.errors.labels("internal").inc()
-                    _log(logging.ERROR, "cannot start a pass", error=str(err))
+                    log_event(logging.ERROR, "cannot start a pass", error=str(err))
                 next_tick = time.monotonic() + self.interval
-        _log(logging.INFO, "stopping", signal=self._stop_signal)
+        log_event(logging.INFO, "stopping", signal=self._stop_signal)
         return self.shutdown()
 
     def request_stop(self, signum: int | None = None) -> None:
@@ -577,7 +246,7 @@ class Agent:
         self._release_lock()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
-        _log(
+        log_event(
             logging.INFO,
             "agent stopped",
             drained=drained,
@@ -613,83 +282,19 @@ class Agent:
             os.close(self._lockfd)  # closing the last fd releases the flock
             self._lockfd = None
 
+    # -- the control socket (vmpin.service.server) -------------------------------------------
     def _open_socket(self) -> None:
-        from vmpin.service.control import request
-
-        path = self.paths.control_socket
-        if os.path.lexists(path):
-            # We hold the lock, so an answering agent would be a foreign one (another state
-            # dir layout, an old version): refuse rather than steal its socket.
-            if request(self.paths, {"op": "status"}, timeout=0.5) is not None:
-                raise AgentRunning(f"another agent answers on {path}")
-            os.unlink(path)
-            _log(logging.INFO, "removed stale control socket", socket=path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
-        try:
-            sock.bind(path)
-        except OSError as err:
-            sock.close()
-            raise StateError(f"{path}: cannot bind the control socket: {err.strerror}") from None
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        sock.listen(512)
-        self._listener = sock
-        self._socket_ino = os.stat(path).st_ino
+        self._server = ControlServer(self.paths, self.handle, self._refused)
+        self._server.open()
 
     def _close_socket(self) -> None:
-        sock, self._listener = self._listener, None
-        if sock is None:
-            return
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it
-        sock.close()
-        path = self.paths.control_socket
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == self._socket_ino:  # only ours, never a successor's
-                os.unlink(path)
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout=2)
+        if self._server is not None:
+            self._server.close()
 
-    # -- control connections ----------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        me = os.getuid()
-        while True:
-            sock = self._listener
-            if sock is None:
-                return
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                if self._listener is None:
-                    return
-                time.sleep(0.01)
-                continue
-            uid = _peer_uid(conn)
-            if uid is not None and uid not in (0, me):
-                conn.close()
-                self.metrics.errors.labels("control").inc()
-                continue
-            threading.Thread(
-                target=self._serve_conn, args=(conn,), daemon=True, name="vmpin-conn"
-            ).start()
+    def _refused(self) -> None:
+        self.metrics.errors.labels("control").inc()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(REQUEST_TIMEOUT)
-                buf = b""
-                while b"\n" not in buf and len(buf) < MAX_REQUEST:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    buf += chunk
-                reply = self.handle(buf.split(b"\n", 1)[0])
-                conn.sendall(json.dumps(reply).encode() + b"\n")
-            except OSError as err:
-                _log(logging.DEBUG, "control connection dropped", error=str(err))
-
+    # -- control requests -----------------------------------------------------------------
     def handle(self, line: bytes) -> dict[str, Any]:
         """One request line -> one reply (a dict; ``ok`` says whether it was understood)."""
         try:
@@ -720,7 +325,7 @@ class Agent:
 
     def _bad(self, error: str) -> dict[str, Any]:
         self.metrics.errors.labels("control").inc()
-        _log(logging.WARNING, "bad control request", error=error)
+        log_event(logging.WARNING, "bad control request", error=error)
         return {"ok": False, "error": error}
 
     def notify(self, sandbox_ids: list[str]) -> int:
@@ -743,7 +348,7 @@ class Agent:
         assert self._store is not None
         with self._lock:
             if self._pass is not None:
-                _log(
+                log_event(
                     logging.WARNING,
                     "previous pass still running: tick skipped",
                     number=self._pass.number,
@@ -756,7 +361,7 @@ class Agent:
             # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
             for gone in set(self._stats) - set(ids):
                 del self._stats[gone]
-            p = _FullPass(self._passes, cause, ids)
+            p = FullPass(self._passes, cause, ids)
             self._pass = p
         for sid in ids:
             self.queue.add(sid, cause)
@@ -764,7 +369,7 @@ class Agent:
             self._finish_pass_if_done(p)
         return True
 
-    def _finish_pass_if_done(self, p: _FullPass) -> None:
+    def _finish_pass_if_done(self, p: FullPass) -> None:
         with self._lock:
             if p.remaining or self._pass is not p:
                 return
@@ -785,14 +390,14 @@ class Agent:
         self.metrics.full_pass_cpu.set(cpu)
         self.metrics.last_full_pass.set_to_current_time()
         level = logging.INFO if (p.repaired or p.errors or p.cause == "startup") else logging.DEBUG
-        _log(level, "pass done", **self._last_pass)
+        log_event(level, "pass done", **self._last_pass)
 
     def _worker(self) -> None:
         try:
             store = Store(self.paths.state_dir)
             reconciler = self.reconciler_factory(store)
         except VmpinError as err:
-            _log(logging.ERROR, "worker cannot start", error=str(err))
+            log_event(logging.ERROR, "worker cannot start", error=str(err))
             self.metrics.errors.labels("internal").inc()
             self._exit_code = 1
             self.request_stop()
@@ -851,8 +456,15 @@ class Agent:
         if plan is None:
             return
         self.metrics.conflicts.set(len(plan.conflicts))
+        seen = {(c.cpus.to_list(), c.first, c.second) for c in plan.conflicts}
+        with self._lock:
+            # every pass re-plans the node: log a conflict when it appears, not every pass
+            new = seen - self._conflicts
+            self._conflicts = seen
         for c in plan.conflicts:
-            _log(
+            if (c.cpus.to_list(), c.first, c.second) not in new:
+                continue
+            log_event(
                 logging.WARNING,
                 "conflict",
                 cpus=c.cpus.to_list(),
@@ -913,7 +525,7 @@ class Agent:
                         pinned[t.role] = pinned.get(t.role, 0) + 1
                 st.pinned = pinned
         changed = bool(pinned_threads or cgroup_fixed or r.vanished or errors)
-        _log(
+        log_event(
             logging.INFO if changed else logging.DEBUG,
             "sandbox pass",
             sandbox=r.id,
@@ -955,7 +567,7 @@ class Agent:
         try:
             tracked = self._tracked()
         except (VmpinError, sqlite3.Error) as err:
-            _log(logging.WARNING, "cannot read the store for metrics", error=str(err))
+            log_event(logging.WARNING, "cannot read the store for metrics", error=str(err))
             tracked = {}
         runtimes: dict[str, tuple[int, int]] = {}
         for runtime, n_containers in tracked.values():
@@ -1049,6 +661,19 @@ def serve(
     try:
         agent.start()
     except AgentRunning as err:
-        _log(logging.ERROR, "refusing to start", error=str(err))
+        log_event(logging.ERROR, "refusing to start", error=str(err))
         raise
     return agent.run()
+
+
+__all__ = [
+    "CAUSES",
+    "DEFAULT_HOLDOFF",
+    "Agent",
+    "AgentRunning",
+    "DirtyQueue",
+    "SandboxStat",
+    "Work",
+    "serve",
+    "setup_logging",
+]

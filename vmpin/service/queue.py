@@ -1,0 +1,233 @@
+"""The agent's dirty set: per-sandbox coalescing of events, with a hold-off while they keep coming.
+
+It owns only queueing: workers ``take()`` a :class:`Work` and call ``done()``; what a worker
+does with it is the agent's business (kopf's queueing/processing split).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+#: events for a sandbox planned less than this ago wait for the rest of it (seconds) ...
+DEFAULT_HOLDOFF = 0.1
+#: ... backing off, while they keep coming, up to once per second.
+DEFAULT_MAX_HOLDOFF = 1.0
+#: causes, strongest first: an event beats the start-up pass beats a periodic pass.
+CAUSES = ("event", "startup", "periodic")
+
+
+class Work(NamedTuple):
+    """One sandbox taken by a worker: why, and since when an event has been waiting."""
+
+    sandbox_id: str
+    cause: str
+    first_event: float | None  # monotonic time of the oldest notification folded in
+    taken_at: float
+
+
+class _Entry:
+    __slots__ = ("cause", "first_event", "seq")
+
+    def __init__(self, cause: str, first_event: float | None, seq: int) -> None:
+        self.cause, self.first_event, self.seq = cause, first_event, seq
+
+    def merge(self, cause: str, event_time: float | None) -> None:
+        if CAUSES.index(cause) < CAUSES.index(self.cause):
+            self.cause = cause
+        if event_time is not None and (self.first_event is None or event_time < self.first_event):
+            self.first_event = event_time
+
+
+class DirtyQueue:
+    """Sandboxes waiting for a pass, each at most once, each worked on by one worker at a time.
+
+    Two heaps of (ready time, seq, sandbox): events, served first, and background work
+    (periodic and start-up passes).  A heap item is stale when its seq is no longer the
+    entry's (the entry was promoted to the event heap, or taken); stale items are skipped.
+
+    Rate limit, per sandbox and for event-driven passes only: an event for a sandbox whose
+    last event-driven pass ended less than its backoff ago waits for the rest of it; the
+    backoff starts at ``holdoff`` and doubles (up to ``max_holdoff``) each time events keep
+    arriving within it, and falls back to nothing after a quiet backoff.  An isolated update
+    is planned at once; a storm costs about log2(duration/holdoff) + duration/max_holdoff
+    plans, and its last update lands at most ``max_holdoff`` after the storm.
+    """
+
+    def __init__(
+        self,
+        holdoff: float = DEFAULT_HOLDOFF,
+        max_holdoff: float = DEFAULT_MAX_HOLDOFF,
+        clock: Callable[[], float] = time.monotonic,
+        background_workers: int = 1,
+    ) -> None:
+        self.holdoff = holdoff
+        self.max_holdoff = max(holdoff, max_holdoff)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._events: list[tuple[float, int, str]] = []
+        self._background: list[tuple[float, int, str]] = []
+        self._queued: dict[str, _Entry] = {}
+        #: sandbox being planned -> (its cause, the entry to run once more afterwards)
+        self._running: dict[str, tuple[str, _Entry | None]] = {}
+        #: sandbox -> (end of its last event-driven pass, backoff streak)
+        self._recent: dict[str, tuple[float, int]] = {}
+        self._seq = itertools.count()
+        self._closed = False
+        #: background (periodic, start-up) passes run on at most this many workers at once:
+        #: a pass over many idle sandboxes gains nothing from more (the GIL serialises it, and
+        #: two threads contending for it cost ~60 % more CPU), and the other workers stay
+        #: free for events.
+        self.background_workers = background_workers
+        self._bg_running = 0
+
+    def _backoff(self, streak: int) -> float:
+        return min(self.max_holdoff, self.holdoff * float(2 ** min(streak, 30)))
+
+    def add(self, sandbox_id: str, cause: str, event_time: float | None = None) -> bool:
+        """Queue a pass; False when it was folded into one already queued (coalesced)."""
+        with self._cond:
+            running = self._running.get(sandbox_id)
+            if running is not None:
+                run_cause, again = running
+                if again is None:
+                    self._running[sandbox_id] = (run_cause, _Entry(cause, event_time, -1))
+                    return True
+                again.merge(cause, event_time)
+                return False
+            entry = self._queued.get(sandbox_id)
+            if entry is not None:
+                was_event = entry.cause == "event"
+                entry.merge(cause, event_time)
+                if entry.cause == "event" and not was_event:
+                    self._push(sandbox_id, entry, self._ready_at(sandbox_id, "event"))  # promote
+                return False
+            entry = _Entry(cause, event_time, -1)
+            self._queued[sandbox_id] = entry
+            self._push(sandbox_id, entry, self._ready_at(sandbox_id, cause))
+            return True
+
+    def _ready_at(self, sandbox_id: str, cause: str) -> float:
+        now = self._clock()
+        recent = self._recent.get(sandbox_id)
+        if cause != "event" or recent is None:
+            return now
+        last, streak = recent
+        until = last + self._backoff(streak)
+        if now >= until:  # quiet for a whole backoff: start afresh
+            del self._recent[sandbox_id]
+            return now
+        self._recent[sandbox_id] = (last, streak + 1)
+        return until
+
+    def _push(self, sandbox_id: str, entry: _Entry, ready: float) -> None:
+        entry.seq = next(self._seq)
+        heap = self._events if entry.cause == "event" else self._background
+        heapq.heappush(heap, (ready, entry.seq, sandbox_id))
+        self._cond.notify()
+
+    def _top(self, heap: list[tuple[float, int, str]]) -> tuple[float, int, str] | None:
+        while heap:
+            _ready, seq, sid = heap[0]
+            entry = self._queued.get(sid)
+            if entry is not None and entry.seq == seq:
+                return heap[0]
+            heapq.heappop(heap)  # stale
+        return None
+
+    def take(self, timeout: float | None = None) -> Work | None:
+        """The next ready sandbox; None once closed (or when ``timeout`` passes)."""
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            while not self._closed:
+                now = self._clock()
+                wait: float | None = None
+                for heap in (self._events, self._background):
+                    if heap is self._background and self._bg_running >= self.background_workers:
+                        continue  # done() wakes us when the background slot frees up
+                    top = self._top(heap)
+                    if top is None:
+                        continue
+                    if top[0] <= now:
+                        heapq.heappop(heap)
+                        sid = top[2]
+                        entry = self._queued.pop(sid)
+                        self._running[sid] = (entry.cause, None)
+                        if entry.cause != "event":
+                            self._bg_running += 1
+                        return Work(sid, entry.cause, entry.first_event, now)
+                    wait = top[0] - now if wait is None else min(wait, top[0] - now)
+                if deadline is not None:
+                    left = deadline - now
+                    if left <= 0:
+                        return None
+                    wait = left if wait is None else min(wait, left)
+                self._cond.wait(wait)
+            return None
+
+    def done(self, sandbox_id: str) -> None:
+        with self._cond:
+            if sandbox_id not in self._running:
+                return
+            cause, again = self._running.pop(sandbox_id)
+            if cause != "event":
+                self._bg_running -= 1
+            now = self._clock()
+            if cause == "event":
+                _, streak = self._recent.get(sandbox_id, (now, 0))
+                if again is not None and again.cause == "event":
+                    # events kept coming while this one was planned: back off
+                    self._queued[sandbox_id] = again
+                    self._push(sandbox_id, again, now + self._backoff(streak))
+                    again = None
+                    streak += 1
+                self._recent[sandbox_id] = (now, streak)
+            if again is not None:
+                self._queued[sandbox_id] = again
+                self._push(sandbox_id, again, now)
+            if len(self._recent) > 4096:
+                for s, (last, streak) in list(self._recent.items()):
+                    if now >= last + self._backoff(streak):
+                        del self._recent[s]
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drop_background(self) -> int:
+        """Forget queued periodic and start-up work (not events); how many were dropped."""
+        with self._cond:
+            gone = [sid for sid, e in self._queued.items() if e.cause != "event"]
+            for sid in gone:
+                del self._queued[sid]  # its heap items are stale now
+            self._background.clear()
+            self._cond.notify_all()
+            return len(gone)
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._queued)
+
+    def running(self) -> int:
+        with self._cond:
+            return len(self._running)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queued and not self._running
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = self._clock() + timeout
+        with self._cond:
+            while self._queued or self._running:
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return True

@@ -1,0 +1,137 @@
+"""The agent's control socket: a 0600 Unix socket, peers of our uid only, one JSON line each way.
+
+It owns the socket's life (bind without a window where others may connect, refuse to steal an
+answering agent's socket, unlink only our own inode) and the connections; the requests are
+the agent's (``handle``), the wire format is :mod:`vmpin.service.control`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vmpin.core.errors import StateError
+from vmpin.linux.paths import HostPaths
+from vmpin.service.logs import log_event
+
+#: a client gets this long to send its request line (hooks send it at once).
+REQUEST_TIMEOUT = 2.0
+MAX_REQUEST = 1 << 20
+
+
+class AgentRunning(StateError):
+    """Another agent holds the state dir."""
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    return int(uid)
+
+
+class ControlServer:
+    def __init__(
+        self,
+        paths: HostPaths,
+        handle: Callable[[bytes], dict[str, Any]],
+        refused: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.paths = paths
+        self.handle = handle
+        self.refused = refused
+        self._listener: socket.socket | None = None
+        self._socket_ino: int | None = None
+        self._accept_thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="vmpin-control", daemon=True
+        )
+        self._accept_thread.start()
+
+    def open(self) -> None:
+        from vmpin.service.control import request
+
+        path = self.paths.control_socket
+        if os.path.lexists(path):
+            # We hold the lock, so an answering agent would be a foreign one (another state
+            # dir layout, an old version): refuse rather than steal its socket.
+            if request(self.paths, {"op": "status"}, timeout=0.5) is not None:
+                raise AgentRunning(f"another agent answers on {path}")
+            os.unlink(path)
+            log_event(logging.INFO, "removed stale control socket", socket=path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            sock.bind(path)
+        except OSError as err:
+            sock.close()
+            raise StateError(f"{path}: cannot bind the control socket: {err.strerror}") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(512)
+        self._listener = sock
+        self._socket_ino = os.stat(path).st_ino
+
+    def close(self) -> None:
+        sock, self._listener = self._listener, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it
+        sock.close()
+        path = self.paths.control_socket
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == self._socket_ino:  # only ours, never a successor's
+                os.unlink(path)
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        me = os.getuid()
+        while True:
+            sock = self._listener
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                if self._listener is None:
+                    return
+                time.sleep(0.01)
+                continue
+            uid = _peer_uid(conn)
+            if uid is not None and uid not in (0, me):
+                conn.close()
+                self.refused()
+                continue
+            threading.Thread(
+                target=self._serve_conn, args=(conn,), daemon=True, name="vmpin-conn"
+            ).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(REQUEST_TIMEOUT)
+                buf = b""
+                while b"\n" not in buf and len(buf) < MAX_REQUEST:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                reply = self.handle(buf.split(b"\n", 1)[0])
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError as err:
+                log_event(logging.DEBUG, "control connection dropped", error=str(err))

@@ -1,0 +1,66 @@
+"""What the agent's workers keep per sandbox and per full pass (status, gauges, pass logs).
+
+The worker loop itself (take -> node-wide pass -> account) is
+:meth:`vmpin.service.agent.Agent._worker`: it updates these records under the agent's lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+
+class SandboxStat:
+    """What the agent knows about one sandbox after its last pass (for status and gauges)."""
+
+    __slots__ = (
+        "containers",
+        "errors",
+        "gen",
+        "last",
+        "mask",
+        "mode",
+        "pinned",
+        "plans",
+        "runtime",
+        "threads",
+    )
+
+    def __init__(self, runtime: str) -> None:
+        self.runtime = runtime
+        self.plans = 0
+        self.gen = 0
+        self.last = 0.0
+        self.containers = 0
+        self.threads = 0
+        self.pinned: dict[str, int] = {}
+        self.mask = ""
+        self.mode = ""
+        self.errors: list[str] = []
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "runtime": self.runtime,
+            "plans": self.plans,
+            "gen": self.gen,
+            "last_pass_unix": round(self.last, 3),
+            "containers": self.containers,
+            "threads": self.threads,
+            "threads_pinned": sum(self.pinned.values()),
+            "mask": self.mask,
+            "mode": self.mode,
+            "errors": self.errors,
+        }
+
+
+class FullPass:
+    def __init__(self, number: int, cause: str, sandboxes: Iterable[str]) -> None:
+        self.number = number
+        self.cause = cause
+        self.remaining = set(sandboxes)
+        self.total = len(self.remaining)
+        self.started = time.monotonic()
+        self.started_cpu = time.process_time()
+        self.repaired = 0
+        self.errors = 0
