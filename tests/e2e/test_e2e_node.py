@@ -24,7 +24,7 @@ from tests.support.qemu_util import QemuHandle
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, pytest.mark.multi_cpu]
 __all__ = ["qemu"]  # the fixture, imported for this module's tests
 
 

@@ -15,11 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.session import new_id
+
+pytestmark = pytest.mark.cgroup_v1
 
 CPUSET = "/sys/fs/cgroup/cpuset"
 
@@ -76,9 +79,10 @@ intruder.kill()
 
 @pytest.fixture
 def cgroups() -> Iterator[tuple[str, str]]:
-    if os.geteuid() != 0 or not os.path.isdir(CPUSET) or shutil.which("unshare") is None:
-        pytest.skip("needs root, cgroup v1 cpuset and unshare")
-    ident = f"vmpin-pidns-{uuid.uuid4().hex[:8]}"
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare")
+    # an id naming this session, so that the sweep of a dead session's cgroups finds them
+    ident = new_id("vmpin-pidns")
     made = []
     for suffix, cpus in (("c", "0"), ("s", "0-1")):
         d = os.path.join(CPUSET, f"{ident}-{suffix}")
