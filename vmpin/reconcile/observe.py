@@ -203,7 +203,13 @@ class Observer:
         seen: set[str] = set()
         for rec in store.sandboxes():
             seen.add(rec.id)
-            out.append(self._sandbox(store, rec, checkpoint, originals))
+            try:
+                out.append(self._sandbox(store, rec, checkpoint, originals))
+            except Exception as err:  # one sandbox's failure is an error on it, not the node's
+                msg = f"observing it: unexpected {type(err).__name__}: {err}"
+                out.append(
+                    SandboxObs(rec.id, rec.runtime, self._policy(rec.id), rec, errors=(msg,))
+                )
         for sid in self._vm_dir_ids():
             if sid not in seen:
                 out.append(self._untracked(sid, originals))

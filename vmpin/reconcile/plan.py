@@ -394,6 +394,8 @@ def _plan_sandbox(
         )
     except VmpinError as err:
         return _replace(base, errors=(*base.errors, str(err)))
+    except Exception as err:  # a planner bug on one sandbox is an error on it, not the node's
+        return _replace(base, errors=(*base.errors, f"planning: unexpected {err!r}"))
     by_tid = {t.tid: t for t in vthreads}
     vplans: list[ThreadPlan] = []
     for p in plan.placements:
