@@ -38,13 +38,26 @@ else:
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator", "container")
 HELPER_POLICIES = ("share", "isolate", "none")
-VCPU_POLICIES = ("auto", "float")
+VCPU_POLICIES = ("auto", "1to1", "float", "none")
+#: Crane's cpu-manager modes (vmpin.core.podpolicy); "" = the node's usual rules
+CPUSET_MODES = ("", "exclusive", "share", "none")
+GUEST_POLICIES = ("on", "off")
 
 
 class Policy(NamedTuple):
+    """How to place one sandbox: the node default, or a pod's own (vmpin.core.podpolicy).
+
+    ``vcpus``: auto (1:1 when safe), 1to1 (the same, noted when impossible), float, none (left
+    alone).  ``guest``: whether the guest map is published for in-guest pinning.  ``cpuset``:
+    Crane's mode -- share: others may float on the mask, so vCPUs float; none: float over the
+    shared pool; exclusive: the node plan keeps others off the mask.
+    """
+
     helpers: str = "share"
     housekeeping: CpuSet = EMPTY
     vcpus: str = "auto"
+    guest: str = "on"
+    cpuset: str = ""
 
     def check(self) -> Policy:
         """Validate; returns self so that ``Policy(...).check()`` reads as a constructor."""
@@ -52,6 +65,10 @@ class Policy(NamedTuple):
             raise PlanError(f"helper thread policy {self.helpers!r}: expected {HELPER_POLICIES}")
         if self.vcpus not in VCPU_POLICIES:
             raise PlanError(f"vCPU policy {self.vcpus!r}: expected {VCPU_POLICIES}")
+        if self.guest not in GUEST_POLICIES:
+            raise PlanError(f"guest pinning {self.guest!r}: expected {GUEST_POLICIES}")
+        if self.cpuset not in CPUSET_MODES:
+            raise PlanError(f"cpu-manager mode {self.cpuset!r}: expected {CPUSET_MODES[1:]}")
         if self.helpers == "isolate" and not self.housekeeping:
             raise PlanError("helper policy 'isolate' needs housekeeping CPUs")
         return self
@@ -118,7 +135,11 @@ def plan_sandbox(
     n = len(vcpus)
     effective = mask
     floating_reason = ""
-    if not mask:
+    if policy.cpuset == "none" and shared_pool:
+        # Crane's "none": the pod gives up its cpuset and runs in the shared pool
+        effective = shared_pool
+        floating_reason = "cpu-manager none: floating over the shared pool"
+    elif not mask:
         if shared_pool:
             effective = shared_pool
             floating_reason = "no container has a CPU set: floating over the shared pool"
@@ -157,6 +178,10 @@ def plan_sandbox(
         mode, reason = "float", "no vCPU thread identified"
     elif policy.vcpus == "float":
         mode, reason = "float", "vCPU policy is float"
+    elif policy.vcpus == "none":
+        mode, reason = "none", "vCPU policy is none: vCPUs left as the runtime made them"
+    elif policy.cpuset == "share":
+        mode, reason = "float", "cpu-manager share: others may float on the mask, so vCPUs float"
     elif shared_with_others:
         mode = "float"
         reason = f"CPUs {shared_with_others} are shared with other sandboxes: no 1:1 pin there"
@@ -198,9 +223,13 @@ def plan_sandbox(
         idx = v.idx if v.idx is not None else i
         if idx in vcpu_map:
             pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
+    if policy.vcpus == "1to1" and mode != "1:1":
+        notes.append(f"vCPU policy 1to1 not possible ({reason})")
     for t in threads:
         if t.role == "vcpu":
-            desired: CpuSet | None = pinned_by_tid.get(t.tid, effective)
+            desired: CpuSet | None = (
+                None if policy.vcpus == "none" else pinned_by_tid.get(t.tid, effective)
+            )
         elif t.role == "container":
             raise PlanError(f"thread {t.tid}: role 'container' is planned per container, not here")
         else:

@@ -1,0 +1,132 @@
+"""Per-pod placement policy: the ``vmpin.io/`` annotation vocabulary and Crane's cpu-manager key.
+
+This module owns the words an operator writes on a pod and what each means to the planner.  It
+is pure (annotations in, a :class:`PodPolicy` and a list of problems out): the same function
+serves both ways annotations arrive -- at create, from the OCI annotations the hook records
+(containerd ``pod_annotations`` / CRI-O ``allowed_annotations`` pass them through, see
+hooks/), and live, from the pod object the agent watches through the Kubernetes API.
+
+Vocabulary, version 1 (``vmpin.io/version: "1"``; absent means 1)::
+
+    vmpin.io/vcpus           auto | 1to1 | float | none
+    vmpin.io/helpers         share | isolate | none      (emulator, iothreads, vhost)
+    vmpin.io/guest-pinning   on | off
+    qos.gocrane.io/cpu-manager  exclusive | share | none (Crane's advanced CPU manager)
+
+``auto`` pins vCPUs 1:1 when the counts and exclusivity allow and floats otherwise; ``1to1``
+asks for the same but the plan notes when it could not be honoured; ``float`` spreads the
+vCPUs over the mask; ``none`` leaves them where the runtime put them.  Crane's values map onto
+the node plan: ``exclusive`` -- other sandboxes and containers are kept off the pod's CPUs;
+``share`` -- others may float there (so the pod's vCPUs float too: 1:1 on a CPU others use
+would halve both); ``none`` -- the pod floats over the shared pool.
+
+An unknown key under ``vmpin.io/`` or an unknown value is a *problem* (one line naming the key
+and value), never an error: that one setting falls back to the node default, the rest of the
+pod's policy still applies.  An unknown ``vmpin.io/version`` makes every ``vmpin.io/`` key a
+problem (their meaning is unknown); Crane's key is versioned by Crane and still applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vmpin.core.planner import CPUSET_MODES, HELPER_POLICIES, VCPU_POLICIES, Policy
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+PREFIX = "vmpin.io/"
+VERSION_KEY = PREFIX + "version"
+VERSIONS = ("1",)
+VCPUS_KEY = PREFIX + "vcpus"
+HELPERS_KEY = PREFIX + "helpers"
+GUEST_KEY = PREFIX + "guest-pinning"
+CRANE_KEY = "qos.gocrane.io/cpu-manager"
+GUEST_VALUES = ("on", "off")
+
+#: every key this module reads, with its allowed values (docs/kubernetes.md shows this table)
+VOCABULARY: Mapping[str, tuple[str, ...]] = {
+    VERSION_KEY: VERSIONS,
+    VCPUS_KEY: VCPU_POLICIES,
+    HELPERS_KEY: HELPER_POLICIES,
+    GUEST_KEY: GUEST_VALUES,
+    CRANE_KEY: CPUSET_MODES[1:],  # "" (node default) is not something one writes
+}
+
+
+class PodPolicy(NamedTuple):
+    """What a pod's annotations ask for; ``None`` = not set (the node default applies)."""
+
+    vcpus: str | None = None
+    helpers: str | None = None
+    guest: str | None = None
+    cpuset: str | None = None
+
+    def over(self, default: Policy) -> Policy:
+        """The planner's policy for this pod: each setting the pod made, else the node's."""
+        helpers = self.helpers or default.helpers
+        if helpers == "isolate" and not default.housekeeping:
+            # isolate needs the node's housekeeping CPUs; without them share is what is left
+            helpers = default.helpers if default.helpers != "isolate" else "share"
+        return default._replace(
+            vcpus=self.vcpus or default.vcpus,
+            helpers=helpers,
+            guest=self.guest or default.guest,
+            cpuset=self.cpuset or default.cpuset,
+        ).check()
+
+    def to_json(self) -> dict[str, str]:
+        return {k: v for k, v in self._asdict().items() if v is not None}
+
+
+class Problem(NamedTuple):
+    key: str
+    value: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"annotation {self.key}={self.value!r}: {self.reason}; the node default applies"
+
+
+def parse(annotations: Mapping[str, str]) -> tuple[PodPolicy, list[Problem]]:
+    """Read a pod's annotations (or a container's OCI annotations) into its policy."""
+    problems: list[Problem] = []
+    version = annotations.get(VERSION_KEY, "1")
+    ours = sorted(k for k in annotations if k.startswith(PREFIX))
+    if version not in VERSIONS:
+        reason = f"unknown vocabulary version (known: {', '.join(VERSIONS)})"
+        return (
+            PodPolicy(cpuset=_one(annotations, CRANE_KEY, problems)),
+            [Problem(k, annotations[k], reason) for k in ours] + problems,
+        )
+    for key in ours:
+        if key not in VOCABULARY:
+            problems.append(Problem(key, annotations[key], "unknown key"))
+    policy = PodPolicy(
+        vcpus=_one(annotations, VCPUS_KEY, problems),
+        helpers=_one(annotations, HELPERS_KEY, problems),
+        guest=_one(annotations, GUEST_KEY, problems),
+        cpuset=_one(annotations, CRANE_KEY, problems),
+    )
+    return policy, problems
+
+
+def _one(annotations: Mapping[str, str], key: str, problems: list[Problem]) -> str | None:
+    raw = annotations.get(key)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    allowed = VOCABULARY[key]
+    if value not in allowed:
+        problems.append(Problem(key, raw, f"expected one of {', '.join(allowed)}"))
+        return None
+    return value
+
+
+def policy_for(annotations: Mapping[str, str], default: Policy) -> tuple[Policy, list[Problem]]:
+    """The planner's policy for a sandbox with these annotations, and what was not understood."""
+    pod, problems = parse(annotations)
+    return pod.over(default), problems
