@@ -57,6 +57,11 @@ VOCABULARY: Mapping[str, tuple[str, ...]] = {
 }
 
 
+def is_policy_key(key: str) -> bool:
+    """An annotation this module reads (what the hook keeps from an OCI spec)."""
+    return key.startswith(PREFIX) or key == CRANE_KEY
+
+
 class PodPolicy(NamedTuple):
     """What a pod's annotations ask for; ``None`` = not set (the node default applies)."""
 

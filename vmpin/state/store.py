@@ -33,6 +33,9 @@ from vmpin.core.ids import check_id
 from vmpin.runtimes.oci import Identity, identify
 from vmpin.state import journal
 
+#: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
+POLICY_META = "podpolicy:"
+
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
@@ -332,6 +335,7 @@ class Store:
                     ident.pod_namespace,
                 )
             )
+        self._keep_policy_annotations(ident.sandbox_id, ev.get("annotations") or {})
         pid = ev["host_pid"] if runtime == "runc" else None
         self.put_container(
             ContainerRec(
@@ -351,6 +355,30 @@ class Store:
             )
         )
         return ident.sandbox_id
+
+
+    def _keep_policy_annotations(self, sandbox_id: str, annotations: Mapping[str, str]) -> None:
+        """Record a sandbox's per-pod policy annotations as its containers' specs carry them.
+
+        containerd's ``pod_annotations`` / CRI-O's ``allowed_annotations`` pass the pod's
+        annotations into the OCI spec (hooks/); vmpin.core.podpolicy reads them.  Later
+        containers' annotations add to the sandbox's, they never remove: a pod's annotations
+        are the same in every one of its containers' specs.
+        """
+        from vmpin.core.podpolicy import is_policy_key
+
+        ours = {k: v for k, v in annotations.items() if is_policy_key(k)}
+        if not ours:
+            return
+        key = POLICY_META + sandbox_id
+        old = self.meta(key)
+        merged = {**(json.loads(old) if old else {}), **ours}
+        self.set_meta(key, json.dumps(merged, sort_keys=True))
+
+    def policy_annotations(self, sandbox_id: str) -> dict[str, str]:
+        """The per-pod policy annotations recorded from the sandbox's OCI specs (may be {})."""
+        raw = self.meta(POLICY_META + sandbox_id)
+        return dict(json.loads(raw)) if raw else {}
 
     def _forget(self, ev: dict[str, Any]) -> str | None:
         """poststop: find the container by bundle (Kata sends the sandbox id), then forget it."""
@@ -611,6 +639,7 @@ class Store:
     def _forget_threads(db: sqlite3.Connection, sandbox_id: str) -> None:
         db.execute("DELETE FROM threads WHERE sandbox_id=?", (sandbox_id,))
         db.execute("DELETE FROM meta WHERE key LIKE ?", (f"missing-vcpus:{sandbox_id}:%",))
+        db.execute("DELETE FROM meta WHERE key=?", (POLICY_META + sandbox_id,))
 
     @staticmethod
     def _bump(db: sqlite3.Connection, sandbox_id: str, now: float) -> None:
