@@ -37,6 +37,11 @@ guest_app = typer.Typer(help="Guest side: run inside the VM from Kata's guest_ho
 app.add_typer(guest_app, name="guest")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+KubeconfigOpt = Annotated[
+    Optional[str],
+    typer.Option(envvar="VMPIN_KUBECONFIG",
+                 help="kubeconfig for the Kubernetes API (default: in-cluster, $KUBECONFIG)."),
+]
 
 
 class Ctx:
@@ -605,13 +610,53 @@ def serve(
     metrics_port: Annotated[
         int, typer.Option(help="Prometheus metrics port on 127.0.0.1 (0 = off).")
     ] = 9464,
+    kubeconfig: KubeconfigOpt = None,
+    node_name: Annotated[
+        Optional[str],
+        typer.Option(envvar="NODE_NAME", help="This node's name in the API (default: hostname)."),
+    ] = None,
 ) -> None:
-    """Run the node agent: control socket, coalesced event handling, periodic repair."""
+    """Run the node agent: control socket, coalesced event handling, periodic repair.
+
+    With Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG) it also watches
+    this node's pods for per-pod policy, records Events and writes the NodePinning report.
+    """
     from vmpin.service.agent import serve as serve_agent
 
     raise typer.Exit(
-        serve_agent(ctx.obj, interval=interval, workers=workers, metrics_port=metrics_port)
+        serve_agent(ctx.obj, interval=interval, workers=workers, metrics_port=metrics_port,
+                    kubeconfig=kubeconfig, node_name=node_name)
     )
+
+
+@app.command()
+def cluster(ctx: typer.Context, kubeconfig: KubeconfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Every node's pinning report through the Kubernetes API; exit 1 unless all are clean."""
+    import time
+
+    from vmpin.core.clusterview import cluster_rows
+    from vmpin.core.errors import KubeError
+    from vmpin.runtimes import kubeapi
+
+    api = kubeapi.connect(kubeconfig)
+    if api is None:
+        raise KubeError("no Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG)")
+    rows = cluster_rows(kubeapi.list_reports(api), time.time())
+    if as_json:
+        _emit(rows)
+    else:
+        _table(
+            ["NODE", "STATE", "SANDBOXES", "VIOLATIONS", "CONFLICTS", "EXCLUSIVE", "HEARTBEAT"],
+            [[r["node"], r["state"], r["sandboxes"], r["violations"], r["conflicts"],
+              r["exclusive_cpus"],
+              None if r["heartbeat_age"] is None else f"{r['heartbeat_age']:.0f}s ago"]
+             for r in rows],
+        )
+        for r in rows:
+            for c in r["conflict_list"]:
+                typer.echo(f"{r['node']}: conflict: {c}")
+    if any(r["state"] != "clean" for r in rows):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -1,0 +1,247 @@
+"""The agent's link to Kubernetes: live per-pod policy, Events on pods, the node's report.
+
+Imported by the agent only when the API is configured (:func:`configured`): it imports
+:mod:`vmpin.runtimes.kubeapi`, hence the ``kubernetes`` client (335 ms here).  It owns:
+
+- the pods bound to this node as the watch last saw them, and their policy annotations
+  (:mod:`vmpin.core.podpolicy`): when a pod's policy annotations change, its sandboxes are
+  queued at once (the agent's queue holds work back ``holdoff`` = 0.1 s at most), so the
+  re-plan lands well within a second; annotations it cannot use become a log line and a
+  ``BadAnnotation`` Event, and the node default applies to that setting;
+- turning each sandbox pass into Events (``Pinned``, ``Repinned``, ``DriftRepaired``,
+  ``Conflict``, ``CouldNotPin``, ``BadAnnotation``; aggregated by :class:`EventRecorder`);
+- the NodePinning status built from the passes (:class:`NodeReport` rate-limits its writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.planner import exclusive_cpus
+from vmpin.core.podpolicy import is_policy_key, parse
+from vmpin.reconcile.reconciler import SandboxReport
+from vmpin.runtimes import kubeapi
+from vmpin.runtimes.kubeapi import EventRecorder, NodeReport, Pod, PodRef, PodWatch, Publisher
+from vmpin.state.store import SandboxRec
+
+log = logging.getLogger("vmpin.kube")
+
+
+def configured(kubeconfig: str | None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether any API credentials are in sight (checked without importing the client)."""
+    env = os.environ if env is None else env
+    if kubeconfig:
+        return True
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return True
+    path = env.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    return os.path.exists(path)
+
+
+def _policy_annotations(pod: Pod | None) -> dict[str, str] | None:
+    if pod is None:
+        return None
+    return {k: v for k, v in pod.annotations.items() if is_policy_key(k)}
+
+
+class KubeLink:
+    def __init__(
+        self,
+        api: Any,
+        node: str,
+        *,
+        notify: Callable[[list[str]], int],
+        sandboxes_of_pod: Callable[[str], list[str]],
+        watch_timeout: int = 60,
+        event_interval: float = 10.0,
+        report_interval: float = 3.0,
+        heartbeat: float = 60.0,
+    ) -> None:
+        self.node = node
+        self.notify = notify
+        self.sandboxes_of_pod = sandboxes_of_pod
+        self.watch = PodWatch(api, node, self._on_pod, self._on_relist,
+                              timeout_seconds=watch_timeout)
+        self.events = EventRecorder(api, f"vmpin-{node}"[:128], interval=event_interval)
+        self.report = NodeReport(api, node, min_interval=report_interval, heartbeat=heartbeat)
+        self.publisher = Publisher(self.events, self.report)
+        self._lock = threading.Lock()
+        self._pods: dict[str, Pod] = {}
+        self._sandboxes: dict[str, dict[str, Any]] = {}
+        self._masks: dict[str, CpuSet] = {}
+        self._containers: dict[str, list[dict[str, Any]]] = {}
+        self._conflicts: dict[str, list[str]] = {}
+        self._errors: dict[str, int] = {}
+        self._pinned_once: set[str] = set()
+        #: pod uid -> monotonic time its policy annotations last changed (for re-plan latency)
+        self.changed_at: dict[str, float] = {}
+        self.replans = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self.watch.start()
+        self.publisher.start()
+
+    def stop(self) -> None:
+        self.watch.stop()
+        self.publisher.stop()
+
+    # -- pods ------------------------------------------------------------------------
+    def annotations_for(self, pod_uid: str) -> Mapping[str, str] | None:
+        """The pod's annotations as the API last showed them (None: not seen there)."""
+        with self._lock:
+            pod = self._pods.get(pod_uid)
+        return None if pod is None else pod.annotations
+
+    def _on_pod(self, kind: str, pod: Pod) -> None:
+        with self._lock:
+            old = self._pods.get(pod.uid)
+            if kind == "DELETED":
+                self._pods.pop(pod.uid, None)
+            else:
+                self._pods[pod.uid] = pod
+        if kind == "DELETED":
+            self.events.forget(pod.uid)
+            return
+        before, after = _policy_annotations(old), _policy_annotations(pod)
+        if before == after:
+            return
+        _, problems = parse(after or {})
+        ref = PodRef(pod.namespace, pod.name, pod.uid)
+        for p in problems:
+            log.warning("pod %s/%s: %s", pod.namespace, pod.name, p)
+            self.events.record(ref, "BadAnnotation", str(p), type="Warning", action="Plan")
+        sids = self.sandboxes_of_pod(pod.uid)
+        if sids:
+            self.changed_at[pod.uid] = time.monotonic()
+            self.replans += 1
+            self.notify(sids)
+
+    def _on_relist(self, uids: set[str]) -> None:
+        with self._lock:
+            gone = [u for u in self._pods if u not in uids]
+            for u in gone:
+                del self._pods[u]
+        for u in gone:
+            self.events.forget(u)
+
+    # -- passes -> Events and the report ------------------------------------------------
+    def after_pass(self, rec: SandboxRec, r: SandboxReport, *, drift: bool) -> None:
+        sid = rec.id
+        if r.vanished:
+            self.forget_sandbox(sid)
+            return
+        ref = None
+        if rec.pod_uid and rec.pod_name and rec.pod_namespace:
+            ref = PodRef(rec.pod_namespace, rec.pod_name, rec.pod_uid)
+        pinned = [t for t in r.threads if t.action == "pinned"]
+        cgroups = sum(1 for d in r.cgroup_drift if d.get("repaired"))
+        errors = list(r.errors) + [f"tid {t.tid}: {t.error}" for t in r.threads
+                                   if t.action == "error"]
+        policy = r.policy
+        conflicts = []
+        if policy is not None and "shared with other sandboxes" in r.reason and (
+            policy.vcpus == "1to1" or policy.cpuset == "exclusive"
+        ):
+            conflicts.append(f"sandbox {sid}: asks for exclusive CPUs but {r.reason}")
+        if ref is not None:
+            what = f"{r.mode} on CPUs {r.mask.to_list() or '-'} ({r.reason})"
+            if errors:
+                self.events.record(ref, "CouldNotPin", "; ".join(errors), type="Warning",
+                                   action="Pin")
+            if conflicts:
+                self.events.record(ref, "Conflict", conflicts[0], type="Warning", action="Plan")
+            if pinned or cgroups:
+                n = len(pinned) + cgroups
+                if drift:
+                    reason = "DriftRepaired"
+                    note = f"{n} thread(s)/cgroup(s) had drifted and were put back: {what}"
+                elif sid in self._pinned_once:
+                    reason, note = "Repinned", f"re-pinned after an update: {what}"
+                else:
+                    reason, note = "Pinned", f"pinned: {what}"
+                self.events.record(ref, reason, note, action="Pin")
+                self._pinned_once.add(sid)
+            if r.policy_source == "oci":
+                for p in r.policy_problems:
+                    self.events.record(ref, "BadAnnotation", p, type="Warning", action="Plan")
+        entry: dict[str, Any] = {"id": sid, "runtime": r.runtime, "mask": r.mask.to_list(),
+                                 "mode": r.mode, "reason": r.reason}
+        if ref is not None:
+            entry["pod"] = {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid}
+        if policy is not None:
+            entry["policy"] = {"vcpus": policy.vcpus, "helpers": policy.helpers,
+                               "guest": policy.guest, "cpuset": policy.cpuset,
+                               "source": r.policy_source}
+        counts: dict[str, int] = {}
+        for t in r.threads:
+            if t.desired is not None and t.actual is not None and not t.violates():
+                counts[t.role] = counts.get(t.role, 0) + 1
+        entry["pinned"] = counts
+        if errors:
+            entry["errors"] = errors[:20]
+        with self._lock:
+            self._sandboxes[sid] = entry
+            self._masks[sid] = r.mask
+            self._errors[sid] = len(errors)
+            self._conflicts[sid] = conflicts
+            self._containers[sid] = [
+                {"id": c.id, "sandbox": sid, "name": c.name or "",
+                 "cpus": "" if c.cpus is None else c.cpus.to_list()}
+                for c in r.containers if r.runtime == "runc" and not c.is_sandbox
+            ]
+        self.report.set(self.status())
+
+    def forget_sandbox(self, sid: str) -> None:
+        with self._lock:
+            for d in (self._sandboxes, self._masks, self._containers, self._conflicts,
+                      self._errors):
+                d.pop(sid, None)
+            self._pinned_once.discard(sid)
+        self.report.set(self.status())
+
+    def status(self) -> dict[str, Any]:
+        """The NodePinning status (deploy/crd.yaml) from the latest pass over each sandbox."""
+        with self._lock:
+            sandboxes = [self._sandboxes[s] for s in sorted(self._sandboxes)]
+            conflicts = [c for s in sorted(self._conflicts) for c in self._conflicts[s]]
+            errors = sum(self._errors.values())
+            containers = [c for s in sorted(self._containers) for c in self._containers[s]]
+            exclusive = CpuSet.union_all(exclusive_cpus(self._masks).values())
+        kinds = {k: v for k, v in (("error", errors), ("conflict", len(conflicts))) if v}
+        return {
+            "observedTime": kubeapi.rfc3339(),
+            "sandboxCount": len(sandboxes),
+            "conflictCount": len(conflicts),
+            "exclusiveCpus": exclusive.to_list(),
+            "sandboxes": sandboxes,
+            "containers": containers,
+            "conflicts": conflicts,
+            "audit": {"ok": not kinds, "violations": errors + len(conflicts), "kinds": kinds,
+                      "time": kubeapi.rfc3339()},
+        }
+
+
+def connect_link(
+    kubeconfig: str | None,
+    node: str,
+    *,
+    notify: Callable[[list[str]], int],
+    sandboxes_of_pod: Callable[[str], list[str]],
+    **kw: Any,
+) -> KubeLink | None:
+    """A started link, or None (logged once) when there are no credentials after all."""
+    api = kubeapi.connect(kubeconfig)
+    if api is None:
+        log.warning("no Kubernetes API credentials: per-pod policy from OCI annotations only;"
+                    " no Events, no NodePinning report")
+        return None
+    link = KubeLink(api, node, notify=notify, sandboxes_of_pod=sandboxes_of_pod, **kw)
+    link.start()
+    return link
