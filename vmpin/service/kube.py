@@ -78,7 +78,8 @@ class KubeLink:
         self._containers: dict[str, list[dict[str, Any]]] = {}
         self._conflicts: dict[str, list[str]] = {}
         self._errors: dict[str, int] = {}
-        self._pinned_once: set[str] = set()
+        #: sandboxes this agent has planned before (a later pass that writes = Repinned)
+        self._seen: set[str] = set()
         #: pod uid -> monotonic time its policy annotations last changed (for re-plan latency)
         self.changed_at: dict[str, float] = {}
         self.replans = 0
@@ -162,15 +163,15 @@ class KubeLink:
                 if drift:
                     reason = "DriftRepaired"
                     note = f"{n} thread(s)/cgroup(s) had drifted and were put back: {what}"
-                elif sid in self._pinned_once:
-                    reason, note = "Repinned", f"re-pinned after an update: {what}"
+                elif sid in self._seen:
+                    reason, note = "Repinned", f"re-pinned after a change: {what}"
                 else:
                     reason, note = "Pinned", f"pinned: {what}"
                 self.events.record(ref, reason, note, action="Pin")
-                self._pinned_once.add(sid)
             if r.policy_source == "oci":
                 for p in r.policy_problems:
                     self.events.record(ref, "BadAnnotation", p, type="Warning", action="Plan")
+        self._seen.add(sid)
         entry: dict[str, Any] = {"id": sid, "runtime": r.runtime, "mask": r.mask.to_list(),
                                  "mode": r.mode, "reason": r.reason}
         if ref is not None:
@@ -203,7 +204,7 @@ class KubeLink:
             for d in (self._sandboxes, self._masks, self._containers, self._conflicts,
                       self._errors):
                 d.pop(sid, None)
-            self._pinned_once.discard(sid)
+            self._seen.discard(sid)
         self.report.set(self.status())
 
     def status(self) -> dict[str, Any]:
