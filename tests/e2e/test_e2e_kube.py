@@ -134,6 +134,10 @@ def test_annotation_change_through_the_api(
             assert bad["type"] == "Warning" and "sideways" in bad["note"]
             assert wait_until(lambda: one_to_one(q), 10), vcpu_affinity(q)
             assert server.rejected == []  # every object the agent wrote passed validation
+            # the agent needed nothing deploy/rbac.yaml does not grant (vmpin cluster: the view)
+            assert server.rbac_denials(["vmpin-agent", "vmpin-cluster-view"]) == []
+            assert any("nodepinnings needs" in d and "list" in d
+                       for d in server.rbac_denials(["vmpin-agent"]))  # the agent lists nothing
         finally:
             assert agent.stop() == 0
     assert "Kubernetes API connected" in (tmp_path / "agent.log").read_text()

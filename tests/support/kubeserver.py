@@ -203,6 +203,25 @@ class KubeServer:
         with self.cond:
             return [code for m, p, code in self.requests if m == method and p.startswith(path)]
 
+    def rbac_denials(self, roles: list[str]) -> list[str]:
+        """Requests served so far that the named ClusterRoles of deploy/rbac.yaml do not allow."""
+        granted: set[tuple[str, str, str]] = set()
+        for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text()):
+            if doc["kind"] == "ClusterRole" and doc["metadata"]["name"] in roles:
+                for rule in doc["rules"]:
+                    for g in rule["apiGroups"]:
+                        for r in rule["resources"]:
+                            for v in rule["verbs"]:
+                                granted.add((g, r, v))
+        out = []
+        with self.cond:
+            requests = list(self.requests)
+        for method, path, _ in requests:
+            need = _rbac_need(method, path)
+            if need is None or need not in granted:
+                out.append(f"{method} {path} needs {need}")
+        return out
+
     # -- serving ------------------------------------------------------------------------
     def start(self) -> str:
         server = self
@@ -242,6 +261,28 @@ def serving(tmp_path: Path, **kw: Any) -> Iterator[tuple[KubeServer, Path]]:
         yield server, server.kubeconfig(tmp_path / f"kubeconfig-{uuid.uuid4().hex[:8]}", url)
     finally:
         server.stop()
+
+
+def _rbac_need(method: str, path: str) -> tuple[str, str, str] | None:
+    """(apiGroup, resource, verb) a request needs, as the apiserver's authorizer sees it."""
+    watch = path.endswith("?watch")
+    parts = path.split("?")[0].strip("/").split("/")
+    if parts[:2] == ["api", "v1"]:
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis":
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    resource = rest[0]
+    named = len(rest) > 1
+    if len(rest) > 2:
+        resource += "/" + rest[2]
+    verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method)
+    if verb is None:
+        verb = "watch" if watch else ("get" if named else "list")
+    return group, resource, verb
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
