@@ -82,7 +82,11 @@ def env(paths: HostPaths) -> dict[str, str]:
         VMPIN_RUNC_ROOT=paths.runc_root,
         VMPIN_KUBELET_STATE=paths.kubelet_state,
         VMPIN_PUBLISH_DIR=paths.publish_dir,
+        # no Kubernetes API unless a test brings its own (tests/support/kubeserver.py)
+        KUBECONFIG=str(Path(paths.state_dir) / "no-kubeconfig"),
     )
+    for key in ("KUBERNETES_SERVICE_HOST", "VMPIN_KUBECONFIG"):
+        e.pop(key, None)
     return e
 
 

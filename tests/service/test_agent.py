@@ -375,6 +375,8 @@ def test_serve_status_socket_metrics_and_clean_sigterm(
     lines = agent.log.read_text().splitlines()
     events = [json.loads(line)["event"] for line in lines]
     assert events[0] == "agent started" and events[-1] == "agent stopped"
+    # no credentials here: the agent runs as before and says so exactly once
+    assert sum(e.startswith("no Kubernetes API configured") for e in events) == 1
     assert all({"ts", "level", "event"} <= set(json.loads(line)) for line in lines)
 
 
