@@ -131,3 +131,22 @@ def test_containerd_runc_base_spec_runs_under_runc(runc: RuncSession, tmp_path: 
     seen = {p.stem: json.loads(p.read_text()) for p in rec.glob("*.json")}
     assert set(seen) == set(spec["hooks"])
     assert seen["createRuntime"]["pid"] == pid
+
+
+def test_annotation_passthrough_snippets_cover_the_vocabulary() -> None:
+    """containerd's pod_annotations globs and CRI-O's allowed_annotations let every key that
+    vmpin.core.podpolicy reads through (and parse as TOML)."""
+    import fnmatch
+
+    from vmpin.core.podpolicy import VOCABULARY
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    ctd = tomllib.loads((HOOKS / "containerd" / "pod-annotations.toml.snippet").read_text())
+    runtimes = ctd["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    crio = tomllib.loads((HOOKS / "crio" / "vmpin-annotations.conf").read_text())
+    for name in ("kata", "runc"):
+        globs = runtimes[name]["pod_annotations"]
+        allowed = crio["crio"]["runtime"]["runtimes"][name]["allowed_annotations"]
+        for key in VOCABULARY:
+            assert any(fnmatch.fnmatchcase(key, g) for g in globs), (name, key)
+            assert key in allowed, (name, key)

@@ -90,3 +90,23 @@ def test_concurrent_ingest_applies_each_event_once(paths: HostPaths, tmp_path: P
         ids = sorted(c.id for c in store.containers())
     assert ids == sorted(f"k{i}" for i in range(60) if i % 2 == 0)
     assert pending(paths.state_dir) == []
+
+
+def test_policy_annotations_are_kept_per_sandbox_until_it_goes(
+    paths: HostPaths, tmp_path: Path
+) -> None:
+    """The pod's vmpin.io/ and Crane annotations from the specs, merged over the sandbox's
+    containers; other annotations are not kept; forgetting the sandbox forgets them."""
+    ann = {**ANN, "vmpin.io/vcpus": "float", "unrelated/key": "x"}
+    for cid, extra in (("c1", {}), ("c2", {"qos.gocrane.io/cpu-manager": "share"})):
+        b = tmp_path / "bundles" / cid
+        b.mkdir(parents=True)
+        a = {**ann, **extra}
+        (b / "config.json").write_text(json.dumps({"annotations": a}))
+        state = parse_state(json.dumps({"id": cid, "bundle": str(b), "annotations": a}))
+        append(paths.state_dir, build(paths, "createRuntime", state))
+    with Store(paths.state_dir) as store:
+        assert store.policy_annotations("pod") == {
+            "vmpin.io/vcpus": "float", "qos.gocrane.io/cpu-manager": "share"}
+        store.delete_sandbox("pod")
+        assert store.policy_annotations("pod") == {}
