@@ -1,0 +1,54 @@
+"""Which policy each sandbox is planned with: its pod's, else the node's.
+
+A pod's policy annotations (the vocabulary: :mod:`vmpin.core.podpolicy`) come from two places:
+live from the Kubernetes API when the agent watches its pods (``api_annotations``, by pod
+uid), and from the OCI specs the hooks saw at create (kept per sandbox in the store).  The
+live view wins: it is what the operator set last.  A sandbox whose pod set nothing is
+planned with the node's policy.  Reading only: the store is not written here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from vmpin.core.planner import Policy
+from vmpin.core.podpolicy import policy_for
+from vmpin.state.store import Store
+
+
+class Resolved:
+    __slots__ = ("policy", "problems", "source")
+
+    def __init__(self, policy: Policy, source: str, problems: list[str]) -> None:
+        #: source: node | oci | api
+        self.policy, self.source, self.problems = policy, source, problems
+
+
+class PodPolicies:
+    """sandbox id -> :class:`Policy`; ``get`` makes it usable where a mapping is expected."""
+
+    def __init__(
+        self,
+        store: Store,
+        default: Policy,
+        api_annotations: Callable[[str], Mapping[str, str] | None] | None = None,
+    ) -> None:
+        self.store = store
+        self.default = default
+        self.api_annotations = api_annotations
+
+    def resolve(self, sandbox_id: str, pod_uid: str | None = None) -> Resolved:
+        if pod_uid is None and self.api_annotations is not None:
+            rec = self.store.sandbox(sandbox_id)
+            pod_uid = rec.pod_uid if rec is not None else None
+        ann = self.api_annotations(pod_uid) if self.api_annotations and pod_uid else None
+        source = "api"
+        if ann is None:
+            ann, source = self.store.policy_annotations(sandbox_id), "oci"
+        if not ann:
+            return Resolved(self.default, "node", [])
+        policy, problems = policy_for(ann, self.default)
+        return Resolved(policy, source, [str(p) for p in problems])
+
+    def get(self, sandbox_id: str, default: Policy | None = None) -> Policy:
+        return self.resolve(sandbox_id).policy
