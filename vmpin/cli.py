@@ -643,7 +643,7 @@ def cluster(ctx: typer.Context, kubeconfig: KubeconfigOpt = None, as_json: JsonO
         raise KubeError("no Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG)")
     rows = cluster_rows(kubeapi.list_reports(api), time.time())
     if as_json:
-        _emit(rows)
+        _emit(rows, "cluster")
     else:
         _table(
             ["NODE", "STATE", "SANDBOXES", "VIOLATIONS", "CONFLICTS", "EXCLUSIVE", "HEARTBEAT"],

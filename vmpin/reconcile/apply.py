@@ -194,10 +194,20 @@ class Applier:
                 store.mark_done(sp.id, s.record.gen)
             if self.publish and sp.guest_map is not None and (only is None or sp.id in only):
                 self._publish(sp.id, sp.guest_map)
+            elif self.publish and s.policy.guest == "off":
+                self._withdraw(sp.id)  # the pod turned guest pinning off: the guest stops
         # what vmpin recorded for VMMs that no longer run is of no use to anyone
         stale = [k for k in plan.originals if not any(k.startswith(prefix) for prefix in live_vmms)]
         if stale:
             store.delete_meta(stale)
+
+    def _withdraw(self, sandbox_id: str) -> None:
+        from vmpin.runtimes.publish import remove_map
+
+        try:
+            remove_map(self.paths, sandbox_id)
+        except VmpinError:
+            return
 
     def _publish(self, sandbox_id: str, guest_map: dict[str, Any]) -> None:
         try:

@@ -25,7 +25,7 @@ change to learn either.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from vmpin.core.cpuset import EMPTY, CpuSet
@@ -117,6 +117,10 @@ class SandboxObs:
     became_kata: bool = False
     notes: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    #: where ``policy`` came from: node | oci | api (vmpin.reconcile.podpolicies), and the
+    #: pod's annotations that could not be used
+    policy_source: str = "node"
+    policy_problems: tuple[str, ...] = ()
 
     @property
     def tracked(self) -> bool:
@@ -177,6 +181,9 @@ class Observer:
         self.policy_for = dict(policy_for or {})
         self.qmp_timeout = qmp_timeout
         self._checkpoint_cache: tuple[int, Checkpoint | None] | None = None
+        #: pod uid -> the pod's annotations from the Kubernetes API (None: not seen there);
+        #: set by the agent when the API is configured
+        self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
 
     # -- kubelet ---------------------------------------------------------------------------
     def checkpoint(self) -> tuple[Checkpoint | None, str | None]:
@@ -269,19 +276,29 @@ class Observer:
             # Recorded before its VM dir existed (hooks ran ahead of the VMM): it is Kata's.
             runtime, became_kata = "kata", True
         containers = tuple(self._container(c, runtime, cp) for c in store.containers(rec.id))
-        policy = self._policy(rec.id)
+        if rec.id in self.policy_for:
+            policy, source, problems = self.policy_for[rec.id], "node", tuple[str, ...]()
+        else:
+            from vmpin.reconcile.podpolicies import PodPolicies
+
+            r = PodPolicies(store, self.policy, self.api_annotations).resolve(rec.id, rec.pod_uid)
+            policy, source, problems = r.policy, r.source, tuple(r.problems)
         if runtime != "kata":
-            return SandboxObs(rec.id, runtime, policy, rec, containers, became_kata=became_kata)
+            return SandboxObs(
+                rec.id, runtime, policy, rec, containers, became_kata=became_kata,
+                policy_source=source, policy_problems=problems,
+            )  # fmt: skip
         try:
             vmm, gone, notes = self._vmm(store, rec, originals)
         except VmpinError as err:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
-                errors=(str(err),),
+                errors=(str(err),), policy_source=source, policy_problems=problems,
             )  # fmt: skip
         return SandboxObs(
-            rec.id, runtime, policy, rec, containers, vmm, gone, became_kata, tuple(notes)
-        )
+            rec.id, runtime, policy, rec, containers, vmm, gone, became_kata, tuple(notes),
+            policy_source=source, policy_problems=problems,
+        )  # fmt: skip
 
     # -- containers ----------------------------------------------------------------------------
     def _container(self, c: ContainerRec, runtime: str, cp: Checkpoint | None) -> ContainerObs:

@@ -410,7 +410,10 @@ def _plan_sandbox(
     from vmpin.core.guestmap import map_sandbox
 
     ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
-    guest_map = map_sandbox(plan, ctrs, topology, float_policy)
+    guest_map: dict[str, Any] | None = map_sandbox(plan, ctrs, topology, float_policy)
+    if s.policy.guest == "off":  # vmpin.io/guest-pinning: off -- nothing for the guest
+        guest_map = None
+        notes.append("guest pinning off: no guest map published")
     return _replace(
         base,
         mask=plan.mask,

@@ -24,7 +24,7 @@ from vmpin.state.store import SandboxRec, Store
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
     from typing import Any
 
     from vmpin.core.planner import Policy
@@ -58,6 +58,10 @@ class Reconciler:
         self.float_policy = float_policy
         self.publish = publish
         self._observer: Observer | None = None
+        #: pod uid -> the pod's annotations from the Kubernetes API (None = not known there);
+        #: the agent sets it when the API is configured, else the OCI annotations the hooks
+        #: recorded are used (vmpin.reconcile.podpolicies)
+        self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
         #: the last pass's plan (the agent's metrics and logs read its conflicts)
         self.last_plan: NodePlan | None = None
 
@@ -88,6 +92,7 @@ class Reconciler:
 
     # -- the pass ------------------------------------------------------------------------
     def observe(self) -> Observation:
+        self.observer.api_annotations = self.api_annotations
         return self.observer.observe(self.store)
 
     def plan(self, obs: Observation | None = None) -> NodePlan:
@@ -124,7 +129,13 @@ class Reconciler:
                 continue
             if sandbox_ids is not None and sp.id not in sandbox_ids:
                 continue
-            reports.append(sandbox_report(sp, applied))
+            report = sandbox_report(sp, applied)
+            report.conflicts = [
+                {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
+                for c in plan.conflicts
+                if sp.id in c.sandboxes()
+            ]
+            reports.append(report)
         if sandbox_ids is not None:
             order = {sid: i for i, sid in enumerate(sandbox_ids)}
             reports.sort(key=lambda r: order[r.id])

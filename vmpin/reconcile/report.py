@@ -16,7 +16,7 @@ TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.c
 if TYPE_CHECKING:
     from typing import Any
 
-    from vmpin.core.planner import Plan
+    from vmpin.core.planner import Plan, Policy
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.plan import SandboxPlan
 
@@ -98,6 +98,11 @@ class SandboxReport:
         self.guest_map: dict[str, Any] | None = None
         #: conflicts this sandbox is part of (invariant 5)
         self.conflicts: list[dict[str, Any]] = []
+        #: the policy this pass planned with, where it came from (node, oci, api), and the
+        #: pod's annotations it could not use (vmpin.reconcile.podpolicies)
+        self.policy: Policy | None = None
+        self.policy_source = "node"
+        self.policy_problems: list[str] = []
 
     @property
     def changed(self) -> int:
@@ -112,6 +117,8 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
     if report.vmm_pid is None and s.record is not None and s.record.vmm_start is not None:
         report.vmm_pid = s.record.vmm_pid
     report.mask, report.mode, report.reason = sp.mask, sp.mode, sp.reason
+    report.policy, report.policy_source = s.policy, s.policy_source
+    report.policy_problems = list(s.policy_problems)
     report.containers = [c.rec for c in sp.containers]
     report.plan, report.guest_map, report.vanished = sp.plan, sp.guest_map, sp.vanished
     report.notes = list(sp.notes)

@@ -155,6 +155,17 @@ class StatusView(View):
     ok: bool
 
 
+class ClusterNodeView(View):
+    node: str
+    state: Literal["clean", "violations", "conflicts", "stale"]
+    sandboxes: int
+    violations: int
+    conflicts: int
+    exclusive_cpus: CpuList
+    heartbeat_age: Optional[float] = Field(description="seconds since the agent last wrote")
+    conflict_list: list[str]
+
+
 VIEWS: dict[str, Any] = {
     "containers": RootModel[list[ContainerView]],
     "sandboxes": RootModel[list[SandboxView]],
@@ -165,6 +176,7 @@ VIEWS: dict[str, Any] = {
     "reconcile": RootModel[list[ReconcileItemView]],
     "update": UpdateView,
     "status": StatusView,
+    "cluster": RootModel[list[ClusterNodeView]],
 }
 
 

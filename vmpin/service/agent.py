@@ -58,7 +58,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vmpin import __version__
 from vmpin.core.errors import IdError, StateError, VmpinError
@@ -72,6 +72,9 @@ from vmpin.service.server import AgentRunning, ControlServer
 from vmpin.service.settings import Settings
 from vmpin.service.workers import FullPass, SandboxStat
 from vmpin.state.store import Store
+
+if TYPE_CHECKING:
+    from vmpin.service.kube import KubeLink
 
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WORKERS = 2
@@ -139,6 +142,8 @@ class Agent:
         self._tracked_cache: tuple[float, dict[str, tuple[str, int]]] | None = None
         #: sandboxes with stored changes no pass had planned when this agent started
         self._pending_at_start: set[str] = set()
+        #: the Kubernetes link (vmpin.service.kube) when the API is configured
+        self.kube: KubeLink | None = None
         self.metrics.track_state(self._snapshot)
         self.metrics.track_queue(self.queue.depth, self.queue.running)
 
@@ -235,6 +240,8 @@ class Agent:
         the socket and let the workers finish the sandbox they are on."""
         dropped = self.queue.drop_background()
         drained = self.queue.wait_idle(self.drain_timeout)
+        if self.kube is not None:
+            self.kube.stop()
         self._close_socket()
         self.queue.close()
         for t in self._workers:
@@ -396,6 +403,8 @@ class Agent:
         try:
             store = Store(self.paths.state_dir)
             reconciler = self.reconciler_factory(store)
+            # the live pod's annotations win over the OCI ones (once the API is attached)
+            reconciler.api_annotations = self._api_annotations
         except VmpinError as err:
             log_event(logging.ERROR, "worker cannot start", error=str(err))
             self.metrics.errors.labels("internal").inc()
@@ -422,6 +431,10 @@ class Agent:
                     self.queue.done(work.sandbox_id)
                     self._progress(work)
 
+    def _api_annotations(self, pod_uid: str) -> Mapping[str, str] | None:
+        kube = self.kube
+        return None if kube is None else kube.annotations_for(pod_uid)
+
     def _progress(self, work: Work) -> None:
         with self._lock:
             p = self._pass
@@ -440,6 +453,8 @@ class Agent:
             self._note_conflicts(reconciler)
             with self._lock:
                 self._stats.pop(sid, None)
+            if self.kube is not None:
+                self.kube.forget_sandbox(sid)
             return
         report = reconciler.reconcile_sandbox(rec)
         self._note_conflicts(reconciler)
@@ -448,7 +463,9 @@ class Agent:
         self.metrics.sandbox_pass.observe(end - t0)
         if work.first_event is not None:
             self.metrics.latency.observe(end - work.first_event)
-        self._account(work, rec.gen, rec.dirty, report)
+        drift = self._account(work, rec.gen, rec.dirty, report)
+        if self.kube is not None:
+            self.kube.after_pass(rec, report, drift=drift)
 
     def _note_conflicts(self, reconciler: Reconciler) -> None:
         """Invariant 5: conflicting exclusive claims are a metric and a log line, never merged."""
@@ -471,7 +488,7 @@ class Agent:
                 claimants=[c.first.to_json(), c.second.to_json()],
             )
 
-    def _account(self, work: Work, gen: int, dirty: bool, r: SandboxReport) -> None:
+    def _account(self, work: Work, gen: int, dirty: bool, r: SandboxReport) -> bool:
         """Metrics, bookkeeping and a log line for one sandbox pass."""
         # Drift = what a pass repaired that no stored change asked for.  A periodic pass over
         # a dirty sandbox is applying an update whose notification is still on its way; the
@@ -539,6 +556,7 @@ class Agent:
             drift=drift and bool(pinned_threads or cgroup_fixed or r.vanished),
             errors=errors,
         )
+        return drift
 
     # -- status and metrics ---------------------------------------------------------------------
     def _tracked(self) -> dict[str, tuple[str, int]]:
@@ -630,6 +648,8 @@ def serve(
     metrics_port: int = 9464,
     holdoff: float | None = None,
     env: Mapping[str, str] | None = None,
+    kubeconfig: str | None = None,
+    node_name: str | None = None,
 ) -> int:
     """Run the agent in the foreground until SIGTERM/SIGINT; the process exit code.
 
@@ -663,7 +683,50 @@ def serve(
     except AgentRunning as err:
         log_event(logging.ERROR, "refusing to start", error=str(err))
         raise
+    try:
+        # after start: the pod watch's first list re-queues every pod's sandboxes, so the
+        # start-up pass needs no API; a bad kubeconfig stops the agent with one line
+        attach_kube(agent, kubeconfig, node_name, os.environ if env is None else env)
+    except VmpinError:
+        agent.request_stop()
+        agent.shutdown()
+        raise
     return agent.run()
+
+
+def attach_kube(
+    agent: Agent,
+    kubeconfig: str | None,
+    node_name: str | None,
+    env: Mapping[str, str],
+    **kw: Any,
+) -> None:
+    """Connect the agent to the Kubernetes API when it is configured; say once when not.
+
+    The client is imported only here, only when credentials are in sight (it costs 335 ms).
+    """
+    from vmpin.service.kube import configured
+
+    if not configured(kubeconfig, env):
+        log_event(logging.INFO, "no Kubernetes API configured: per-pod policy from OCI annotations"
+             " only; no Events, no NodePinning report")
+        return
+    import socket
+
+    from vmpin.service.kube import connect_link
+
+    node = node_name or env.get("NODE_NAME") or socket.gethostname()
+    paths = agent.paths
+
+    def sandboxes_of_pod(uid: str) -> list[str]:
+        with Store(paths.state_dir, ingest=False) as store:
+            return [s.id for s in store.sandboxes() if s.pod_uid == uid]
+
+    agent.kube = connect_link(
+        kubeconfig, node, notify=agent.notify, sandboxes_of_pod=sandboxes_of_pod, **kw
+    )
+    if agent.kube is not None:
+        log_event(logging.INFO, "Kubernetes API connected", node=node)
 
 
 __all__ = [

@@ -146,7 +146,7 @@ class KubeLink:
         errors = list(r.errors) + [f"tid {t.tid}: {t.error}" for t in r.threads
                                    if t.action == "error"]
         policy = r.policy
-        conflicts = []
+        conflicts = [_conflict(c) for c in r.conflicts]
         if policy is not None and "shared with other sandboxes" in r.reason and (
             policy.vcpus == "1to1" or policy.cpuset == "exclusive"
         ):
@@ -227,6 +227,13 @@ class KubeLink:
             "audit": {"ok": not kinds, "violations": errors + len(conflicts), "kinds": kinds,
                       "time": kubeapi.rfc3339()},
         }
+
+
+def _conflict(c: Mapping[str, Any]) -> str:
+    """One line for a node-plan conflict: the CPUs and both claimants."""
+    who = [f"pod {x.get('pod')} container {x.get('container')} ({x.get('source')})"
+           for x in c.get("claimants", [])]
+    return f"CPUs {c.get('cpus')} claimed as exclusive by " + " and ".join(who)
 
 
 def connect_link(
