@@ -239,8 +239,22 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
     pods = {s.id: _pod(s) for s in obs.sandboxes}
     masks: dict[str, CpuSet] = {}
     footprint: dict[str, CpuSet] = {}
+    # Crane's cpu-manager "exclusive" (vmpin.core.podpolicy): other sandboxes' threads are
+    # kept off the pod's CPUs while they have CPUs of their own left (runc containers are not
+    # moved: their cpuset is kubelet's to decide).
+    crane = {
+        s.id: CpuSet.union_all(r.cpus for r in live[s.id] if r.cpus is not None)
+        for s in obs.sandboxes
+        if s.policy.cpuset == "exclusive" and s.runtime != "runc"
+    }
+    kept_off: dict[str, CpuSet] = {}
     for s in obs.sandboxes:
         mask = CpuSet.union_all(r.cpus for r in live[s.id] if r.cpus is not None)
+        if s.runtime != "runc":
+            off = CpuSet.union_all(m for o, m in crane.items() if o != s.id)
+            if mask & off and mask - off:
+                kept_off[s.id] = mask & off
+                mask = mask - off
         masks[s.id] = mask
         if s.runtime == "runc":
             runs = any(c.obs.tasks for c in cplans[s.id])
@@ -253,7 +267,9 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
         elif s.vmm is None:
             footprint[s.id] = EMPTY  # nothing runs
         else:
-            footprint[s.id] = mask or pool or online
+            fp = mask or pool or online
+            off = CpuSet.union_all(m for o, m in crane.items() if o != s.id)
+            footprint[s.id] = (fp - off) or fp
 
     exclusive, conflicts = _claims(obs, live, pods, pool)
     conflicted = {sid for c in conflicts for sid in c.sandboxes()}
@@ -283,6 +299,12 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
                 conflicted,
             )
         )
+    plans = [
+        _replace(p, notes=(*p.notes, f"CPUs {kept_off[p.id]} kept free for a pod with"
+                           " qos.gocrane.io/cpu-manager: exclusive"))
+        if p.id in kept_off else p
+        for p in plans
+    ]
     problems = check_node(plans, exclusive, pods)
     return NodePlan(
         tuple(plans),
