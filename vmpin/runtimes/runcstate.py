@@ -112,7 +112,9 @@ def runc_cpus(paths: HostPaths, container_id: str) -> str | None:
         try:
             return CpuSet.parse_kernel(value, _nr_cpu_ids(paths)).to_list()
         except CpuSetError as err:
-            raise RuntimeKindError(f"runc state {path}: config.cgroups.cpuset_cpus: {err}") from None
+            raise RuntimeKindError(
+                f"runc state {path}: config.cgroups.cpuset_cpus: {err}"
+            ) from None
     # "" after an update that did not touch the cpuset, or never set: the cgroup decides.
     cpus = _cgroup_cpus(paths, container_id)
     return "" if cpus is None else cpus.to_list()
