@@ -239,7 +239,8 @@ KUBELET_REFUSES = [
     ),
     (
         "v4 without a data section",
-        '{"policyName": "static", "defaultCPUSet": "7-9", "checksum": 1942532442, "dataChecksum": 1234}',
+        '{"policyName": "static", "defaultCPUSet": "7-9", "checksum": 1942532442, '
+        '"dataChecksum": 1234}',
         "'data'",
     ),
     (

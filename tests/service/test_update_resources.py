@@ -1,4 +1,4 @@
-"""``vmpin update``'s reading of its input: ``-r`` as runc decodes it, ``--cpuset-cpus`` strictly."""
+"""``vmpin update``'s input: ``-r`` read as runc decodes it, ``--cpuset-cpus`` read strictly."""
 
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ The rules, and the failure each one prevents:
   the sandbox floats over kubelet's shared pool when that is known, and is otherwise left
   exactly as the runtime made it (mode ``none``): vmpin does not invent a placement.
 - **vCPUs 1:1** (guest vCPU pairs (2k, 2k+1) on host SMT pairs whenever the mask allows, lone
-  threads last: :meth:`Topology.place_vcpus`) only when every CPU they would own belongs to this sandbox alone.  A CPU
-  that is also in another sandbox's mask (the shared pool) is never pinned 1:1: two sandboxes'
-  vCPUs pinned 1:1 on one CPU halve both (Kata's NUMA pinning did that, 0.53x each).
+  threads last: :meth:`Topology.place_vcpus`) only when every CPU they would own belongs to
+  this sandbox alone.  A CPU that is also in another sandbox's mask (the shared pool) is
+  never pinned 1:1: two sandboxes' vCPUs pinned 1:1 on one CPU halve both (Kata's NUMA
+  pinning did that, 0.53x each).
 - **Counts.**  #vCPUs == |mask|: full 1:1.  #vCPUs > |mask| (Kata adds a vCPU per container
   CPU on top of its boot vCPUs): ``partial`` -- the *last* |mask| vCPUs, the ones hot-plugged
   for the containers, are pinned 1:1 and the boot vCPUs float over the mask, so every

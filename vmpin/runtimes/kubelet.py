@@ -368,7 +368,7 @@ def _dump(
     policy: str,
     default: str,
     entries: dict[str, Any] | None,
-    pods: dict[str, Any] | None | bool = False,
+    pods: dict[str, Any] | bool | None = False,
 ) -> str:
     """go-spew's ``%#v`` of a ``*state.<name>`` (v2, or v3 when ``pods`` is given)."""
     inner = _spew_map(entries, lambda m: _spew_map(m, str))

@@ -21,7 +21,9 @@ The CPU list is at ``config.cgroups.cpuset_cpus``: runc's ``configs.Cgroup`` emb
 ``*Resources`` without a JSON name, so the resource fields sit inline, not under a
 ``resources`` key.  ``runc update --cpuset-cpus 1`` changes it to ``"1"`` (and, as a side
 effect of runc 1.1, resets ``cpuset_mems`` to ``""`` when ``--cpuset-mems`` is not given; the
-cgroup's own cpuset.mems stays).  ``""`` does not mean "no CPU set": ``runc update --memory 64M CTR`` (any update without
+cgroup's own cpuset.mems stays).
+
+``""`` does not mean "no CPU set": ``runc update --memory 64M CTR`` (any update without
 ``--cpuset-cpus``) rewrites the state with ``cpuset_cpus: ""`` while the cgroup keeps its CPUs
 (runc skips empty fields when writing the cgroup), and a container created without a cpuset
 inherited its parent's.  Either way the cgroup is the truth, so :func:`runc_cpus` reads it
