@@ -327,6 +327,12 @@ _V2_NAMES = ("CPUManagerCheckpoint", "CPUManagerCheckpointV2")
 _V3_NAMES = ("CPUManagerCheckpoint", "CPUManagerCheckpointV3")
 
 
+def v2_checksum(policy: str, default: str, entries: dict[str, dict[str, str]]) -> int:
+    """The ``checksum`` kubelet writes into a v2 checkpoint with these fields (for tests and
+    tools that stand in for kubelet; vmpin itself never writes the file)."""
+    return fnv32a(_dump("CPUManagerCheckpoint", policy, default, entries))
+
+
 def fnv32a(text: str) -> int:
     """FNV-1a, 32 bits (Go's hash/fnv New32a), over the text's UTF-8 bytes."""
     h = 0x811C9DC5
