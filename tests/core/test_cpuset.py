@@ -405,3 +405,65 @@ def test_input_iterable_copied() -> None:
     source.append(3)
     assert s.sorted() == [1, 2]
     assert CpuSet(x for x in (4, 5)).sorted() == [4, 5]
+
+
+# -- the kernel's grammar (lib/bitmap-str.c bitmap_parselist), for what runtimes stored -------
+KERNEL_ACCEPTS = [
+    ("0-7:2/4", None, "0-1,4-5"),  # stride: 2 used of every 4
+    ("0-15:1/8", None, "0,8"),
+    ("1,,0", None, "0-1"),  # empty groups are skipped
+    (",3,", None, "3"),
+    (" 2 5\t7 ", None, "2,5,7"),  # whitespace separates groups too
+    ("0-3\n", None, "0-3"),  # the newline the kernel prints
+    ("1\n2", None, "1"),  # and a newline ends the list
+    ("", None, ""),
+    ("N", 8, "7"),  # N: the last CPU (nr_cpu_ids - 1)
+    ("4-N", 8, "4-7"),
+    ("0-N:1/2", 8, "0,2,4,6"),
+    ("all", 4, "0-3"),
+    ("ALL:1/2", 4, "0,2"),
+    ("007", None, "7"),
+]
+
+
+@pytest.mark.parametrize(("text", "nbits", "want"), KERNEL_ACCEPTS)
+def test_parse_kernel_accepts_what_the_kernel_accepts(
+    text: str, nbits: int | None, want: str
+) -> None:
+    got = CpuSet.parse_kernel(text, nbits)
+    assert got == CpuSet.parse(want)
+    assert got.to_list() == want  # written back in the one normal form
+
+
+KERNEL_REFUSES = [
+    ("3-1", None, "backwards"),
+    ("1-", None, "expected a number"),
+    ("-1", None, "expected a number"),
+    ("+1", None, "expected a number"),
+    ("0x3", None, "unexpected 'x'"),
+    ("0-7:2", None, "used/group"),
+    ("0-7:3/2", None, "stride 3/2"),
+    ("0-7:1/0", None, "stride 1/0"),
+    ("N", None, "needs the CPU count"),
+    ("all", None, "needs the CPU count"),
+    ("8", 8, "beyond 7"),
+    ("99999999999", None, "overflows"),
+    ("1.5", None, "unexpected '.'"),
+]
+
+
+@pytest.mark.parametrize(("text", "nbits", "why"), KERNEL_REFUSES)
+def test_parse_kernel_refuses_what_the_kernel_refuses(
+    text: str, nbits: int | None, why: str
+) -> None:
+    with pytest.raises(CpuSetError) as info:
+        CpuSet.parse_kernel(text, nbits)
+    assert why in str(info.value)
+    assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["0-7:2/4", "1,,0", "N", " 1 2", "all"])
+def test_strict_parser_still_refuses_kernel_only_forms(text: str) -> None:
+    # user input (--cpuset-cpus) keeps the strict grammar: one clear error, not a guess
+    with pytest.raises(CpuSetError):
+        CpuSet.parse(text)

@@ -48,6 +48,27 @@ CASES = [
         {0: "8", 1: "64", 2: "9", 3: "65"},
     ),
     ("xeon-single-cpu", "xeon-gold-6258r-2s", "30", 1, "1:1", {0: "30"}),
+    # kubelet reserved CPU 0: 56 is a lone thread; guest pair (0,1) stays on core {1,57}
+    ("xeon-half-core", "xeon-gold-6258r-2s", "1,56,57", 3, "1:1", {0: "1", 1: "57", 2: "56"}),
+    ("4-core-half-core", "offline-isolated", "1,4,5", 3, "1:1", {0: "1", 1: "5", 2: "4"}),
+    # Kata: boot vCPU 0 floats, hot-plugged 1..4; guest pair (2,3) on host core {8,64}
+    (
+        "kata-boot-whole-cores",
+        "xeon-gold-6258r-2s",
+        "8-9,64-65",
+        5,
+        "partial",
+        {0: "8-9,64-65", 1: "9", 2: "8", 3: "64", 4: "65"},
+    ),
+    # Kata + half core: vCPU 1 (the boot vCPU's guest sibling) takes the lone thread
+    (
+        "kata-boot-half-core",
+        "xeon-gold-6258r-2s",
+        "1,56,57",
+        4,
+        "partial",
+        {0: "1,56-57", 1: "56", 2: "1", 3: "57"},
+    ),
     (
         "xeon-more-vcpus-partial",
         "xeon-gold-6258r-2s",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import random
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -237,9 +238,13 @@ def test_order_prefix(name: str, prefix: tuple[int, ...]) -> None:
 ORDERED_MASKS = [
     ("xeon-gold-6258r-2s", "28-29,84-85,0,56", [0, 56, 28, 84, 29, 85]),
     ("xeon-gold-6258r-2s", "100,44", [44, 100]),
-    ("amd-epyc-7313-2s", "4-5,32-33,36-37", [32, 33, 4, 36, 5, 37]),  # CCX by CCX
+    # whole cores CCX by CCX, then the lone threads 32 and 33 (siblings 0 and 1 not in the mask)
+    ("amd-epyc-7313-2s", "4-5,32-33,36-37", [4, 36, 5, 37, 32, 33]),
+    # kubelet reserved CPU 0: 56 is a lone thread and goes last
+    ("xeon-gold-6258r-2s", "1,56,57", [1, 57, 56]),
     ("no-smt-server", "15,0,8", [0, 8, 15]),
     ("offline-isolated", "0-5", [0, 4, 1, 5, 2, 3]),
+    ("offline-isolated", "1,4,5", [1, 5, 4]),  # the issue's 4-core part, CPU 0 reserved
     ("offline-isolated", "", []),
 ]
 
@@ -433,3 +438,64 @@ def test_cli_topology_fixture(env: dict[str, str], name: str) -> None:
             info.numa,
             info.siblings.to_list(),
         )
+
+
+# -- guest vCPU index -> host CPU ---------------------------------------------------------------
+# name, mask, pinned guest indices, expected map.  Guest pairs are (2k, 2k+1).
+PLACEMENTS = [
+    ("offline-isolated", "1,4,5", [0, 1, 2], {0: 1, 1: 5, 2: 4}),
+    ("xeon-gold-6258r-2s", "1,56,57", [0, 1, 2], {0: 1, 1: 57, 2: 56}),
+    # Kata: boot vCPU 0 floats; 1 pairs with it in the guest, so it takes the lone thread
+    ("xeon-gold-6258r-2s", "1,56,57", [1, 2, 3], {2: 1, 3: 57, 1: 56}),
+    # Kata, whole cores only: (2,3) on one core, 1 and 4 (guest-unpaired) share the other
+    ("xeon-gold-6258r-2s", "8-9,64-65", [1, 2, 3, 4], {2: 8, 3: 64, 1: 9, 4: 65}),
+    (
+        "amd-epyc-7313-2s",
+        "4-5,32-33,36-37",
+        list(range(6)),
+        {0: 4, 1: 36, 2: 5, 3: 37, 4: 32, 5: 33},
+    ),
+    ("no-smt-server", "15,0,8", [0, 1, 2], {0: 0, 1: 8, 2: 15}),
+]
+
+
+@pytest.mark.parametrize(("name", "mask", "indices", "want"), PLACEMENTS)
+def test_place_vcpus(name: str, mask: str, indices: list[int], want: dict[int, int]) -> None:
+    assert load(name).place_vcpus(indices, CpuSet.parse(mask)) == want
+
+
+def _best_pairs(topo: Topology, mask: CpuSet, indices: list[int]) -> int:
+    """How many guest pairs can sit on one host core at most."""
+    given = set(indices)
+    guest = sum(1 for i in given if i % 2 == 0 and i + 1 in given)
+    cores: dict[int, int] = {}
+    for cpu in mask:
+        cores[topo.cpus[cpu].core] = cores.get(topo.cpus[cpu].core, 0) + 1
+    return min(guest, sum(n // 2 for n in cores.values()))
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+@pytest.mark.parametrize("boot", [0, 1, 2])
+def test_pairs_stay_on_cores_for_every_mask_shape(name: str, boot: int) -> None:
+    topo = load(name)
+    rng = random.Random(f"{name}-{boot}")
+    online = topo.online.sorted()
+    for _ in range(200):
+        mask = CpuSet(rng.sample(online, rng.randint(1, min(len(online), 12))))
+        indices = list(range(boot, boot + len(mask)))
+        placed = topo.place_vcpus(indices, mask)
+        assert sorted(placed) == indices
+        assert CpuSet(placed.values()) == mask  # one CPU each, all of the mask
+        on_core = sum(
+            1
+            for i in indices
+            if i % 2 == 0
+            and i + 1 in placed
+            and topo.cpus[placed[i]].core == topo.cpus[placed[i + 1]].core
+        )
+        assert on_core == _best_pairs(topo, mask, indices), (mask, boot, placed)
+
+
+def test_place_vcpus_refuses_a_count_mismatch() -> None:
+    with pytest.raises(TopologyError):
+        load("no-smt-server").place_vcpus([0, 1], CpuSet.parse("0-2"))

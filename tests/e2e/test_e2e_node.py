@@ -20,6 +20,7 @@ import pytest
 
 from tests.e2e.test_e2e_kata import Kata, affinities, qemu, sid, thread_names
 from tests.service.test_agent import AgentProc
+from tests.support.kubelet_util import write_checkpoint
 from tests.support.qemu_util import QemuHandle
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
@@ -182,9 +183,7 @@ def test_conflict_is_reported_with_both_claimants(
     a = qemu(sid("cfa"), smp=1)
     b = qemu(sid("cfb"), smp=1)
     x, y = f"x-{uuid.uuid4().hex[:6]}", f"y-{uuid.uuid4().hex[:6]}"
-    Path(paths.kubelet_state).write_text(json.dumps(
-        {"policyName": "static", "defaultCpuSet": "0",
-         "entries": {f"uid-{a.sandbox_id}": {f"ctr-{x}": "1"}}, "checksum": 1}))
+    write_checkpoint(paths.kubelet_state, "0", {f"uid-{a.sandbox_id}": {f"ctr-{x}": "1"}})
     kata.create_sandbox(a)
     kata.create_container(a, x, "1")
     kata.create_sandbox(b)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import vmpin_cmd
+from tests.support.kubelet_util import checkpoint_text, write_checkpoint
 from tests.support.runc_util import RuncSession, missing, new_id
 from vmpin.linux.paths import HostPaths
 
@@ -208,8 +209,7 @@ def test_kubelet_checkpoint_changes_are_adopted(
 
     def write(default: str, entry: str | None) -> None:
         entries = {"uid-k": {"app": entry}} if entry else {}
-        checkpoint.write_text(json.dumps({"policyName": "static", "defaultCpuSet": default,
-                                          "entries": entries, "checksum": 1}))
+        write_checkpoint(checkpoint, default, entries)
 
     write("0-1", "1")
     pid = runc.run(cid, cpus="1", annotations=ann)
@@ -219,4 +219,5 @@ def test_kubelet_checkpoint_changes_are_adopted(
     assert containers(env)[cid]["cpus"] == "0"
     assert containers(env)[cid]["cpus_source"] == "kubelet"
     assert allowed(pid) == "0" and cgroup_cpus(cid) == "0"
-    assert json.loads(checkpoint.read_text())["checksum"] == 1  # never written by vmpin
+    written = checkpoint_text("1", {"uid-k": {"app": "0"}})
+    assert checkpoint.read_text() == written  # never written by vmpin

@@ -199,6 +199,12 @@ CONFIGS = [
     ("null resources", json.dumps({"linux": {"resources": None}}), None, None),
     ("no linux", json.dumps({"ociVersion": "1.0.2"}), None, None),
     ("empty object", "{}", None, None),
+    # forms the kernel accepts (bitmap_parselist) and runc passes to it verbatim
+    ("trailing comma", _spec({"cpus": "0,"}), "0", None),
+    ("empty group", _spec({"cpus": "1,,0"}), "0-1", None),
+    ("stride", _spec({"cpus": "0-7:2/4"}), "0-1,4-5", None),
+    # runc decodes with Go's encoding/json: keys match case-insensitively
+    ("keys in other case", json.dumps({"Linux": {"RESOURCES": {"CPU": {"Cpus": "3"}}}}), "3", None),
 ]
 
 
@@ -219,7 +225,8 @@ def test_parse_config_annotations() -> None:
 INVALID_CONFIGS = [
     ("backwards cpus", _spec({"cpus": "9-2"}), "linux.resources.cpu.cpus"),
     ("open range", _spec({"cpus": "1-"}), "linux.resources.cpu.cpus"),
-    ("trailing comma", _spec({"cpus": "0,"}), "linux.resources.cpu.cpus"),
+    ("only commas", _spec({"cpus": ","}), "linux.resources.cpu.cpus"),
+    ("needs the CPU count", _spec({"cpus": "0-N"}), "linux.resources.cpu.cpus"),
     ("cpus number", _spec({"cpus": 3}), "linux.resources.cpu.cpus"),
     ("cpus list", _spec({"cpus": ["0"]}), "linux.resources.cpu.cpus"),
     ("mems number", _spec({"mems": 0}), "linux.resources.cpu.mems"),
@@ -287,7 +294,24 @@ RESOURCES = [
     ("cpu null", {"cpu": None}, None, None),
     ("memory only", {"memory": {"limit": 1}}, None, None),
     ("empty", {}, None, None),
+    # what runc update -r accepts that a Python dict lookup would miss
+    ("keys in other case", {"CPU": {"CPUS": "1-2", "Mems": "0"}}, "1-2", "0"),
+    ("unified cpuset (cgroup v2)", {"unified": {"cpuset.cpus": "4-5"}}, "4-5", None),
+    (
+        "unified wins over cpu.cpus",
+        {"cpu": {"cpus": "1"}, "unified": {"cpuset.cpus": "2"}},
+        "2",
+        None,
+    ),
+    ("unified other keys", {"unified": {"cpu.weight": "100"}}, None, None),
+    ("stride", {"cpu": {"cpus": "0-7:2/4"}}, "0-1,4-5", None),
 ]
+
+
+def test_repeated_keys_decode_as_go_does() -> None:
+    # the last value wins, whatever its case; null leaves the earlier one
+    text = '{"cpu": {"cpus": "1"}, "Cpu": {"CPUS": "2", "cpus": null}}'
+    assert parse_resources_json(text, "-r").cpus == CpuSet.parse("2")
 
 
 @pytest.mark.parametrize(("what", "obj", "cpus", "mems"), RESOURCES, ids=[r[0] for r in RESOURCES])
@@ -305,6 +329,8 @@ INVALID_RESOURCES = [
     ("cpus number", '{"cpu": {"cpus": 1}}', "-r.cpu.cpus"),
     ("mems list", '{"cpu": {"mems": [0]}}', "-r.cpu.mems"),
     ("cpu string", '{"cpu": "1"}', "-r.cpu"),
+    ("unified cpuset number", '{"unified": {"cpuset.cpus": 1}}', "-r.unified.cpuset.cpus"),
+    ("upper-case cpus number", '{"CPU": {"CPUS": 1}}', "-r.cpu.cpus"),
     ("array", "[]", "JSON object"),
     ("null", "null", "JSON object"),
     ("broken", '{"cpu":', "malformed JSON"),

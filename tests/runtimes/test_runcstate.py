@@ -41,6 +41,15 @@ def host_cpus() -> CpuSet:
 
 
 # -- state.json without runc ----------------------------------------------------------------
+@pytest.fixture
+def paths16(paths: HostPaths, tmp_path: Path) -> HostPaths:
+    """``paths`` on a 16-CPU machine (nr_cpu_ids from a fixture sysfs), runc state only."""
+    possible = tmp_path / "sys16" / "devices" / "system" / "cpu" / "possible"
+    possible.parent.mkdir(parents=True)
+    possible.write_text("0-15\n")
+    return paths._replace(sys=str(tmp_path / "sys16"))
+
+
 def write_state(paths: HostPaths, cid: str, state: object) -> None:
     path = Path(state_path(paths, cid))
     path.parent.mkdir(parents=True)
@@ -53,7 +62,8 @@ def test_no_state_is_none(paths: HostPaths) -> None:
     assert runc_cgroup_paths(paths, "nothere") == {}
 
 
-def test_inline_and_nested_resources(paths: HostPaths) -> None:
+def test_inline_and_nested_resources(paths16: HostPaths) -> None:
+    paths = paths16
     write_state(paths, "a", {"config": {"cgroups": {"cpuset_cpus": "2-3"}}})
     write_state(paths, "b", {"config": {"cgroups": {"resources": {"cpuset_cpus": "4"}}}})
     write_state(paths, "c", {"config": {"cgroups": {}}})
@@ -134,11 +144,75 @@ def test_update_is_seen_in_state_and_cgroup(runc: RuncSession, paths: HostPaths)
 
 
 @pytest.mark.runc
-def test_no_cpus_means_empty_string(runc: RuncSession, paths: HostPaths) -> None:
+def test_no_cpuset_reads_the_inherited_cgroup(runc: RuncSession, paths: HostPaths) -> None:
     cid = new_id()
-    runc.run(cid, hooks=runc_util.true_argv)
-    assert runc_cpus(paths, cid) == ""
+    pid = runc.run(cid, hooks=runc_util.true_argv)
     assert runc.state(cid)["status"] == "running"
+    state = json.loads(Path(state_path(paths, cid)).read_text())
+    assert state["config"]["cgroups"].get("cpuset_cpus", "") == ""
+    # runc set no cpuset: the container runs on what its cgroup inherited, not "no CPU set"
+    assert runc_cpus(paths, cid) == procfs.cpus_allowed(paths.proc, pid).to_list()
+
+
+@pytest.mark.runc
+@pytest.mark.cgroup_v1
+def test_memory_only_update_leaves_the_cpus(runc: RuncSession, paths: HostPaths) -> None:
+    cpus = host_cpus()
+    last = CpuSet([cpus.sorted()[-1]])
+    cid = new_id()
+    pid = runc.run(cid, cpus=last.to_list(), hooks=None)
+    assert runc_cpus(paths, cid) == last.to_list()
+    runc.cmd("update", "--memory", "64M", cid)
+    # the runc fact: its state forgets the cpuset, the cgroup keeps it
+    state = json.loads(Path(state_path(paths, cid)).read_text())
+    assert state["config"]["cgroups"]["cpuset_cpus"] == ""
+    ref = find_container_cgroup(paths, cid, pid=pid)
+    assert ref is not None and read_cpus(ref) == last
+    # vmpin reads the kernel's truth: unchanged
+    assert runc_cpus(paths, cid) == last.to_list()
+    assert procfs.cpus_allowed(paths.proc, pid) == last
+
+
+@pytest.mark.runc
+@pytest.mark.cgroup_v1
+@pytest.mark.multi_cpu
+def test_kernel_only_list_forms_stored_verbatim(runc: RuncSession, paths: HostPaths) -> None:
+    cpus = host_cpus()
+    a, b = cpus.sorted()[:2]
+    odd = f" {b},,{a}\n"  # the kernel accepts empty groups, whitespace and a newline
+    cid = new_id()
+    pid = runc.run(cid, cpus=odd, hooks=None)
+    state = json.loads(Path(state_path(paths, cid)).read_text())
+    assert state["config"]["cgroups"]["cpuset_cpus"] == odd  # runc keeps it verbatim
+    assert procfs.cpus_allowed(paths.proc, pid) == CpuSet([a, b])
+    assert runc_cpus(paths, cid) == CpuSet([a, b]).to_list()
+
+
+@pytest.mark.parametrize(
+    ("stored", "want"),
+    [
+        ("0-7:2/4", "0-1,4-5"),
+        ("1,,0", "0-1"),
+        ("  3 , 5\n", "3,5"),
+        ("2-3,", "2-3"),
+        ("N", "15"),
+        ("12-N:1/2", "12,14"),
+    ],
+)
+def test_kernel_list_forms_in_state(paths16: HostPaths, stored: str, want: str) -> None:
+    paths = paths16
+    write_state(paths, "k", {"config": {"cgroups": {"cpuset_cpus": stored}}})
+    assert runc_cpus(paths, "k") == want
+
+
+@pytest.mark.parametrize("stored", ["3-1", "0-7:3/2", "x", "1-", "16", "0-7:2"])
+def test_a_list_the_kernel_refuses_names_the_state(paths16: HostPaths, stored: str) -> None:
+    paths = paths16
+    write_state(paths, "bad", {"config": {"cgroups": {"cpuset_cpus": stored}}})
+    with pytest.raises(RuntimeKindError) as info:
+        runc_cpus(paths, "bad")
+    assert state_path(paths, "bad") in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.runc

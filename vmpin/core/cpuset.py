@@ -8,10 +8,21 @@ Three text forms reach vmpin from the kernel and from users, and each has its ow
   separated by commas, most significant first;
 - taskset's mask ("0x3", or plain hex without the prefix).
 
-Parsing is strict, after k8s.io/utils/cpuset: a stray comma, a reversed range ("3-1"), an open
-range ("1-"), a sign or a number beyond the kernel's NR_CPUS limit is an error naming the input,
-never a silently smaller set.  The only lenient spots are the ones the kernel itself writes:
-surrounding whitespace and a trailing newline, and the empty string for the empty set.
+Two readers of the list format, on purpose:
+
+- :meth:`CpuSet.parse` is strict, after k8s.io/utils/cpuset, for what a *user* types
+  (``--cpuset-cpus``): a stray comma, a reversed range ("3-1"), an open range ("1-"), a sign or
+  a number beyond the kernel's NR_CPUS limit is an error naming the input, never a silently
+  smaller set.  The only lenient spots are the ones the kernel itself writes: surrounding
+  whitespace and a trailing newline, and the empty string for the empty set.
+- :meth:`CpuSet.parse_kernel` accepts exactly what the kernel's ``bitmap_parselist()``
+  (lib/bitmap-str.c; cpuset.cpus goes through ``cpulist_parse``) accepts, for what other
+  programs *stored* after the kernel took it (runc keeps ``--cpuset-cpus`` verbatim in its
+  state): groups separated by commas or whitespace with empty groups skipped ("1,,0"),
+  ``a``, ``a-b``, ``a-b:used/group`` strides ("0-7:2/4" is 0,1,4,5), ``N`` for the last CPU and
+  ``all`` (kernels >= 5.13; they need the CPU count ``nbits``).
+
+Every set is written back in the one normal form, :meth:`CpuSet.to_list`.
 """
 
 from __future__ import annotations
@@ -65,6 +76,75 @@ class CpuSet:
             if hi < lo:
                 raise CpuSetError(f"invalid CPU list {text!r}: range {part!r} runs backwards")
             cpus.update(range(lo, hi + 1))
+        return cls(cpus)
+
+    @classmethod
+    def parse_kernel(cls, text: str, nbits: int | None = None) -> CpuSet:
+        """Parse a CPU list as the kernel's ``bitmap_parselist()`` does.
+
+        ``nbits`` is the bitmap size the kernel parses against (nr_cpu_ids for a cpumask):
+        ``N`` and ``all`` mean its last bit, and a CPU at or beyond it is -ERANGE.  Without
+        it the limit is :data:`MAX_CPUS` and ``N``/``all`` are refused (their value is unknown).
+        """
+        if not isinstance(text, str):
+            raise CpuSetError(f"CPU list must be a string, got {type(text).__name__}")
+        limit = MAX_CPUS if nbits is None else min(nbits, MAX_CPUS)
+        cpus: set[int] = set()
+        n = len(text)
+        i = 0
+
+        def fail(why: str) -> CpuSetError:
+            return CpuSetError(f"invalid CPU list {text!r}: {why}")
+
+        def getnum(j: int) -> tuple[int, int]:
+            # bitmap_getnum(): "N" is the last bit, else decimal digits (no sign, no base).
+            if j < n and text[j] == "N":
+                if nbits is None:
+                    raise fail("'N' needs the CPU count")
+                return nbits - 1, j + 1
+            k = j
+            while k < n and "0" <= text[k] <= "9":
+                k += 1
+            if k == j:
+                raise fail(f"expected a number at offset {j}")
+            if k - j > 10 or int(text[j:k]) > 0xFFFFFFFF:
+                raise fail(f"number {text[j:k]} overflows")
+            return int(text[j:k]), k
+
+        while True:
+            # bitmap_find_region(): skip commas and whitespace; NUL or newline ends the list.
+            while i < n and (text[i] == "," or text[i] in _KSPACE) and text[i] != "\n":
+                i += 1
+            if i >= n or text[i] == "\n":
+                break
+            if text[i : i + 3].lower() == "all":
+                if nbits is None:
+                    raise fail("'all' needs the CPU count")
+                start, end, i = 0, nbits - 1, i + 3
+            else:
+                start, i = getnum(i)
+                end = start
+                if i < n and text[i] == "-":
+                    end, i = getnum(i + 1)
+                elif not _end_of_region(text, i):
+                    raise fail(f"unexpected {text[i]!r} at offset {i}")
+            used, group = end + 1, end + 1
+            if not _end_of_region(text, i):
+                if text[i] != ":":
+                    raise fail(f"unexpected {text[i]!r} at offset {i}")
+                used, i = getnum(i + 1)
+                if i >= n or text[i] != "/":
+                    raise fail("a stride is written used/group")
+                group, i = getnum(i + 1)
+            # bitmap_check_region()
+            if start > end:
+                raise fail(f"range {start}-{end} runs backwards")
+            if group == 0 or used > group:
+                raise fail(f"stride {used}/{group} is not used/group with 0 < group, used <= group")
+            if end >= limit:
+                raise fail(f"CPU {end} is beyond {limit - 1}")
+            for base in range(start, end + 1, group):
+                cpus.update(range(base, min(base + used, end + 1)))
         return cls(cpus)
 
     @classmethod
@@ -209,6 +289,15 @@ class CpuSet:
 EMPTY = CpuSet()
 
 _HEX = frozenset("0123456789abcdefABCDEF")
+
+
+#: isspace() in the kernel's C locale (lib/ctype.c): space, \t, \n, \v, \f, \r.
+_KSPACE = frozenset(" \t\n\v\f\r")
+
+
+def _end_of_region(text: str, i: int) -> bool:
+    # end_of_region(): a comma, whitespace, NUL (end of the Python string) or newline.
+    return i >= len(text) or text[i] == "," or text[i] in _KSPACE
 
 
 def _is_hex(text: str) -> bool:

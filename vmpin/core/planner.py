@@ -6,10 +6,11 @@ The rules, and the failure each one prevents:
 - **The mask** is the union of the sandbox's containers' CPU sets.  When no container has one,
   the sandbox floats over kubelet's shared pool when that is known, and is otherwise left
   exactly as the runtime made it (mode ``none``): vmpin does not invent a placement.
-- **vCPUs 1:1** (vCPU i on the i-th CPU of the mask in topology order, so guest vCPU pairs sit
-  on host SMT pairs) only when every CPU they would own belongs to this sandbox alone.  A CPU
-  that is also in another sandbox's mask (the shared pool) is never pinned 1:1: two sandboxes'
-  vCPUs pinned 1:1 on one CPU halve both (Kata's NUMA pinning did that, 0.53x each).
+- **vCPUs 1:1** (guest vCPU pairs (2k, 2k+1) on host SMT pairs whenever the mask allows, lone
+  threads last: :meth:`Topology.place_vcpus`) only when every CPU they would own belongs to
+  this sandbox alone.  A CPU that is also in another sandbox's mask (the shared pool) is
+  never pinned 1:1: two sandboxes' vCPUs pinned 1:1 on one CPU halve both (Kata's NUMA
+  pinning did that, 0.53x each).
 - **Counts.**  #vCPUs == |mask|: full 1:1.  #vCPUs > |mask| (Kata adds a vCPU per container
   CPU on top of its boot vCPUs): ``partial`` -- the *last* |mask| vCPUs, the ones hot-plugged
   for the containers, are pinned 1:1 and the boot vCPUs float over the mask, so every
@@ -187,14 +188,16 @@ def plan_sandbox(
         reason = f"CPUs {shared_with_others} are shared with other sandboxes: no 1:1 pin there"
     elif n == m:
         mode, reason = "1:1", f"{n} vCPUs on {m} CPUs"
-        vcpu_map = {v.idx if v.idx is not None else i: order[i] for i, v in enumerate(vcpus)}
+        vcpu_map = topology.place_vcpus(
+            (v.idx if v.idx is not None else i for i, v in enumerate(vcpus)), effective
+        )
     elif n > m:
         mode = "partial"
         reason = f"{n} vCPUs on {m} CPUs: the last {m} pinned 1:1, {n - m} float over the mask"
         pinned = vcpus[n - m :]
-        vcpu_map = {
-            v.idx if v.idx is not None else n - m + i: order[i] for i, v in enumerate(pinned)
-        }
+        vcpu_map = topology.place_vcpus(
+            (v.idx if v.idx is not None else n - m + i for i, v in enumerate(pinned)), effective
+        )
     else:
         mode = "float"
         reason = f"{n} vCPUs on {m} CPUs: fewer vCPUs than CPUs, floating over the mask"

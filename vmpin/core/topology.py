@@ -11,6 +11,14 @@ Two sysfs facts shape the model:
   Xeon), so "topology order" is computed: socket, then NUMA node, then L3 group, then core,
   with a core's threads next to each other.  Following that order, guest vCPU pairs (0,1),
   (2,3)... land on host core pairs, and a guest told ``threads=2`` sees the truth.
+
+A mask need not hold whole cores: kubelet reserves CPU 0, so a container can get 1,4,5 on a
+4-core SMT part (siblings n/n+4), where 4's sibling 0 is not in the mask.  A lone thread
+placed first would shift every following pair across two cores, so :meth:`Topology.ordered`
+puts the cores with an even number of threads in the mask first and the odd ones (lone
+threads) last.  :meth:`Topology.place_vcpus` maps guest vCPU indices onto the mask keeping
+guest pairs (2k, 2k+1) on one host core, also when some indices are not pinned (Kata's boot
+vCPU, see docs/design.md).
 """
 
 from __future__ import annotations
@@ -77,8 +85,50 @@ class Topology(NamedTuple):
             raise TopologyError(f"CPU {cpu} is not online") from None
 
     def ordered(self, mask: CpuSet) -> list[int]:
-        """The CPUs of ``mask`` in topology order (siblings adjacent, grouped by L3/NUMA)."""
-        return [cpu for cpu in self.order if cpu in mask]
+        """The CPUs of ``mask`` in topology order (siblings adjacent, grouped by L3/NUMA),
+        cores with an even number of threads in the mask first, lone threads last."""
+        return [cpu for unit in self._cores_in(mask) for cpu in unit]
+
+    def _cores_in(self, mask: CpuSet) -> list[list[int]]:
+        """The mask's CPUs grouped by host core, in :meth:`ordered`'s order."""
+        by_core: dict[int, list[int]] = {}
+        for cpu in self.order:
+            if cpu in mask:
+                by_core.setdefault(self.cpus[cpu].core, []).append(cpu)
+        cores = list(by_core.values())  # dicts keep insertion order: topology order
+        return [c for c in cores if len(c) % 2 == 0] + [c for c in cores if len(c) % 2]
+
+    def place_vcpus(self, indices: Iterable[int], mask: CpuSet) -> dict[int, int]:
+        """Guest vCPU index -> host CPU, one CPU each, for ``len(mask)`` indices.
+
+        A guest with ``threads=2`` sees vCPUs (2k, 2k+1) as SMT siblings (QEMU numbers
+        threads innermost).  Guest pairs whose two indices are both given take host cores'
+        thread pairs, in order; an index whose guest sibling is not given (next to a floating
+        boot vCPU, or the last odd one) takes a lone host thread when the mask has one, so
+        it does not break a host pair.  What is left fills the rest in order.
+        """
+        idx = sorted(set(indices))
+        cores = self._cores_in(mask)
+        if len(idx) != sum(len(c) for c in cores):
+            raise TopologyError(f"{len(idx)} vCPUs cannot be placed 1:1 on {mask}")
+        host_pairs = [c[i : i + 2] for c in cores for i in range(0, len(c) - 1, 2)]
+        lone = [c[-1] for c in cores if len(c) % 2]
+        given = set(idx)
+        guest_pairs = [(i, i + 1) for i in idx if i % 2 == 0 and i + 1 in given]
+        paired = {i for pair in guest_pairs for i in pair}
+        singles = [i for i in idx if i not in paired]
+        out: dict[int, int] = {}
+        for (a, b), (x, y) in zip(guest_pairs, host_pairs, strict=False):
+            out[a], out[b] = x, y
+        used = len(out) // 2
+        spare = [cpu for pair in host_pairs[used:] for cpu in pair]
+        # Singles take lone threads before spare host pairs.  Guest pairs beyond the host's
+        # pairs only exist when no spare pair is left: then all go, in index order, to lone
+        # threads (on a no-SMT host that is plain topology order).
+        rest = sorted(singles + [i for pair in guest_pairs[used:] for i in pair])
+        for i, cpu in zip(rest, lone + spare, strict=True):
+            out[i] = cpu
+        return out
 
     def siblings(self, cpu: int) -> CpuSet:
         return self.info(cpu).siblings

@@ -38,7 +38,7 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vmpin.linux.cgroups import CgroupRef
-    from vmpin.runtimes.kubelet import Checkpoint
+    from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
 
 ORIG_PREFIX = "orig-affinity:"
 
@@ -180,27 +180,26 @@ class Observer:
         #: per-sandbox policy overrides (per-pod policy plugs in here)
         self.policy_for = dict(policy_for or {})
         self.qmp_timeout = qmp_timeout
-        self._checkpoint_cache: tuple[int, Checkpoint | None] | None = None
+        self._checkpoint_reader: CheckpointReader | None = None
         #: pod uid -> the pod's annotations from the Kubernetes API (None: not seen there);
         #: set by the agent when the API is configured
         self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
 
     # -- kubelet ---------------------------------------------------------------------------
     def checkpoint(self) -> tuple[Checkpoint | None, str | None]:
-        """kubelet's cpu_manager_state (re-read only when its mtime changes), and its error."""
-        try:
-            mtime = os.stat(self.paths.kubelet_state).st_mtime_ns
-        except OSError:
-            self._checkpoint_cache = None
-            return None, None
-        from vmpin.runtimes.kubelet import read_checkpoint
+        """kubelet's cpu_manager_state (re-read when it changes), and its error.
 
-        if self._checkpoint_cache is None or self._checkpoint_cache[0] != mtime:
-            try:
-                self._checkpoint_cache = (mtime, read_checkpoint(self.paths.kubelet_state))
-            except VmpinError as err:
-                return None, f"kubelet checkpoint {self.paths.kubelet_state}: {err}"
-        return self._checkpoint_cache[1], None
+        A file kubelet would refuse is reported and the last good one is used
+        (:class:`vmpin.runtimes.kubelet.CheckpointReader`).
+        """
+        from vmpin.runtimes.kubelet import CheckpointReader
+
+        if self._checkpoint_reader is None:
+            self._checkpoint_reader = CheckpointReader(self.paths.kubelet_state)
+        try:
+            return self._checkpoint_reader.read()
+        except VmpinError as err:  # unreadable (permissions): the host's problem, not the file's
+            return None, f"kubelet checkpoint {self.paths.kubelet_state}: {err}"
 
     # -- the node ----------------------------------------------------------------------------
     def observe(self, store: Store) -> Observation:

@@ -31,9 +31,9 @@ missing.
 
 from __future__ import annotations
 
-import json
 import os
 
+from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError
 from vmpin.core.ids import check_id
@@ -81,7 +81,7 @@ def _obj(value: Any, where: str) -> dict[str, Any]:
 
 def _loads(text: str | bytes, where: str) -> Any:
     try:
-        return json.loads(text)
+        return gojson.loads(text)
     except (ValueError, UnicodeDecodeError) as err:
         raise SpecError(f"{where}: malformed JSON: {err}") from None
 
@@ -126,28 +126,83 @@ def parse_state(text: str | bytes, where: str = "state") -> State:
     )
 
 
+#: JSON names of runtime-spec's LinuxResources and LinuxCPU fields (specs-go/config.go).
+_RESOURCES_FIELDS = (
+    "devices", "memory", "cpu", "pids", "blockIO", "hugepageLimits", "network", "rdma", "unified",
+)  # fmt: skip
+_CPU_FIELDS = (
+    "shares", "quota", "burst", "period", "realtimeRuntime", "realtimePeriod", "cpus", "mems",
+    "idle",
+)  # fmt: skip
+
+
+_SPEC_FIELDS = (
+    "ociVersion", "process", "root", "hostname", "domainname", "mounts", "hooks", "annotations",
+    "linux", "solaris", "windows", "vm", "zos",
+)  # fmt: skip
+_LINUX_FIELDS = (
+    "uidMappings", "gidMappings", "sysctl", "resources", "cgroupsPath", "namespaces", "devices",
+    "seccomp", "rootfsPropagation", "maskedPaths", "readonlyPaths", "mountLabel", "intelRdt",
+    "personality", "timeOffsets",
+)  # fmt: skip
+
+
+def _go_string(obj: Any, name: str, fields: tuple[str, ...], where: str) -> str | None:
+    """A string field as Go decodes it: keys folded, last one wins, null leaves it unset."""
+    out: str | None = None
+    for value in gojson.field_values(obj, name, fields):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise SpecError(f"{where}.{name}: not a string: {value!r}")
+        out = value
+    return out
+
+
+def _go_object(obj: Any, name: str, fields: tuple[str, ...], where: str) -> list[Any]:
+    values = [v for v in gojson.field_values(obj, name, fields) if v is not None]
+    for value in values:
+        _obj(value, f"{where}.{name}")
+    return values
+
+
 def parse_resources(obj: Any, where: str) -> Resources:
-    """Read ``cpu.cpus`` / ``cpu.mems`` out of a LinuxResources object."""
+    """Read the CPUs and memory nodes out of a LinuxResources object, as runc decodes it.
+
+    runc decodes config.json and ``runc update -r`` with Go's encoding/json: keys match
+    case-insensitively ("CPU", "Cpus"), see :mod:`vmpin.core.gojson`.  ``unified``
+    ``cpuset.cpus`` / ``cpuset.mems`` (cgroup v2 files written verbatim) are written after
+    ``cpu.cpus`` by runc's fs2 manager, so they win.  runc passes the list to the kernel
+    verbatim, so it is read with the kernel's grammar; a list that needs the CPU count
+    (``N``, ``all``) is refused here, where the host is not known.
+    """
     if obj is None:
         return Resources()
     res = _obj(obj, where)
-    cpu = res.get("cpu")
-    if cpu is None:
-        return Resources()
-    cpu = _obj(cpu, f"{where}.cpu")
-    cpus_text = cpu.get("cpus")
-    mems = cpu.get("mems")
+    cpus_text: str | None = None
+    mems: str | None = None
+    for cpu in _go_object(res, "cpu", _RESOURCES_FIELDS, where):
+        cpus_text = _go_string(cpu, "cpus", _CPU_FIELDS, f"{where}.cpu") or cpus_text
+        mems = _go_string(cpu, "mems", _CPU_FIELDS, f"{where}.cpu") or mems
+    for unified in _go_object(res, "unified", _RESOURCES_FIELDS, where):
+        pairs = unified.pairs if isinstance(unified, gojson.Obj) else unified.items()
+        for key, value in pairs:  # map keys are exact: they are file names
+            if key not in ("cpuset.cpus", "cpuset.mems"):
+                continue
+            if not isinstance(value, str):
+                raise SpecError(f"{where}.unified.{key}: not a string: {value!r}")
+            if key == "cpuset.cpus":
+                cpus_text = value
+            else:
+                mems = value
     cpus: CpuSet | None = None
-    if cpus_text is not None:
-        if not isinstance(cpus_text, str):
-            raise SpecError(f"{where}.cpu.cpus: not a string: {cpus_text!r}")
-        if cpus_text.strip():
-            try:
-                cpus = CpuSet.parse(cpus_text)
-            except CpuSetError as err:
-                raise SpecError(f"{where}.cpu.cpus: {err}") from None
-    if mems is not None and not isinstance(mems, str):
-        raise SpecError(f"{where}.cpu.mems: not a string: {mems!r}")
+    if cpus_text is not None and cpus_text.strip():
+        try:
+            cpus = CpuSet.parse_kernel(cpus_text)
+        except CpuSetError as err:
+            raise SpecError(f"{where}.cpu.cpus: {err}") from None
+        if not cpus:  # ",": the kernel reads an empty set, which no task can run on
+            raise SpecError(f"{where}.cpu.cpus: {cpus_text!r} names no CPU")
     return Resources(cpus=cpus, mems=mems or None)
 
 
@@ -163,11 +218,11 @@ class Config(NamedTuple):
 
 def parse_config(text: str | bytes, where: str = "config.json") -> Config:
     obj = _obj(_loads(text, where), where)
-    linux = obj.get("linux")
     resources = Resources()
-    if linux is not None:
-        linux = _obj(linux, f"{where}: linux")
-        resources = parse_resources(linux.get("resources"), f"{where}: linux.resources")
+    # runc decodes config.json with Go's encoding/json too: "Linux"/"Resources" count.
+    for linux in _go_object(obj, "linux", _SPEC_FIELDS, f"{where}:"):
+        for res in _go_object(linux, "resources", _LINUX_FIELDS, f"{where}: linux"):
+            resources = parse_resources(res, f"{where}: linux.resources")
     return Config(resources, _annotations(obj.get("annotations"), f"{where}: annotations"))
 
 

@@ -21,9 +21,18 @@ The CPU list is at ``config.cgroups.cpuset_cpus``: runc's ``configs.Cgroup`` emb
 ``*Resources`` without a JSON name, so the resource fields sit inline, not under a
 ``resources`` key.  ``runc update --cpuset-cpus 1`` changes it to ``"1"`` (and, as a side
 effect of runc 1.1, resets ``cpuset_mems`` to ``""`` when ``--cpuset-mems`` is not given; the
-cgroup's own cpuset.mems stays).  ``""`` means runc set no cpuset: the cgroup inherited its
-parent's CPUs.  A nested ``config.cgroups.resources`` is read as a fallback in case a future
-runc names the struct.
+cgroup's own cpuset.mems stays).
+
+``""`` does not mean "no CPU set": ``runc update --memory 64M CTR`` (any update without
+``--cpuset-cpus``) rewrites the state with ``cpuset_cpus: ""`` while the cgroup keeps its CPUs
+(runc skips empty fields when writing the cgroup), and a container created without a cpuset
+inherited its parent's.  Either way the cgroup is the truth, so :func:`runc_cpus` reads it
+(``cpuset.cpus``; on v2 ``cpuset.cpus.effective`` when empty).  A nested
+``config.cgroups.resources`` is read as a fallback in case a future runc names the struct.
+
+runc stores ``--cpuset-cpus`` verbatim and the kernel accepts more than the plain list
+("0-7:2/4", "1,,0", "N"), so the value is parsed with the kernel's grammar
+(:meth:`CpuSet.parse_kernel`) and returned in the normal form.
 
 ``init_process_start`` is the init's start time in clock ticks (``/proc/PID/stat`` field 22):
 with the pid it identifies the process, so a reused pid is not mistaken for the container.
@@ -35,7 +44,14 @@ import errno
 import json
 import os
 
-from vmpin.core.errors import HostError, PermissionDenied, ProcessGone, RuntimeKindError
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import (
+    CpuSetError,
+    HostError,
+    PermissionDenied,
+    ProcessGone,
+    RuntimeKindError,
+)
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
@@ -77,11 +93,11 @@ def _cgroup_config(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def runc_cpus(paths: HostPaths, container_id: str) -> str | None:
-    """The cpuset runc last applied (``config.cgroups.cpuset_cpus``), as runc wrote it.
+    """The container's CPUs as runc last applied them, in the normal list form.
 
-    None when runc has no state for the container; ``""`` when runc set no cpuset.  Returned
-    unparsed on purpose: it is compared with what vmpin recorded earlier, and parsing (and
-    its errors) belong to the caller.
+    None when runc has no state for the container; ``""`` only when runc set no cpuset and
+    the container's cgroup cannot be read (its init is gone).  Raises
+    :class:`RuntimeKindError` naming the state file for a value the kernel would refuse.
     """
     state = read_state(paths, container_id)
     if state is None:
@@ -91,12 +107,51 @@ def runc_cpus(paths: HostPaths, container_id: str) -> str | None:
     if value is None:
         nested = cgroups.get("resources") or cgroups.get("Resources")
         value = nested.get("cpuset_cpus") if isinstance(nested, dict) else None
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        path = state_path(paths, container_id)
+    path = state_path(paths, container_id)
+    if value is not None and not isinstance(value, str):
         raise RuntimeKindError(f"runc state {path}: config.cgroups.cpuset_cpus is not a string")
-    return value
+    if value and value.strip():
+        try:
+            return CpuSet.parse_kernel(value, _nr_cpu_ids(paths)).to_list()
+        except CpuSetError as err:
+            raise RuntimeKindError(
+                f"runc state {path}: config.cgroups.cpuset_cpus: {err}"
+            ) from None
+    # "" after an update that did not touch the cpuset, or never set: the cgroup decides.
+    cpus = _cgroup_cpus(paths, container_id)
+    return "" if cpus is None else cpus.to_list()
+
+
+def _cgroup_cpus(paths: HostPaths, container_id: str) -> CpuSet | None:
+    from vmpin.linux import cgroups
+
+    pid = runc_init_pid(paths, container_id)
+    try:
+        ref = cgroups.cgroup_of_pid(paths, pid) if pid is not None else None
+    except ProcessGone:
+        return None
+    if ref is None:
+        return None
+    try:
+        cpus = cgroups.read_cpus(ref)
+        if not cpus and ref.version == 2:  # v2: empty cpuset.cpus inherits the parent's
+            cpus = cgroups.read_effective(ref)
+    except ProcessGone:
+        return None
+    except HostError as err:
+        if not os.path.isdir(ref.path):  # the container went away between the two reads
+            return None
+        raise RuntimeKindError(f"container {container_id}: {err}") from None
+    return cpus
+
+
+def _nr_cpu_ids(paths: HostPaths) -> int | None:
+    """nr_cpu_ids, the bitmap size the kernel parses cpuset.cpus against: possible's last + 1."""
+    try:
+        with open(os.path.join(paths.sys, "devices/system/cpu/possible")) as f:
+            return CpuSet.parse(f.read()).sorted()[-1] + 1
+    except (OSError, CpuSetError, IndexError):
+        return None
 
 
 def runc_init_pid(paths: HostPaths, container_id: str) -> int | None:
