@@ -78,11 +78,12 @@ def test_sweep_removes_only_the_cgroups_of_dead_sessions() -> None:
                 f.write("0")  # this (forked) task
 
         task = subprocess.Popen(["sleep", "600"], preexec_fn=enter)  # a dead session's container
-        task_start = start_time(task.pid)
         swept = sweep()
         assert str(dead_dir) in swept.cgroups and not swept.errors, swept
         assert not dead_dir.exists()
-        assert start_time(task.pid) != task_start
+        # killed by the sweep: `sleep 600` ends within seconds only so (the sweep may have
+        # reaped our child itself, then wait() reports 0; a zombie still shows its start time)
+        task.wait(30)
         assert live_dir.is_dir()
     finally:
         if task is not None and task.poll() is None:
