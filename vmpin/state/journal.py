@@ -315,11 +315,12 @@ def quarantined(state_dir: str) -> int:
 
 
 def backlog(state_dir: str) -> int:
-    """How many files the journal dir holds (cheap: one listdir, no sort)."""
+    """How many events are pending (cheap: one listdir, no sort)."""
     try:
-        return len(os.listdir(journal_dir(state_dir)))
+        names = os.listdir(journal_dir(state_dir))
     except OSError:
         return 0
+    return sum(1 for n in names if n.endswith(".json") and not n.startswith("."))
 
 
 def pending(state_dir: str) -> list[str]:
