@@ -27,11 +27,11 @@ kubelet rewrites the file by rename, so a reader sees a whole old or a whole new
 from __future__ import annotations
 
 import errno
-import json
 import os
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, KubeError, PermissionDenied
+from vmpin.core.errors import CpuSetError, KubeError, PermissionDenied, SpecError
+from vmpin.linux.files import load_json, read_bytes
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -65,19 +65,20 @@ def read_checkpoint(path: str) -> Checkpoint | None:
     :class:`PermissionDenied` when it cannot be read.
     """
     try:
-        with open(path, "rb") as f:
-            mtime_ns = os.fstat(f.fileno()).st_mtime_ns
-            raw = f.read()
+        mtime_ns = os.stat(path).st_mtime_ns
+        raw = read_bytes(path, what="kubelet checkpoint")
     except FileNotFoundError:
         return None
     except OSError as err:
         if err.errno in (errno.EACCES, errno.EPERM):
             raise PermissionDenied(f"permission denied reading kubelet checkpoint {path}") from err
         raise KubeError(f"reading kubelet checkpoint {path}: {err.strerror}") from err
+    except SpecError as err:  # a FIFO, device or huge file where the checkpoint should be
+        raise KubeError(str(err)) from None
     try:
-        doc = json.loads(raw)
-    except ValueError as err:
-        raise KubeError(f"kubelet checkpoint {path}: not JSON ({err})") from err
+        doc = load_json(raw, f"kubelet checkpoint {path}")
+    except SpecError as err:
+        raise KubeError(str(err)) from None
     return _parse(doc, path, mtime_ns)
 
 
