@@ -348,18 +348,14 @@ class Store:
         shared by containers of different ids is ambiguous and resolves to nothing rather than
         clobbering one of them."""
         ident = ev["ident"]
-        if ident is not None:
-            rec = self.container(ident["container_id"])
-            if rec is not None:
-                return rec
-        rec = self.container(ev["id"])
         bundle = ev["bundle"]
-        if (
-            rec is not None
-            and (not bundle or rec.bundle in (None, bundle))
-            and (ident is None or ident["container_id"] == rec.id)
-        ):
-            return rec
+        # A record found by id is this container only if its bundle agrees: a container's
+        # bundle never changes, so another bundle means another container (Kata's sandbox id
+        # with a container's bundle) or a new one reusing the id.
+        for cid in (ident["container_id"] if ident else None, ev["id"]):
+            rec = self.container(cid) if cid else None
+            if rec is not None and (not bundle or rec.bundle in (None, bundle)):
+                return rec
         if not bundle:
             return None
         cols = ",".join(_CONTAINER_COLS)
