@@ -110,7 +110,7 @@ def main() -> int:
                 procs[p.pid] = (kind, p, None)
 
         def drain() -> None:
-            for kind, _p, r in procs.values():
+            for _kind, _p, r in procs.values():
                 if r is None:
                     continue
                 try:

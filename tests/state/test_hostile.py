@@ -436,3 +436,17 @@ def test_bad_event_refused_at_build(paths: HostPaths, tmp_path: Path) -> None:
     ev["annotations"] = {"k": "\ud800"}
     with pytest.raises(SpecError, match="cannot be stored"):
         journal.encode(ev)
+
+
+def test_a_pid_without_start_time_is_not_kept(paths: HostPaths, tmp_path: Path) -> None:
+    """The hook could not read the pid's start time (no such process): the pid is dropped,
+    never followed later; a live pid is kept with its start time."""
+    b = make_bundle(tmp_path, "nostart")
+    gone, alive = uid(), uid()
+    for cid, pid in ((gone, 4194304), (alive, os.getpid())):  # PID_MAX itself: never in use
+        append(paths.state_dir, build(paths, "createRuntime", parse_state(
+            json.dumps({"id": cid, "pid": pid, "bundle": str(b)}))))
+    with Store(paths.state_dir) as store:
+        g, a = store.container(gone), store.container(alive)
+    assert g is not None and g.pid is None and g.pid_start is None
+    assert a is not None and a.pid == os.getpid() and a.pid_start is not None

@@ -378,7 +378,13 @@ class Store:
         existing = self._resolve(ev)
         if existing is not None:
             sandbox = self.sandbox(existing.sandbox_id)
-            if ev["host_pid"] and existing.pid is None and sandbox and sandbox.runtime == "runc":
+            if (
+                ev["host_pid"]
+                and ev["pid_start"] is not None
+                and existing.pid is None
+                and sandbox
+                and sandbox.runtime == "runc"
+            ):
                 # (pid, start time) read by the hook at this very stage: the identity to follow
                 self.put_container(existing._replace(pid=ev["host_pid"], pid_start=ev["pid_start"]))
             return existing.sandbox_id
@@ -402,7 +408,9 @@ class Store:
                 )
             )
         self._keep_policy_annotations(ident.sandbox_id, ev.get("annotations") or {})
-        pid = ev["host_pid"] if runtime == "runc" else None
+        # A pid is kept only with the start time the hook read with it: without one nothing
+        # can prove later that the pid still names this container's process.
+        pid = ev["host_pid"] if runtime == "runc" and ev["pid_start"] is not None else None
         self.put_container(
             ContainerRec(
                 id=ident.container_id,
