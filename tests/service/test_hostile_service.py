@@ -236,3 +236,68 @@ def test_doctor_rebuilds_runc_containers_from_runc_state(
         assert f"container {cid}: recovered from runc state" in out.stdout
         listed = json.loads(cli(env, "containers", "--json").stdout)
         assert [(c["id"], c["cpus"]) for c in listed] == [(cid, "0")]
+
+
+def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path: Path) -> None:
+    """A full state dir (a real tmpfs, filled): the agent stays up, says so in status
+    (unhealthy), and is healthy again once the store can be written.  (A read-only remount
+    is refused while the agent holds the database open for writing: full is the fault a
+    running agent meets.)"""
+    from vmpin.runtimes.oci import parse_state
+    from vmpin.service import control
+    from vmpin.state.journal import append, build
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / f"ro-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    paths = HostPaths(state_dir=str(mnt / "state"), vm_dir=env["VMPIN_VM_DIR"],
+                      runc_root=env["VMPIN_RUNC_ROOT"], publish_dir=env["VMPIN_PUBLISH_DIR"])
+    env = {**env, "VMPIN_STATE_DIR": paths.state_dir}
+    agent = AgentProc(paths, env, tmp_path / "agent.log", interval=60)
+    try:
+        agent.wait_ready()
+        agent.wait_pass(1)
+        bundle = tmp_path / "b"
+        bundle.mkdir()
+        (bundle / "config.json").write_text('{"linux":{"resources":{"cpu":{"cpus":"0"}}}}')
+        state = parse_state(json.dumps({"id": "full1", "pid": os.getpid(), "bundle": str(bundle)}))
+        append(paths.state_dir, build(paths, "createRuntime", state))
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the filesystem to the last byte
+            for size in (65536, 4096, 1):
+                try:
+                    while os.write(fd, b"\0" * size):
+                        pass
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        control.request(paths, {"op": "reconcile"}, timeout=2.0)
+
+        def status() -> dict[str, Any]:
+            return agent.status() or {}
+
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not status().get("store_error"):
+            time.sleep(0.1)
+        st = status()
+        assert st["store_error"] and "full" in st["store_error"], st
+        assert st["healthy"] is False
+        assert agent.proc.poll() is None
+        (mnt / "filler").unlink()
+        control.request(paths, {"op": "reconcile"}, timeout=2.0)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and status().get("store_error"):
+            time.sleep(0.1)
+        assert status()["store_error"] is None
+        with Store(paths.state_dir) as store:  # the event waited, and is applied: not lost
+            assert store.container("full1") is not None
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert "Traceback" not in agent.log.read_text()

@@ -455,7 +455,9 @@ class Agent:
                         self._errors += 1
                     log.error(
                         "sandbox pass failed",
-                        exc_info=True,
+                        # the database failing (full, read-only, corrupt) is one line, not a
+                        # traceback per sandbox per pass
+                        exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
                         extra={"fields": {"sandbox": work.sandbox_id, "error": str(err)}},
                     )
                 finally:
