@@ -750,7 +750,12 @@ def run(args: list[str]) -> int:
         from vmpin.linux.paths import ENVVARS
         from vmpin.state.store import state_error
 
-        state_dir = os.environ.get(ENVVARS["state_dir"], "the state dir")
+        state_dir = os.environ.get(ENVVARS["state_dir"]) or "/run/vmpin"
+        for i, arg in enumerate(args):  # the global option, when given, wins
+            if arg == "--state-dir" and i + 1 < len(args):
+                state_dir = args[i + 1]
+            elif arg.startswith("--state-dir="):
+                state_dir = arg.split("=", 1)[1]
         print(f"vmpin: error: {state_error(os.path.join(state_dir, 'state.db'), e)}",
               file=sys.stderr)
         return 2

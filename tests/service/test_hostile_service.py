@@ -302,3 +302,19 @@ def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path
         agent.kill()
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     assert "Traceback" not in agent.log.read_text()
+
+
+def test_sqlite_error_under_a_command_is_one_line(
+    paths: HostPaths, mocker: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fault after the store opened (EIO on a read) still ends in one line, no traceback."""
+    import sqlite3
+
+    from vmpin.cli import run
+
+    Store(paths.state_dir).close()
+    mocker.patch.object(Store, "containers", side_effect=sqlite3.OperationalError("disk I/O error"))
+    assert run(["--state-dir", paths.state_dir, "containers"]) == 2
+    err = capsys.readouterr().err
+    line = one_line(err)
+    assert os.path.join(paths.state_dir, "state.db") in line and "disk I/O error" in line
