@@ -57,6 +57,8 @@ def one_line(text: str) -> str:
         (["serve"], {"VMPIN_HOLDOFF": "inf"}, "VMPIN_HOLDOFF"),
         (["serve"], {"VMPIN_HOLDOFF": "-0.5"}, "VMPIN_HOLDOFF"),
         (["serve"], {"VMPIN_HOLDOFF": "soon"}, "VMPIN_HOLDOFF"),
+        (["serve"], {"VMPIN_LOG_LEVEL": "loud"}, "VMPIN_LOG_LEVEL"),
+        (["serve"], {"VMPIN_HOUSEKEEPING": "0-"}, "0-"),
     ],
 )
 def test_bad_numeric_options_one_line(

@@ -728,6 +728,11 @@ def serve(
         holdoff=holdoff,
     )
 
+    # Settings (policy, housekeeping set, guest float) are checked now, once, as one line --
+    # not by each worker after start, which would leave an agent without workers.
+    with Store(ctx_obj.paths.state_dir) as store:
+        ctx_obj.reconciler(store)
+
     def on_signal(signum: int, frame: object) -> None:
         agent.request_stop(signum)
 
