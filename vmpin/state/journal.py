@@ -272,9 +272,12 @@ def append(state_dir: str, event: dict[str, Any]) -> str:
             os.fsync(dfd)  # the rename itself survives a crash
         finally:
             os.close(dfd)
-    except OSError as err:
+    except BaseException as err:
+        # whatever failed (ENOSPC, EIO, anything), no temp file is left in the state dir
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if not isinstance(err, OSError):
+            raise
         raise StateError(
             f"{os.path.join(d, name)}: event not recorded: {err.strerror}"
             " (is the state dir's filesystem full or read-only?)"

@@ -299,7 +299,7 @@ class Store:
                 self._ensure_schema()
                 self.ingest(consume=False)
         except sqlite3.Error as err:
-            raise StateError(f"{path}: {err}") from None
+            raise state_error(path, err) from None
         return self
 
     def close(self) -> None:
