@@ -18,6 +18,7 @@ Why SQLite, and how it is used:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import sys
