@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Optional
@@ -663,16 +664,41 @@ def cluster(ctx: typer.Context, kubeconfig: KubeconfigOpt = None, as_json: JsonO
 def status(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """The agent's health; exit 0 when it answers on its control socket, 1 when not."""
     from vmpin.service.control import request
+    from vmpin.state import journal
 
     reply = request(ctx.obj.paths, {"op": "status"}, timeout=2.0)
-    out = reply or {"ok": False, "error": f"no agent answering on {ctx.obj.paths.control_socket}"}
+    state_dir = ctx.obj.paths.state_dir
+    out = reply or {
+        "ok": False,
+        "error": f"no agent answering on {ctx.obj.paths.control_socket}",
+        "journal_pending": journal.backlog(state_dir),
+        "journal_bad": journal.quarantined(state_dir),
+    }
     if as_json:
         _emit(out, "status")
     elif reply:
         typer.echo(" ".join(f"{k}={v}" for k, v in reply.items()))
     else:
         typer.echo(out["error"])
+        typer.echo(f"journal_pending={out['journal_pending']} journal_bad={out['journal_bad']}")
     if not reply or not reply.get("ok"):
+        raise typer.Exit(1)
+
+
+@app.command()
+def doctor(
+    ctx: typer.Context,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only check; move and rebuild nothing.")
+    ] = False,
+) -> None:
+    """Check the state dir; move a corrupt store aside and rebuild it from the host."""
+    from vmpin.service.doctor import doctor as run_doctor
+
+    ok, lines = run_doctor(ctx.obj.paths, repair=not dry_run)
+    for line in lines:
+        typer.echo(line)
+    if not ok:
         raise typer.Exit(1)
 
 
@@ -720,4 +746,17 @@ def run(args: list[str]) -> int:
     except VmpinError as e:
         print(f"vmpin: error: {e}", file=sys.stderr)
         return e.exit_code
+    except sqlite3.Error as e:  # the database failed under a command: one line, no traceback
+        from vmpin.linux.paths import ENVVARS
+        from vmpin.state.store import state_error
+
+        state_dir = os.environ.get(ENVVARS["state_dir"]) or "/run/vmpin"
+        for i, arg in enumerate(args):  # the global option, when given, wins
+            if arg == "--state-dir" and i + 1 < len(args):
+                state_dir = args[i + 1]
+            elif arg.startswith("--state-dir="):
+                state_dir = arg.split("=", 1)[1]
+        print(f"vmpin: error: {state_error(os.path.join(state_dir, 'state.db'), e)}",
+              file=sys.stderr)
+        return 2
     return 0

@@ -6,6 +6,7 @@ stderr and an exit code, nothing below the CLI exits the process::
     VmpinError
     +-- CpuSetError        a CPU list or mask that does not parse, or names impossible CPUs
     +-- SpecError          OCI state / config.json / resources JSON that is malformed
+    |   +-- UnsafeFile         a file others can write that is a symlink, FIFO, device or huge
     +-- IdError            an id that could name a path outside the state dir
     +-- TopologyError      a sysfs tree that cannot describe the host
     +-- PlanError          a placement that cannot be made (e.g. CPUs offline)
@@ -35,6 +36,10 @@ class CpuSetError(VmpinError, ValueError):
 
 class SpecError(VmpinError, ValueError):
     pass
+
+
+class UnsafeFile(SpecError):
+    """A file others can write, refused unread (vmpin.linux.files): symlink, FIFO, device, huge."""
 
 
 class IdError(VmpinError, ValueError):

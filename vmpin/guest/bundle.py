@@ -18,6 +18,8 @@ GUEST_MODULES = (
     "vmpin/core/_lean.py",
     "vmpin/core/errors.py",
     "vmpin/core/cpuset.py",
+    "vmpin/linux/__init__.py",
+    "vmpin/linux/files.py",
     "vmpin/wire/__init__.py",
     "vmpin/wire/guestmap.py",
     "vmpin/guest/__init__.py",

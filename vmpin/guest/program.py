@@ -56,7 +56,12 @@ import time
 from types import FrameType
 from typing import Callable, Mapping, NamedTuple
 
+from vmpin.core.errors import VmpinError
+from vmpin.linux.files import load_json, read_bytes
 from vmpin.wire.guestmap import DEFAULT_GUEST_MAP, FORMAT_VERSION
+
+#: the largest guest map read (vmpin.runtimes.publish writes ~60 KiB for 512 vCPUs).
+MAX_MAP_BYTES = 1 << 20
 
 ENV_MAP = "VMPIN_GUEST_MAP"
 ENV_PROC_ROOT = "VMPIN_GUEST_PROC_ROOT"
@@ -214,8 +219,7 @@ def read_map(path: str) -> dict[str, object]:
     because the host bumps it only when old readers would misread the file.
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_bytes(path, limit=MAX_MAP_BYTES, what="guest map")
     except FileNotFoundError:
         raise GuestError(
             f"no guest map at {path} (vmpin on the host has not published one "
@@ -223,9 +227,11 @@ def read_map(path: str) -> dict[str, object]:
         ) from None
     except OSError as err:
         raise GuestError(f"cannot read guest map {path}: {err.strerror}") from None
+    except VmpinError as err:  # a symlink, FIFO, device or huge file: refused unread
+        raise GuestError(str(err)) from None
     try:
-        raw = json.loads(data)
-    except ValueError as err:
+        raw = load_json(data, f"guest map {path}")
+    except VmpinError as err:
         raise GuestError(f"guest map {path} is not JSON: {err}") from None
     if not isinstance(raw, dict):
         raise GuestError(f"guest map {path} is not a JSON object")

@@ -48,7 +48,8 @@ import os
 
 from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, KubeError, PermissionDenied
+from vmpin.core.errors import CpuSetError, KubeError, PermissionDenied, SpecError
+from vmpin.linux.files import load_json, read_bytes
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -90,24 +91,25 @@ def read_checkpoint(path: str) -> Checkpoint | None:
     and :class:`PermissionDenied` when it cannot be read.
     """
     try:
-        with open(path, "rb") as f:
-            mtime_ns = os.fstat(f.fileno()).st_mtime_ns
-            raw = f.read()
+        mtime_ns = os.stat(path).st_mtime_ns
+        raw = read_bytes(path, what="kubelet checkpoint")
     except FileNotFoundError:
         return None
     except OSError as err:
         if err.errno in (errno.EACCES, errno.EPERM):
             raise PermissionDenied(f"permission denied reading kubelet checkpoint {path}") from err
         raise KubeError(f"reading kubelet checkpoint {path}: {err.strerror}") from err
+    except SpecError as err:  # a FIFO, device or huge file where the checkpoint should be
+        raise KubeError(str(err)) from None
     return parse_checkpoint(raw, path, mtime_ns)
 
 
 def parse_checkpoint(raw: str | bytes, path: str, mtime_ns: int = 0) -> Checkpoint:
     """The checkpoint in ``raw`` (the file's bytes), as kubelet would restore it."""
     try:
-        doc = gojson.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise KubeError(f"kubelet checkpoint {path}: not JSON ({err})") from err
+        doc = load_json(raw, f"kubelet checkpoint {path}", object_pairs_hook=gojson.Obj)
+    except SpecError as err:
+        raise KubeError(str(err)) from None
     return _Decoder(path).checkpoint(doc, mtime_ns)
 
 
@@ -207,9 +209,10 @@ class _Decoder:
                 "dataChecksum", f"{data_sum} does not match the data ({actual}): corrupted"
             )
         try:
-            inner = gojson.loads(data)
-        except ValueError as err:
-            raise self.bad("data", f"not JSON ({err})") from err
+            inner = load_json(data, f"kubelet checkpoint {self.path}: field 'data'",
+                              object_pairs_hook=gojson.Obj)
+        except SpecError as err:
+            raise KubeError(str(err)) from None
         if not isinstance(inner, dict):
             raise self.bad("data", "expected a JSON object")
         policy, default, entries, pods = self.fields(inner, _DATA_FIELDS)

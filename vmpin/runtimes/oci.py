@@ -37,12 +37,22 @@ from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError
 from vmpin.core.ids import check_id
+from vmpin.linux.files import check_text, load_json, read_bytes
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 else:
     from vmpin.core._lean import NamedTuple
+
+#: Linux's PID_MAX_LIMIT (include/linux/threads.h: 4 * 1024 * 1024 on 64-bit): no pid is larger.
+PID_MAX = 4 * 1024 * 1024
+#: the largest OCI state / config.json a hook accepts (Kata's, with every annotation, ~20 KiB).
+MAX_DOC = 1 << 20
+#: annotations vmpin keeps per container, and the longest value (kubelet caps the whole
+#: annotation map at 256 KiB).
+MAX_ANNOTATIONS = 512
+MAX_TEXT = 64 << 10
 
 STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
 
@@ -80,10 +90,17 @@ def _obj(value: Any, where: str) -> dict[str, Any]:
 
 
 def _loads(text: str | bytes, where: str) -> Any:
-    try:
-        return gojson.loads(text)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise SpecError(f"{where}: malformed JSON: {err}") from None
+    if len(text) > MAX_DOC:
+        raise SpecError(f"{where}: {len(text)} bytes, over the limit of {MAX_DOC}")
+    # Go's key matching (gojson.Obj keeps repeated keys) on the one depth-limited reader
+    return load_json(text, where, object_pairs_hook=gojson.Obj)
+
+
+def _text(value: str, where: str) -> str:
+    """Text that will be journaled and stored: valid UTF-8 and of a sane length."""
+    if len(value) > MAX_TEXT:
+        raise SpecError(f"{where}: {len(value)} characters, over the limit of {MAX_TEXT}")
+    return check_text(value, where)
 
 
 def _annotations(value: Any, where: str) -> dict[str, str]:
@@ -93,6 +110,11 @@ def _annotations(value: Any, where: str) -> dict[str, str]:
     bad = [k for k, v in obj.items() if not isinstance(v, str)]
     if bad:
         raise SpecError(f"{where}: annotation {bad[0]!r} is not a string")
+    if len(obj) > MAX_ANNOTATIONS:
+        raise SpecError(f"{where}: {len(obj)} annotations, over the limit of {MAX_ANNOTATIONS}")
+    for k, v in obj.items():
+        _text(k, f"{where}: annotation key")
+        _text(v, f"{where}: annotation {k!r}")
     return dict(obj)
 
 
@@ -108,14 +130,21 @@ def parse_state(text: str | bytes, where: str = "state") -> State:
     bundle = obj.get("bundle", "")
     if not isinstance(bundle, str):
         raise SpecError(f"{where}: field 'bundle' is not a string")
+    _text(bundle, f"{where}: field 'bundle'")
     if bundle and not os.path.isabs(bundle):
         raise SpecError(f"{where}: field 'bundle' is not an absolute path: {bundle!r}")
+    if "\0" in bundle:
+        raise SpecError(f"{where}: field 'bundle' holds a NUL byte: {bundle!r}")
     pid = obj.get("pid")
-    if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid < 0):
-        raise SpecError(f"{where}: field 'pid' is not a process id: {pid!r}")
+    if pid is not None and (
+        not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid <= PID_MAX
+    ):
+        raise SpecError(f"{where}: field 'pid' is not a process id (0..{PID_MAX}): {pid!r}")
     for key in ("status", "ociVersion"):
         if obj.get(key) is not None and not isinstance(obj.get(key), str):
             raise SpecError(f"{where}: field {key!r} is not a string")
+        if obj.get(key):
+            _text(obj[key], f"{where}: field {key!r}")
     return State(
         id=cid,
         status=obj.get("status") or "",
@@ -203,6 +232,11 @@ def parse_resources(obj: Any, where: str) -> Resources:
             raise SpecError(f"{where}.cpu.cpus: {err}") from None
         if not cpus:  # ",": the kernel reads an empty set, which no task can run on
             raise SpecError(f"{where}.cpu.cpus: {cpus_text!r} names no CPU")
+    if mems:
+        try:  # stored and handed to cgroups: a list the kernel reads
+            CpuSet.parse_kernel(mems)
+        except CpuSetError as err:
+            raise SpecError(f"{where}.cpu.mems: {err}") from None
     return Resources(cpus=cpus, mems=mems or None)
 
 
@@ -227,10 +261,10 @@ def parse_config(text: str | bytes, where: str = "config.json") -> Config:
 
 
 def read_config(bundle: str) -> Config:
+    """The bundle's config.json, read as a file others can write (vmpin.linux.files)."""
     path = os.path.join(bundle, "config.json")
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_bytes(path, limit=MAX_DOC, what="bundle config")
     except FileNotFoundError:
         raise SpecError(f"{path}: bundle has no config.json") from None
     except OSError as err:

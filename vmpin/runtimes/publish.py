@@ -29,6 +29,12 @@ Rules this module keeps, and why:
 - **Only on change**: a reconcile pass publishes every Kata sandbox; the map is rewritten
   only when its content (everything but the generation and timestamp) differs from the file
   there, so an idle node writes nothing and the guest's caches stay valid.
+- **No symlink followed, nothing but regular files read**: the shared dir and ``vmpin/`` are
+  opened with ``O_NOFOLLOW | O_DIRECTORY`` and everything below is done relative to that
+  directory fd (``openat``/``renameat``/``unlinkat``), so a ``vmpin`` symlink planted in a
+  shared dir cannot make vmpin write the map (or delete temporary files) elsewhere; the old
+  map is read through vmpin.linux.files (a FIFO or ``/dev/zero`` there is refused, not read
+  while holding the lock).
 - **Versioned**: ``"version": 1``; readers ignore unknown keys, so fields can be added
   without a bump; a bump means old readers must refuse the file.
 """
@@ -43,8 +49,9 @@ import os
 import time
 from collections.abc import Mapping
 
-from vmpin.core.errors import HostError, PermissionDenied
+from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
+from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
 from vmpin.wire.guestmap import FORMAT_VERSION, GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
 
@@ -146,14 +153,37 @@ def render(
     return doc
 
 
-def read_published(path: str) -> dict[str, Any] | None:
-    """The map now at ``path``; None when absent or unreadable as a map (then rewritten)."""
+#: a guest map for 512 vCPUs and 100 containers is ~60 KiB.
+MAX_MAP = 1 << 20
+
+
+def read_published(path: str, dir_fd: int | None = None) -> dict[str, Any] | None:
+    """The map now at ``path``; None when absent or unreadable as a map (then rewritten).
+
+    A symlink, FIFO, device or oversized file there is not read (and is replaced by the
+    rename that follows)."""
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError):
+        raw = read_bytes(path, limit=MAX_MAP, dir_fd=dir_fd, what="guest map")
+        doc = load_json(raw, path)
+    except (OSError, SpecError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(path: str, name: str | None = None, dir_fd: int | None = None) -> int:
+    """A directory fd that is not reached through a symlink (last component)."""
+    try:
+        return os.open(name if name is not None else path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as err:
+        where = path if name is None else os.path.join(path, name)
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise HostError(
+                f"publishing guest map: {where} is not a directory (a symlink?): refused"
+            ) from None
+        raise _translate(err, where, "open") from err
 
 
 def _translate(err: OSError, path: str, what: str) -> HostError:
@@ -177,58 +207,66 @@ def publish_map(
     path = map_path(paths, sandbox_id)
     directory = os.path.dirname(path)
     shared = os.path.dirname(directory)
-    if not os.path.isdir(shared):
-        return Published(path, False, None, f"not shared with a guest: {shared} does not exist")
+    name = os.path.basename(directory)
     try:
-        os.mkdir(directory, 0o755)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        # The shared dir went away between the check and the mkdir: the sandbox is gone.
-        return Published(path, False, None, f"not shared with a guest: {shared} vanished")
-    except OSError as err:
-        raise _translate(err, directory, "create") from err
+        shared_fd = _open_dir(shared)
+    except HostError:
+        if not os.path.lexists(shared):
+            return Published(path, False, None, f"not shared with a guest: {shared} does not exist")
+        raise
+    try:
+        try:
+            os.mkdir(name, 0o755, dir_fd=shared_fd)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            # The shared dir went away between the open and the mkdir: the sandbox is gone.
+            return Published(path, False, None, f"not shared with a guest: {shared} vanished")
+        except OSError as err:
+            raise _translate(err, directory, "create") from err
+        dir_fd = _open_dir(shared, name, shared_fd)
+    finally:
+        os.close(shared_fd)
     new = content(sandbox_id, guest_map)
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as err:
-        raise _translate(err, directory, "open") from err
     try:
         # flock on the directory itself: no lock file for the guest to see.
         fcntl.flock(dir_fd, fcntl.LOCK_EX)
-        old = read_published(path)
+        old = read_published(os.path.basename(path), dir_fd)
         if old is not None and _strip(old) == new:
             gen = old.get("generation")
             return Published(path, False, gen if isinstance(gen, int) else None, "unchanged")
         doc = render(new, old, now)
-        _remove_stale_temps(directory)
+        _remove_stale_temps(dir_fd, os.path.basename(path))
         _write_atomically(dir_fd, directory, path, doc)
         return Published(path, True, doc["generation"], "written")
     finally:
         os.close(dir_fd)  # releases the flock
 
 
-def _remove_stale_temps(directory: str) -> None:
+def _remove_stale_temps(dir_fd: int, fname: str) -> None:
     """Temp files left by a writer that died mid-write (we hold the lock: none is live)."""
-    prefix = f".{MAP_FILENAME}."
+    prefix = f".{fname}."
     try:
-        names = os.listdir(directory)
+        names = os.listdir(dir_fd)
     except OSError:
         return
     for name in names:
         if name.startswith(prefix) and name.endswith(".tmp"):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
+                os.unlink(name, dir_fd=dir_fd)
 
 
 def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, Any]) -> None:
-    """Temp file + fsync + rename + fsync(dir): the guest sees the old map or the new one."""
+    """Temp file + fsync + rename + fsync(dir), all relative to ``dir_fd``: the guest sees the
+    old map or the new one."""
     data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
-    tmp = os.path.join(directory, f".{MAP_FILENAME}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fname = os.path.basename(path)
+    tmp = f".{fname}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
     except OSError as err:
-        raise _translate(err, tmp, "create") from err
+        raise _translate(err, os.path.join(directory, tmp), "create") from err
     try:
         try:
             # 0644 whatever the umask: the guest reads it through virtio-fs/9p as another user.
@@ -239,10 +277,10 @@ def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, 
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, fname, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as err:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise _translate(err, path, "write") from err
     try:
         os.fsync(dir_fd)  # the rename itself survives a crash
@@ -257,12 +295,21 @@ def remove_map(paths: HostPaths, sandbox_id: str) -> bool:
     vmpin stops managing while it runs, and for templates outside Kata's tree.
     """
     path = map_path(paths, sandbox_id)
+    directory = os.path.dirname(path)
     try:
-        os.unlink(path)
+        dir_fd = _open_dir(directory)
+    except HostError:
+        if not os.path.lexists(directory):
+            return False
+        raise
+    try:
+        os.unlink(os.path.basename(path), dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     except OSError as err:
         raise _translate(err, path, "remove") from err
+    finally:
+        os.close(dir_fd)
     with contextlib.suppress(OSError):  # not empty (someone else's files), or already gone
-        os.rmdir(os.path.dirname(path))
+        os.rmdir(directory)
     return True

@@ -41,7 +41,6 @@ with the pid it identifies the process, so a reused pid is not mistaken for the 
 from __future__ import annotations
 
 import errno
-import json
 import os
 
 from vmpin.core.cpuset import CpuSet
@@ -51,9 +50,11 @@ from vmpin.core.errors import (
     PermissionDenied,
     ProcessGone,
     RuntimeKindError,
+    SpecError,
 )
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
+from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -69,18 +70,19 @@ def read_state(paths: HostPaths, container_id: str) -> dict[str, Any] | None:
     """runc's state of the container as JSON, None when runc has none (not runc's, deleted)."""
     path = state_path(paths, container_id)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_bytes(path, what="runc state")
     except FileNotFoundError:
         return None
     except OSError as err:
         if err.errno in (errno.EACCES, errno.EPERM):
             raise PermissionDenied(f"permission denied reading runc state {path}") from err
         raise HostError(f"reading runc state {path}: {err.strerror}") from err
+    except SpecError as err:  # a FIFO, device or huge file where runc keeps its state
+        raise RuntimeKindError(str(err)) from None
     try:
-        state = json.loads(raw)
-    except ValueError as err:
-        raise RuntimeKindError(f"runc state {path} is not JSON: {err}") from err
+        state = load_json(raw, f"runc state {path}")
+    except SpecError as err:
+        raise RuntimeKindError(str(err)) from None
     if not isinstance(state, dict):
         raise RuntimeKindError(f"runc state {path}: expected a JSON object")
     return state

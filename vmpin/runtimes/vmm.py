@@ -22,9 +22,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from vmpin.core.errors import HostError
+from vmpin.core.errors import HostError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
+from vmpin.linux.files import read_bytes
 from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -176,10 +177,9 @@ def _read_vmm(paths: HostPaths, pid: int, sandbox_id: str) -> Vmm | None:
 
 def read_pidfile(path: str) -> int | None:
     """The pid in a QEMU pidfile, or None when missing, empty, unreadable or not a pid."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(64)
-    except OSError:
+    try:  # (a FIFO or device planted as the pidfile is refused, not waited on)
+        raw = read_bytes(path, limit=64, what="pidfile")
+    except (OSError, VmpinError):
         return None
     try:
         pid = int(raw.decode("ascii", errors="strict").strip())

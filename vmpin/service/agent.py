@@ -52,6 +52,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import signal
 import sqlite3
@@ -71,6 +72,7 @@ from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
 from vmpin.service.server import AgentRunning, ControlServer
 from vmpin.service.settings import Settings
 from vmpin.service.workers import FullPass, SandboxStat
+from vmpin.state import journal
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
@@ -90,6 +92,19 @@ class CtxLike(Protocol):
     def reconciler(self, store: Store | None = None) -> Reconciler: ...
 
 
+MAX_INTERVAL = 86400.0
+MAX_HOLDOFF = 60.0
+MAX_WORKERS = 64
+
+
+def check_seconds(name: str, value: float, *, low: float, high: float) -> float:
+    """A duration option: finite and in range (``nan`` compares false to everything, so a
+    ``<= 0`` check lets it through, and ``inf`` overflows every timer)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+        raise StateError(f"{name} {value}: must be a number of seconds in {low:g}..{high:g}")
+    return float(value)
+
+
 class Agent:
     def __init__(
         self,
@@ -103,10 +118,10 @@ class Agent:
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         metrics: Metrics | None = None,
     ) -> None:
-        if interval <= 0:
-            raise StateError(f"--interval {interval}: must be > 0 seconds")
-        if workers < 1:
-            raise StateError(f"--workers {workers}: need at least one worker")
+        check_seconds("--interval", interval, low=0.01, high=MAX_INTERVAL)
+        check_seconds("VMPIN_HOLDOFF", holdoff, low=0.0, high=MAX_HOLDOFF)
+        if not 1 <= workers <= MAX_WORKERS:
+            raise StateError(f"--workers {workers}: need 1..{MAX_WORKERS} workers")
         if not 0 <= metrics_port <= 65535:
             raise StateError(f"--metrics-port {metrics_port}: not a TCP port (0 = off)")
         self.paths = paths
@@ -146,6 +161,13 @@ class Agent:
         self.kube: KubeLink | None = None
         self.metrics.track_state(self._snapshot)
         self.metrics.track_queue(self.queue.depth, self.queue.running)
+        self.metrics.track_journal(
+            lambda: float(journal.backlog(paths.state_dir)),
+            lambda: float(journal.quarantined(paths.state_dir)),
+        )
+        #: why the store cannot be written (read-only, full), while pinning goes on
+        self.store_error: str | None = None
+        self.metrics_error: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,13 +184,22 @@ class Agent:
                 try:
                     self._metrics_server = MetricsServer(self.metrics, self.metrics_port)
                 except OSError as err:
-                    raise StateError(
-                        f"metrics port 127.0.0.1:{self.metrics_port}: {err.strerror}"
-                    ) from None
+                    # Anyone may bind a loopback port first: that must not stop pinning (an
+                    # exit here is a crash loop under Restart=always).  Said once, in status.
+                    self.metrics_error = (
+                        f"metrics port 127.0.0.1:{self.metrics_port}: {err.strerror};"
+                        " running without metrics"
+                    )
+                    self.metrics.errors.labels("internal").inc()
+                    log_event(logging.ERROR, "metrics off", error=self.metrics_error)
             # Crash recovery: whatever the last agent (or a killed hook) left half-done is
             # planned again from the stored level.
             self._pending_at_start = {sid for sid, _ in self._store.dirty()}
-            self._store.mark_dirty(None)
+            try:
+                self._store.mark_dirty(None)
+            except sqlite3.OperationalError as err:  # read-only or full: pin on regardless
+                self.store_error = f"{self._store.path}: {err}"
+                log_event(logging.ERROR, "cannot write the store", error=self.store_error)
             for i in range(self.n_workers):
                 t = threading.Thread(target=self._worker, name=f"vmpin-worker-{i}", daemon=True)
                 t.start()
@@ -363,7 +394,7 @@ class Agent:
                 )
                 return False
             self._passes += 1
-            self._store.ingest()  # containers whose hooks nobody has applied yet
+            self._ingest(self._store)  # containers whose hooks nobody has applied yet
             ids = [s.id for s in self._store.sandboxes()]
             # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
             for gone in set(self._stats) - set(ids):
@@ -424,7 +455,9 @@ class Agent:
                         self._errors += 1
                     log.error(
                         "sandbox pass failed",
-                        exc_info=True,
+                        # the database failing (full, read-only, corrupt) is one line, not a
+                        # traceback per sandbox per pass
+                        exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
                         extra={"fields": {"sandbox": work.sandbox_id, "error": str(err)}},
                     )
                 finally:
@@ -434,6 +467,19 @@ class Agent:
     def _api_annotations(self, pod_uid: str) -> Mapping[str, str] | None:
         kube = self.kube
         return None if kube is None else kube.annotations_for(pod_uid)
+
+    def _ingest(self, store: Store) -> None:
+        """Apply the journal; a store that cannot be written (read-only, full) is logged and
+        shown in status, and the pass goes on pinning from what is stored and the host."""
+        try:
+            store.ingest()
+        except StateError as err:
+            if self.store_error != str(err):
+                log_event(logging.ERROR, "cannot write the store", error=str(err))
+            self.store_error = str(err)
+            self.metrics.errors.labels("internal").inc()
+        else:
+            self.store_error = None
 
     def _progress(self, work: Work) -> None:
         with self._lock:
@@ -446,7 +492,7 @@ class Agent:
     def _process(self, work: Work, store: Store, reconciler: Reconciler) -> None:
         sid = work.sandbox_id
         t0 = time.monotonic()
-        store.ingest()  # a plain container's hook journals its event and only notifies us
+        self._ingest(store)  # a plain container's hook journals its event and only notifies us
         rec = store.sandbox(sid)
         if rec is None:  # deleted (poststop): the node is still re-planned (undo its pins)
             reconciler.reconcile([sid])
@@ -609,7 +655,11 @@ class Agent:
             # longer than an interval on a crowded node: allow three, plus start-up slack).
             workers_alive = sum(1 for t in self._workers if t.is_alive())
             since = age if age is not None else now - self.started
-            healthy = workers_alive == self.n_workers and since < 3 * self.interval + 10
+            healthy = (
+                workers_alive == self.n_workers
+                and since < 3 * self.interval + 10
+                and self.store_error is None
+            )
             out: dict[str, Any] = {
                 "ok": True,
                 "healthy": healthy,
@@ -629,6 +679,10 @@ class Agent:
                 "passes": self._passes,
                 "pass_running": self._pass is not None,
                 "last_pass_age_s": None if age is None else round(age, 3),
+                "journal_pending": journal.backlog(self.paths.state_dir),
+                "journal_bad": journal.quarantined(self.paths.state_dir),
+                "store_error": self.store_error,
+                "metrics_error": self.metrics_error,
             }
             if self._last_pass is not None:
                 out.update(
@@ -664,6 +718,7 @@ def serve(
             holdoff = float(raw) if raw else DEFAULT_HOLDOFF
         except ValueError:
             raise StateError(f"VMPIN_HOLDOFF={raw!r}: not a number of seconds") from None
+        check_seconds(f"VMPIN_HOLDOFF={raw}", holdoff, low=0.0, high=MAX_HOLDOFF)
     agent = Agent(
         ctx_obj.paths,
         ctx_obj.reconciler,
@@ -672,6 +727,11 @@ def serve(
         metrics_port=metrics_port,
         holdoff=holdoff,
     )
+
+    # Settings (policy, housekeeping set, guest float) are checked now, once, as one line --
+    # not by each worker after start, which would leave an agent without workers.
+    with Store(ctx_obj.paths.state_dir) as store:
+        ctx_obj.reconciler(store)
 
     def on_signal(signum: int, frame: object) -> None:
         agent.request_stop(signum)

@@ -16,6 +16,10 @@ event (vmpin.state.journal) -- the store applies it exactly once.  Then bring th
 
 Fail-open: a container must never fail to start because of vmpin, so any problem prints one
 line to stderr and exits 0; ``--strict`` makes it exit 1 (the runtime then fails the start).
+What is refused: input that could not be stored (vmpin.state.journal.build: pids beyond
+PID_MAX, text that is not UTF-8, oversized documents, symlinked/FIFO/device config.json) and
+an event that could not be written completely (full or read-only state dir): then nothing
+is journaled, and the line says so.
 
 Kata's quirks (FACTS.md), and how each is handled:
 
@@ -40,7 +44,7 @@ from vmpin.core.errors import SpecError, VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES, parse_state
 from vmpin.service.settings import Settings
-from vmpin.state.journal import append, build
+from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog, build
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -102,7 +106,7 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         # with os._exit(); what was committed is in the WAL for the next connection.
         store = Store(paths.state_dir, ingest=False)
         # another process may have applied our event already: then re-pin our sandbox anyway
-        touched = store.ingest() or ([sandbox] if sandbox else [])
+        touched = store.ingest(budget=INGEST_BUDGET) or ([sandbox] if sandbox else [])
         # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
         sync(settings or Settings.from_env(), store, touched, paths)
         return sandbox
@@ -110,6 +114,12 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         from vmpin.service.control import notify
 
         notify(paths, [sandbox])  # a no-op without a socket file: socket is not even imported
+    if backlog(paths.state_dir) > INGEST_THRESHOLD:
+        # No one has applied the journal for a while (no agent, no CLI): keep it bounded
+        # here, in batches within a time budget, so no later hook inherits a huge backlog.
+        from vmpin.state.store import Store
+
+        Store(paths.state_dir, ingest=False).ingest(budget=INGEST_BUDGET)
     return sandbox
 
 

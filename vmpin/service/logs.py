@@ -38,7 +38,12 @@ def setup_logging(stream: Any = None, level: str | None = None) -> None:
     root = logging.getLogger("vmpin")
     root.handlers[:] = [handler]
     root.propagate = False
-    root.setLevel((level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper())
+    name = (level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper()
+    if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        from vmpin.core.errors import StateError
+
+        raise StateError(f"VMPIN_LOG_LEVEL={name!r}: expected DEBUG, INFO, WARNING or ERROR")
+    root.setLevel(name)
 
 
 def log_event(level: int, event: str, **fields: Any) -> None:

@@ -150,6 +150,14 @@ class Metrics:
         )
         self.queue_depth = Gauge("vmpin_queue_depth", "Sandboxes waiting for a pass", registry=r)
         self.running = Gauge("vmpin_running", "Sandboxes being planned right now", registry=r)
+        self.journal_pending = Gauge(
+            "vmpin_journal_pending", "Hook events journaled and not yet applied", registry=r
+        )
+        self.journal_quarantined = Gauge(
+            "vmpin_journal_quarantined",
+            "Journal entries that could not be applied, moved to journal/bad/",
+            registry=r,
+        )
         info = Gauge("vmpin_agent_info", "The running agent", ["version"], registry=r)
         info.labels(__version__).set(1)
         self.conflicts = Gauge(
@@ -170,6 +178,11 @@ class Metrics:
     def track_queue(self, depth: Callable[[], float], running: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)
         self.running.set_function(running)
+
+    def track_journal(self, pending: Callable[[], float], bad: Callable[[], float]) -> None:
+        """Counted from the journal dir at scrape time: any vmpin process may quarantine."""
+        self.journal_pending.set_function(pending)
+        self.journal_quarantined.set_function(bad)
 
 
 class MetricsServer:

@@ -13,19 +13,23 @@ from typing import Any
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError, StateError
+from vmpin.linux.files import read_bytes
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
-from vmpin.runtimes.oci import parse_resources_json
+from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
 from vmpin.service.settings import Settings, build_reconciler
-from vmpin.state.store import Store
+from vmpin.state.store import ContainerRec, Store
 
 
 def _read_resources(source: str) -> bytes:
+    """The ``-r`` document: a regular file (vmpin.linux.files: no FIFO, device or symlink)."""
     if source == "-":
-        return sys.stdin.buffer.read()
+        data = sys.stdin.buffer.read(MAX_DOC + 1)
+        if len(data) > MAX_DOC:
+            raise SpecError(f"stdin: over the limit of {MAX_DOC} bytes")
+        return data
     try:
-        with open(source, "rb") as f:
-            return f.read()
+        return read_bytes(source, limit=MAX_DOC, what="resources file")
     except OSError as err:
         raise SpecError(f"{source}: {err.strerror}") from None
 
@@ -84,27 +88,44 @@ def update_container(
 
         topo = read_topology(paths.sys)
         topo.check_online(cpus, f"container {container_id}")
+        old = rec
         rec = store.set_container_cpus(container_id, cpus, "update")
-        sandbox = store.sandbox(rec.sandbox_id)
-        gen = sandbox.gen if sandbox else 0
-        from vmpin.service.control import notify
+        try:
+            return _repin(paths, store, rec, cpus, reconciler_factory, settings, wait)
+        except BaseException:
+            # Failing means changing nothing: put the old set back before saying so.
+            store.set_container_cpus(container_id, old.cpus, old.cpus_source or "spec")
+            raise
 
-        if notify(paths, [rec.sandbox_id]) and _wait_done(store, rec.sandbox_id, gen, wait):
-            applied = "re-pinned by the agent"
+
+
+def _repin(
+    paths: HostPaths,
+    store: Store,
+    rec: ContainerRec,
+    cpus: CpuSet,
+    reconciler_factory: Callable[[Store], Reconciler] | None,
+    settings: Settings | None,
+    wait: float,
+) -> dict[str, Any]:
+    sandbox = store.sandbox(rec.sandbox_id)
+    gen = sandbox.gen if sandbox else 0
+    from vmpin.service.control import notify
+
+    if notify(paths, [rec.sandbox_id]) and _wait_done(store, rec.sandbox_id, gen, wait):
+        applied = "re-pinned by the agent"
+    else:
+        if reconciler_factory is not None:
+            rec_ = reconciler_factory(store)
         else:
-            if reconciler_factory is not None:
-                rec_ = reconciler_factory(store)
-            else:
-                # the configured policy, as every other entry point (the one factory)
-                rec_ = build_reconciler(
-                    (settings or Settings.from_env())._replace(paths=paths), store
-                )
-            reports = rec_.reconcile([rec.sandbox_id])
-            errors = [e for r in reports for e in r.errors]
-            applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
-        return {
-            "id": rec.id,
-            "sandbox": rec.sandbox_id,
-            "cpus": cpus.to_list(),
-            "applied_by": applied,
-        }
+            # the configured policy, as every other entry point (the one factory)
+            rec_ = build_reconciler((settings or Settings.from_env())._replace(paths=paths), store)
+        reports = rec_.reconcile([rec.sandbox_id])
+        errors = [e for r in reports for e in r.errors]
+        applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
+    return {
+        "id": rec.id,
+        "sandbox": rec.sandbox_id,
+        "cpus": cpus.to_list(),
+        "applied_by": applied,
+    }

@@ -6,7 +6,8 @@ wrapper does), ``json`` and ``sqlite3`` takes 28 ms.  A hook that opened the dat
 not stay within 2.5x of a bare interpreter.  So the hook does everything that needs the
 *moment* -- read the bundle (it may be gone later), read the pid's start time (the pid may be
 reused later), detect the runtime, validate -- and appends the result as one small JSON file
-(write, fsync, rename: all or nothing).  Whoever opens the store next (the agent, the CLI, a
+(every write checked, fsync, rename, fsync the directory: all or nothing).  Whoever opens the
+store next (the agent, the CLI, a
 Kata hook) applies pending events in order (:meth:`vmpin.state.store.Store.ingest`), inside a
 transaction that also records each event's name, so an event is applied exactly once even
 when two processes ingest at once. This module owns the event's format and the journal's
@@ -16,6 +17,17 @@ For a plain runc container nothing is lost by applying later: at create runc has
 written the spec's cpuset into the container's cgroup, which is exactly vmpin's plan for it,
 and a plain container's poststop changes no other container's placement.  A Kata sandbox is
 different (its QEMU floats until pinned), so its hooks ingest and reconcile in-process.
+
+Hostile input stops here, not in the store: :func:`build` refuses what could not be stored
+(a pid beyond ``PID_MAX``, text that is not valid UTF-8, oversized documents: see
+vmpin.runtimes.oci), :func:`check_event` re-checks every file at ingest (a journal file is a
+file: anyone with access to the state dir may have put it there), and what still cannot be
+applied is quarantined under ``journal/bad/`` by the store, never retried and never fatal.
+
+The backlog stays small without an agent: a plain container's hook that finds more than
+:data:`INGEST_THRESHOLD` pending events applies a batch itself (within
+:data:`INGEST_BUDGET` seconds), so the journal holds at most about that many events plus
+what concurrent hooks are writing; the agent, the CLI and Kata hooks apply it too.
 """
 
 from __future__ import annotations
@@ -25,10 +37,10 @@ import json
 import os
 import time
 
-from vmpin.core.errors import IdError, SpecError, VmpinError
+from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import Identity, State, identify, read_config
+from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -39,7 +51,20 @@ CREATE_STAGES = ("prestart", "createRuntime", "createContainer")
 #: only these run in the host's pid namespace (createContainer sees the container's pid 1)
 HOST_PID_STAGES = ("prestart", "createRuntime", "poststart")
 JOURNAL = "journal"
+BAD = "bad"
 VERSION = 1
+#: the largest event file written or applied (a Kata event with every annotation: ~20 KiB).
+MAX_EVENT = 256 << 10
+#: a plain hook applies the journal itself past this many pending events (see the docstring).
+INGEST_THRESHOLD = 256
+#: seconds a hook may spend applying the journal (containerd's default hook timeout is far
+#: longer, Kata's shipped one 10 s: a hook must never be the reason a start times out).
+INGEST_BUDGET = 2.0
+#: a ``.tmp`` file older than this was left by a killed hook (a live one writes in ~1 ms and
+#: no hook outlives its runtime's timeout); the next ingest removes it.
+TMP_MAX_AGE = 60.0
+#: the largest int SQLite stores (a start time in clock ticks is far below it).
+_INT64 = (1 << 63) - 1
 
 
 def container_id_from_bundle(bundle: str) -> str | None:
@@ -132,7 +157,78 @@ def build(paths: HostPaths, stage: str, state: State) -> dict[str, Any]:
     if ident is not None:
         event["ident"] = ident._asdict()
         event["runtime"] = detect_runtime(paths, ident.sandbox_id, host_pid)
+    encode(event)  # refuse now what could not be written or applied later
     return event
+
+
+def encode(event: dict[str, Any]) -> bytes:
+    """The event as journal bytes; SpecError when it is not storable (bad text, too big)."""
+    try:
+        data = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, TypeError) as err:
+        raise SpecError(f"hook event for {event.get('id')!r} cannot be stored: {err}") from None
+    if len(data) > MAX_EVENT:
+        raise SpecError(f"hook event for {event.get('id')!r}: {len(data)} bytes, over {MAX_EVENT}")
+    return data
+
+
+def _opt(ev: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> None:
+    value = ev.get(key)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise SpecError(f"field {key!r}: {value!r} is not a {kind}")
+
+
+def check_event(ev: Any) -> dict[str, Any]:
+    """A journal file's event, checked field by field before the store applies it.
+
+    Everything :func:`build` guarantees is checked again (the file may not come from a hook):
+    SpecError names the first field that is wrong.
+    """
+    if not isinstance(ev, dict):
+        raise SpecError(f"not an event object: {type(ev).__name__}")
+    if ev.get("v") != VERSION:
+        raise SpecError(f"event version {ev.get('v')!r}, expected {VERSION}")
+    if ev.get("stage") not in STAGES:
+        raise SpecError(f"unknown stage {ev.get('stage')!r}")
+    check_id(ev.get("id"), "field 'id'")  # type: ignore[arg-type]
+    for key in ("bundle", "mems", "runtime"):
+        _opt(ev, key, str)
+    if ev.get("runtime") not in (None, "kata", "runc"):
+        raise SpecError(f"field 'runtime': {ev.get('runtime')!r}")
+    _opt(ev, "cpus", str)
+    if ev.get("cpus") is not None:
+        from vmpin.core.cpuset import CpuSet
+        from vmpin.core.errors import CpuSetError
+
+        try:
+            CpuSet.parse(ev["cpus"])
+        except CpuSetError as err:
+            raise SpecError(f"field 'cpus': {err}") from None
+    pid = ev.get("host_pid")
+    _opt(ev, "host_pid", int)
+    if pid is not None and not 0 < pid <= PID_MAX:
+        raise SpecError(f"field 'host_pid': {pid!r} is not a process id")
+    _opt(ev, "pid_start", int)
+    if ev.get("pid_start") is not None and not 0 <= ev["pid_start"] <= _INT64:
+        raise SpecError(f"field 'pid_start': {ev['pid_start']!r} out of range")
+    ann = ev.get("annotations")
+    if not isinstance(ann, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in ann.items()
+    ):
+        raise SpecError("field 'annotations': not a map of strings")
+    ident = ev.get("ident")
+    if ident is not None:
+        if not isinstance(ident, dict) or set(ident) != set(Identity._fields):
+            raise SpecError(f"field 'ident': {ident!r}")
+        check_id(ident["container_id"], "ident container id")
+        check_id(ident["sandbox_id"], "ident sandbox id")
+        if not isinstance(ident["is_sandbox"], bool):
+            raise SpecError("field 'ident.is_sandbox': not a boolean")
+        for key in ("pod_uid", "pod_name", "pod_namespace", "name"):
+            if ident[key] is not None and not isinstance(ident[key], str):
+                raise SpecError(f"field 'ident.{key}': not a string")
+    encode(ev)  # every text encodes as UTF-8, the whole fits the limit
+    return ev
 
 
 # -- the journal -------------------------------------------------------------------------------
@@ -141,25 +237,93 @@ def journal_dir(state_dir: str) -> str:
 
 
 def append(state_dir: str, event: dict[str, Any]) -> str:
-    """Write one event file atomically; its name sorts in the order events happened."""
+    """Write one event file, complete or not at all; its name sorts in the order events happened.
+
+    Every write is checked (a nearly full filesystem gives short writes), the file is fsynced
+    before the rename publishes it, and the directory after, so an event the hook reported as
+    recorded survives a crash.  Any failure removes the temporary file and raises StateError
+    naming the file (the hook prints it; ``--strict`` fails the start).
+    """
+    data = encode(event)
     d = journal_dir(state_dir)
-    os.makedirs(d, mode=0o700, exist_ok=True)
     # CLOCK_MONOTONIC is system-wide: names from different hook processes sort by time.
     name = f"{time.monotonic_ns():020d}-{os.getpid()}.json"
     tmp = os.path.join(d, f".{name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, json.dumps(event, separators=(",", ":")).encode())
-        os.fsync(fd)
-    except BaseException:
-        # a failed write (ENOSPC, EIO, anything) leaves no temp file behind in the state dir
-        os.close(fd)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
+    except OSError as err:
+        raise StateError(f"{tmp}: cannot journal the event: {err.strerror}") from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                if written <= 0:  # (POSIX: a full disk gives ENOSPC, but never loop forever)
+                    raise OSError(28, os.strerror(28))
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(d, name))
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)  # the rename itself survives a crash
+        finally:
+            os.close(dfd)
+    except BaseException as err:
+        # whatever failed (ENOSPC, EIO, anything), no temp file is left in the state dir
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, os.path.join(d, name))
+        if not isinstance(err, OSError):
+            raise
+        raise StateError(
+            f"{os.path.join(d, name)}: event not recorded: {err.strerror}"
+            " (is the state dir's filesystem full or read-only?)"
+        ) from None
     return name
+
+
+def sweep_tmp(state_dir: str, now: float | None = None) -> int:
+    """Remove temporary files of hooks killed mid-write (older than TMP_MAX_AGE); how many."""
+    d = journal_dir(state_dir)
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        names = [n for n in os.listdir(d) if n.startswith(".") and n.endswith(".tmp")]
+    except OSError:
+        return 0
+    for n in names:
+        path = os.path.join(d, n)
+        try:
+            if now - os.lstat(path).st_mtime > TMP_MAX_AGE:
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass  # gone meanwhile
+    return removed
+
+
+def bad_dir(state_dir: str) -> str:
+    return os.path.join(journal_dir(state_dir), BAD)
+
+
+def quarantined(state_dir: str) -> int:
+    """How many journal entries were moved aside as unusable (``journal/bad/*.json``)."""
+    try:
+        return sum(1 for n in os.listdir(bad_dir(state_dir)) if n.endswith(".json"))
+    except OSError:
+        return 0
+
+
+def backlog(state_dir: str) -> int:
+    """How many events are pending (cheap: one listdir, no sort)."""
+    try:
+        names = os.listdir(journal_dir(state_dir))
+    except OSError:
+        return 0
+    return sum(1 for n in names if n.endswith(".json") and not n.startswith("."))
 
 
 def pending(state_dir: str) -> list[str]:

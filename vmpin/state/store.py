@@ -25,11 +25,13 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
+from stat import S_ISREG
 from types import MappingProxyType
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
+from vmpin.linux.files import load_json, read_bytes
 from vmpin.runtimes.oci import Identity, identify
 from vmpin.state import journal
 
@@ -44,6 +46,23 @@ else:
 
 
 SCHEMA_VERSION = 2
+#: journal events applied per transaction (one fsync each): 10,000 pending events cost
+#: 20 commits, and a hook's time budget is checked between them.
+INGEST_BATCH = 500
+
+
+def state_error(path: str, err: BaseException) -> StateError:
+    """One line for a database that cannot be used, naming the file and what to do."""
+    text = str(err)
+    if "readonly" in text or "read-only" in text:
+        hint = "the state dir is read-only: make it writable (the agent pins meanwhile)"
+    elif "full" in text:
+        hint = "the state dir's filesystem is full: free space (nothing was recorded)"
+    elif "locked" in text or "busy" in text:
+        hint = "another vmpin holds the database: retry"
+    else:
+        hint = "run `vmpin doctor` to move it aside and rebuild it from the host"
+    return StateError(f"{path}: {text}: {hint}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -184,20 +203,36 @@ class Store:
         except OSError as err:
             raise StateError(f"{self.path}: {err.strerror}") from None
         try:
-            self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
-        except sqlite3.Error as err:
-            raise StateError(f"{self.path}: {err}") from None
-        self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+            st = os.lstat(self.path)
+        except OSError as err:
+            raise StateError(f"{self.path}: {err.strerror}") from None
+        if not S_ISREG(st.st_mode):
+            # SQLite would follow a symlink planted here and write wherever it points
+            raise StateError(f"{self.path}: not a regular file (a symlink?): refused")
         self._masks: Mapping[str, CpuSet] = MappingProxyType({})
         self._masks_key: tuple[int, int] | None = None
-        self._ensure_schema()
+        try:
+            self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+            self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+            self._ensure_schema()
+        except sqlite3.Error as err:
+            with suppress(AttributeError, sqlite3.Error):
+                self.db.close()
+            raise state_error(self.path, err) from None
+        #: why the last ingest could not write (read-only or full state dir), else None
+        self.write_error: str | None = None
         if ingest:
-            self.ingest()
+            try:
+                self.ingest()
+            except StateError as err:
+                # Readers still read what is stored; a writer will meet the error itself.
+                self.write_error = str(err)
+                print(f"vmpin: {err}", file=sys.stderr)
 
     def _ensure_schema(self) -> None:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
-            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA synchronous=FULL")  # durable by default: see ingest()
             return
         if version > SCHEMA_VERSION:
             raise StateError(
@@ -214,7 +249,7 @@ class Store:
                 if attempt == 999:
                     raise StateError(f"{self.path}: cannot switch to WAL: {err}") from err
                 time.sleep(0.01)
-        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA synchronous=FULL")
         with self.transaction():
             if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 # executescript() would COMMIT the open transaction: run statements one by one.
@@ -265,7 +300,7 @@ class Store:
                 self._ensure_schema()
                 self.ingest(consume=False)
         except sqlite3.Error as err:
-            raise StateError(f"{path}: {err}") from None
+            raise state_error(path, err) from None
         return self
 
     def close(self) -> None:
@@ -303,17 +338,55 @@ class Store:
             self._depth = 0
 
     # -- applying journaled hook events ----------------------------------------------------
+    def _resolve(self, ev: dict[str, Any]) -> ContainerRec | None:
+        """The recorded container an event is about, keyed by container id, never by bundle
+        alone: two containers may share a bundle path, and Kata's poststart/poststop carry the
+        *sandbox* id (the container's id then comes from the bundle: recorded at create, or
+        the bundle dir's name as containerd and CRI-O make it).
+
+        By bundle only when exactly one record has that bundle and that record *is* the
+        event's container (same id) or belongs to the sandbox the event names (Kata); a bundle
+        shared by containers of different ids is ambiguous and resolves to nothing rather than
+        clobbering one of them."""
+        ident = ev["ident"]
+        bundle = ev["bundle"]
+        # A record found by id is this container only if its bundle agrees: a container's
+        # bundle never changes, so another bundle means another container (Kata's sandbox id
+        # with a container's bundle) or a new one reusing the id.
+        for cid in (ident["container_id"] if ident else None, ev["id"]):
+            rec = self.container(cid) if cid else None
+            if rec is not None and (not bundle or rec.bundle in (None, bundle)):
+                return rec
+        if not bundle:
+            return None
+        cols = ",".join(_CONTAINER_COLS)
+        rows = self.db.execute(
+            f"SELECT {cols} FROM containers WHERE bundle=? AND (id=? OR sandbox_id=?)",
+            (bundle, ev["id"], ev["id"]),
+        ).fetchall()
+        exact = [r for r in rows if r[0] == ev["id"]]
+        if len(exact) == 1:
+            return _container(exact[0])
+        if len(rows) == 1:
+            return _container(rows[0])
+        return None
+
     def _apply(self, ev: dict[str, Any]) -> str | None:
         """Apply one event; the sandbox it touched (None when nothing is left to re-pin)."""
         if ev["stage"] == "poststop":
             return self._forget(ev)
         bundle = ev["bundle"]
-        existing = self.container_by_bundle(bundle) if bundle else None
-        if existing is None and ev["stage"] in journal.CREATE_STAGES:
-            existing = self.container(ev["id"])
+        existing = self._resolve(ev)
         if existing is not None:
             sandbox = self.sandbox(existing.sandbox_id)
-            if ev["host_pid"] and existing.pid is None and sandbox and sandbox.runtime == "runc":
+            if (
+                ev["host_pid"]
+                and ev["pid_start"] is not None
+                and existing.pid is None
+                and sandbox
+                and sandbox.runtime == "runc"
+            ):
+                # (pid, start time) read by the hook at this very stage: the identity to follow
                 self.put_container(existing._replace(pid=ev["host_pid"], pid_start=ev["pid_start"]))
             return existing.sandbox_id
         if ev["ident"] is None or not ev.get("has_config"):
@@ -336,7 +409,9 @@ class Store:
                 )
             )
         self._keep_policy_annotations(ident.sandbox_id, ev.get("annotations") or {})
-        pid = ev["host_pid"] if runtime == "runc" else None
+        # A pid is kept only with the start time the hook read with it: without one nothing
+        # can prove later that the pid still names this container's process.
+        pid = ev["host_pid"] if runtime == "runc" and ev["pid_start"] is not None else None
         self.put_container(
             ContainerRec(
                 id=ident.container_id,
@@ -381,62 +456,135 @@ class Store:
         return dict(json.loads(raw)) if raw else {}
 
     def _forget(self, ev: dict[str, Any]) -> str | None:
-        """poststop: find the container by bundle (Kata sends the sandbox id), then forget it."""
-        rec = self.container_by_bundle(ev["bundle"]) if ev["bundle"] else None
-        if rec is None:
-            candidate = self.container(ev["id"])
-            # By id only when the id is the container's own: a Kata poststop of a non-sandbox
-            # container carries the sandbox id, and must not tear the whole sandbox down.
-            ann = ev["annotations"]
-            ident = identify(ev["id"], ann) if ann else None
-            if candidate is not None and (
-                ident is None or ident.is_sandbox == candidate.is_sandbox
-            ):
-                rec = candidate
+        """poststop: forget the container the event is about (see :meth:`_resolve`)."""
+        rec = self._resolve(ev)
+        # A Kata poststop of a non-sandbox container carries the sandbox id: when its
+        # annotations say it is not the sandbox, it must not tear the whole sandbox down.
+        if (
+            rec is not None
+            and rec.id == ev["id"]
+            and rec.is_sandbox
+            and ev["annotations"]
+            and not identify(ev["id"], ev["annotations"]).is_sandbox
+        ):
+            rec = None
         if rec is None:
             return None
         self.delete_container(rec.id)
         return None if rec.is_sandbox else rec.sandbox_id
 
-    def ingest(self, *, consume: bool = True) -> list[str]:
-        """Apply every pending event once, in order; the sandboxes they touched.
+    def ingest(
+        self, *, budget: float | None = None, batch: int = INGEST_BATCH, consume: bool = True
+    ) -> list[str]:
+        """Apply pending events once each, in order, in transactions of ``batch`` events; the
+        sandboxes they touched.
 
-        ``consume=False`` (an in-memory copy for a read-only command) leaves the journal
-        files for the next writer."""
+        ``budget`` (seconds) stops between batches once spent (a hook's share of its
+        runtime's timeout); what is left waits for the next ingest.  An entry that cannot be
+        read or applied is quarantined (:meth:`_quarantine`), never raised: one bad file must
+        not stop every later store open.  A journal file is unlinked only once its effect is
+        durable: committed with ``synchronous=FULL`` *and* checkpointed from the WAL into the
+        database file (so even a lost or truncated WAL cannot lose an event whose file is
+        gone; until then a file stays, recorded as applied, and is removed by the next ingest).
+
+        ``consume=False`` (an in-memory copy for a read-only command) moves and removes no
+        journal file: they stay for the next writer.
+        """
+        if consume:
+            journal.sweep_tmp(self.state_dir)
         names = journal.pending(self.state_dir)
         if not names:
             return []
-        d = journal.journal_dir(self.state_dir)
+        deadline = None if budget is None else time.monotonic() + budget
         touched: list[str] = []
+        for start in range(0, len(names), max(1, batch)):
+            chunk = names[start : start + batch]
+            try:
+                self._ingest_batch(chunk, touched, consume)
+            except sqlite3.Error as err:
+                raise state_error(self.path, err) from None
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return touched
+
+    def _ingest_batch(self, names: list[str], touched: list[str], consume: bool) -> None:
+        d = journal.journal_dir(self.state_dir)
+        bad: list[tuple[str, str]] = []
         with self.transaction() as db:
-            done = {r[0] for r in db.execute("SELECT name FROM journal")}
+            done = {
+                r[0]
+                for r in db.execute(
+                    "SELECT name FROM journal WHERE name BETWEEN ? AND ?", (names[0], names[-1])
+                )
+            }
             for name in names:
                 if name in done:
                     continue
                 try:
-                    with open(os.path.join(d, name), "rb") as f:
-                        ev = json.loads(f.read())
+                    raw = read_bytes(
+                        os.path.join(d, name), limit=journal.MAX_EVENT, what="journal entry"
+                    )
                 except FileNotFoundError:
                     continue  # another process applied and removed it
-                except (OSError, ValueError) as err:
-                    print(f"vmpin: journal {name}: unreadable, skipped: {err}", file=sys.stderr)
-                    ev = None
-                if isinstance(ev, dict) and ev.get("v") == journal.VERSION:
-                    try:
-                        sid = self._apply(ev)
-                    except VmpinError as err:
-                        print(f"vmpin: journal {name}: {err}", file=sys.stderr)
-                        sid = None
-                    if sid and sid not in touched:
-                        touched.append(sid)
+                except (OSError, VmpinError) as err:
+                    bad.append((name, f"unreadable: {getattr(err, 'strerror', None) or err}"))
+                    db.execute("INSERT OR IGNORE INTO journal VALUES (?)", (name,))
+                    continue
+                # A savepoint per event: a failure half-way through one event undoes exactly
+                # that event, and the batch goes on.
+                db.execute("SAVEPOINT ev")
+                try:
+                    ev = journal.check_event(load_json(raw, f"journal entry {name}"))
+                    sid = self._apply(ev)
+                except sqlite3.OperationalError:
+                    raise  # the database itself (locked, full, read-only): not this entry's fault
+                except Exception as err:  # whatever it is, it is this entry's
+                    db.execute("ROLLBACK TO ev")
+                    bad.append((name, f"{type(err).__name__}: {err}"))
+                    sid = None
+                db.execute("RELEASE ev")
+                if sid and sid not in touched:
+                    touched.append(sid)
                 db.execute("INSERT OR IGNORE INTO journal VALUES (?)", (name,))
             # names sort by time: a recorded name older than every file still pending was
             # unlinked, and no process can come across it again
-            db.execute("DELETE FROM journal WHERE name < ?", (names[0],))
-        for name in names if consume else ():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(d, name))
-        return touched
+            pending = journal.pending(self.state_dir)
+            if pending:
+                db.execute("DELETE FROM journal WHERE name < ?", (pending[0],))
+        if not consume:
+            return
+        for name, reason in bad:
+            self._quarantine(name, reason)
+        if not self._checkpointed():
+            return  # files stay until a checkpoint has them in the database file
+        quarantined = {n for n, _ in bad}
+        for name in names:
+            if name not in quarantined:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(d, name))
+
+    def _checkpointed(self) -> bool:
+        """Copy the WAL into the database file; True when all of it got there (PASSIVE: a
+        reader elsewhere may hold older frames; then the journal files wait a little)."""
+        busy, log_frames, done = self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return bool(busy == 0 and log_frames == done)
+
+    def _quarantine(self, name: str, reason: str) -> None:
+        """Move an entry that cannot be applied to ``journal/bad/`` with a ``.reason`` file."""
+        d = journal.journal_dir(self.state_dir)
+        bad = journal.bad_dir(self.state_dir)
+        print(f"vmpin: journal entry {os.path.join(d, name)}: {reason}; moved to {bad}/",
+              file=sys.stderr)
+        try:
+            os.makedirs(bad, mode=0o700, exist_ok=True)
+            with open(os.path.join(bad, name + ".reason"), "w", encoding="utf-8",
+                      errors="backslashreplace") as f:
+                f.write(reason + "\n")
+            os.rename(os.path.join(d, name), os.path.join(bad, name))
+        except FileNotFoundError:
+            pass  # moved by another process
+        except OSError as err:
+            print(f"vmpin: cannot quarantine {name}: {err.strerror}", file=sys.stderr)
 
     def put_container(self, rec: ContainerRec) -> None:
         """Insert or replace a container and mark its sandbox dirty, in one transaction."""

@@ -1,0 +1,322 @@
+"""Hostile options, ports, files and faults at the service layer: one line, nothing changed.
+
+Real processes throughout: ``vmpin`` subprocesses, a real listening socket holding the
+metrics port, real FIFOs, symlinks and devices where a file is expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import vmpin_cmd
+from tests.service.test_agent import AgentProc
+from vmpin.core.errors import HostError, QmpError, SpecError, StateError
+from vmpin.linux.files import load_json, read_bytes
+from vmpin.linux.paths import HostPaths
+from vmpin.runtimes import publish
+from vmpin.runtimes.kubelet import read_checkpoint
+from vmpin.state.store import ContainerRec, SandboxRec, Store
+
+
+def cli(
+    env: dict[str, str], *args: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [*vmpin_cmd(), *args], input=stdin, capture_output=True, env=env, timeout=60
+    )
+    return subprocess.CompletedProcess(
+        args, proc.returncode, proc.stdout.decode(), proc.stderr.decode(errors="replace")
+    )
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+# -- options -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, extra_env, what",
+    [
+        (["serve", "--interval", "nan"], {}, "--interval"),
+        (["serve", "--interval", "inf"], {}, "--interval"),
+        (["serve", "--interval", "-1"], {}, "--interval"),
+        (["serve", "--workers", "0"], {}, "--workers"),
+        (["serve", "--metrics-port", "70000"], {}, "--metrics-port"),
+        (["serve"], {"VMPIN_HOLDOFF": "nan"}, "VMPIN_HOLDOFF"),
+        (["serve"], {"VMPIN_HOLDOFF": "inf"}, "VMPIN_HOLDOFF"),
+        (["serve"], {"VMPIN_HOLDOFF": "-0.5"}, "VMPIN_HOLDOFF"),
+        (["serve"], {"VMPIN_HOLDOFF": "soon"}, "VMPIN_HOLDOFF"),
+        (["serve"], {"VMPIN_LOG_LEVEL": "loud"}, "VMPIN_LOG_LEVEL"),
+    ],
+)
+def test_bad_numeric_options_one_line(
+    env: dict[str, str], args: list[str], extra_env: dict[str, str], what: str
+) -> None:
+    out = cli({**env, **extra_env}, *args)
+    assert out.returncode == 2
+    assert what in one_line(out.stderr)
+    assert not os.path.exists(os.path.join(env["VMPIN_STATE_DIR"], "control.sock"))
+
+
+# -- metrics port taken ------------------------------------------------------------------------
+def test_metrics_port_in_use_agent_runs_on(
+    paths: HostPaths, env: dict[str, str], tmp_path: Path
+) -> None:
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    agent = AgentProc(paths, env, tmp_path / "agent.log")
+    agent.proc.kill()  # (AgentProc picked its own free port: start one on the taken port)
+    agent.proc.wait()
+    agent.port = squatter.getsockname()[1]
+    agent.proc = subprocess.Popen(
+        [*vmpin_cmd(), "--state-dir", paths.state_dir, "serve", "--interval", "0.5",
+         "--metrics-port", str(agent.port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=agent._err,
+    )
+    try:
+        agent.wait_ready()
+        status = agent.wait_pass(1)
+        assert "running without metrics" in status["metrics_error"]
+        assert agent.proc.poll() is None
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+        squatter.close()
+    assert "Traceback" not in agent.log.read_text()
+
+
+# -- update changes nothing when it fails --------------------------------------------------------
+def test_update_that_fails_leaves_the_old_set(paths: HostPaths, mocker: Any) -> None:
+    from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.service.update import update_container
+
+    cid = f"u-{uuid.uuid4().hex[:8]}"
+    with Store(paths.state_dir) as store:
+        store.put_sandbox(SandboxRec(cid, "runc"))
+        store.put_container(ContainerRec(cid, cid, True, cpus=None, cpus_source="spec"))
+        from vmpin.core.cpuset import CpuSet
+
+        store.set_container_cpus(cid, CpuSet.parse("0"), "spec")
+    # a fault inside the re-pin (a QMP socket answering garbage, a malformed source ...)
+    mocker.patch.object(Reconciler, "reconcile", side_effect=QmpError("qmp: garbage"))
+    with pytest.raises(QmpError):
+        update_container(paths, cid, cpuset_cpus="0-1" if (os.cpu_count() or 1) > 1 else "0")
+    with Store(paths.state_dir) as store:
+        rec = store.container(cid)
+        assert rec is not None and rec.cpus is not None
+        assert rec.cpus.to_list() == "0" and rec.cpus_source == "spec"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "deep", "symlink"])
+def test_update_resources_file_refused(
+    paths: HostPaths, env: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    cid = f"r-{uuid.uuid4().hex[:8]}"
+    with Store(paths.state_dir) as store:
+        store.put_sandbox(SandboxRec(cid, "runc"))
+        store.put_container(ContainerRec(cid, cid, True))
+    f = tmp_path / "res.json"
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "zero":
+        f = Path("/dev/zero")
+    elif kind == "deep":
+        f.write_text("[" * 100000 + "]" * 100000)
+    else:
+        os.symlink("/dev/zero", f)
+    out = cli(env, "update", cid, "-r", str(f))
+    assert out.returncode == 2
+    assert str(f) in one_line(out.stderr) or "nested" in out.stderr
+    with Store(paths.state_dir) as store:
+        rec = store.container(cid)
+        assert rec is not None and rec.cpus is None
+
+
+# -- the safe reader, one home -----------------------------------------------------------------
+def test_read_bytes_refuses_what_is_not_a_small_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 2000)
+    for path, why in ((fifo, "FIFO"), ("/dev/zero", "character device"), (link, "symlink"),
+                      (tmp_path, "directory"), (big, "limit")):
+        with pytest.raises(SpecError, match=why):
+            read_bytes(str(path), limit=1000)
+    with pytest.raises(SpecError, match="nested too deeply"):
+        load_json("[" * 100 + "]" * 100, "doc", max_depth=64)
+    with pytest.raises(SpecError, match="nested too deeply"):
+        load_json("[" * 100000 + "]" * 100000, "doc")
+    assert load_json('{"a": [1]}', "doc") == {"a": [1]}
+
+
+def test_kubelet_checkpoint_fifo_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "cpu_manager_state"
+    os.mkfifo(fifo)
+    with pytest.raises(Exception, match="FIFO") as err:
+        read_checkpoint(str(fifo))
+    assert "KubeError" in type(err.value).__name__
+
+
+# -- publish dir: no symlink followed ------------------------------------------------------------
+SID = "sb-hostile"
+
+
+def _map() -> dict[str, Any]:
+    return {"mode": "1:1", "nvcpus": 1, "vcpu_to_host": {"0": 0}, "siblings": [[0]],
+            "containers": {"c": {"host_cpus": "0", "guest_cpus": "0"}}}
+
+
+def test_symlinked_map_dir_is_refused_and_its_target_untouched(
+    paths: HostPaths, tmp_path: Path
+) -> None:
+    mounts = Path(paths.publish_dir, SID, "mounts")
+    mounts.mkdir(parents=True)
+    target = tmp_path / "victim"
+    target.mkdir()
+    (target / ".guest-map.json.1.x.tmp").write_text("someone else's")
+    os.symlink(target, mounts / "vmpin")
+    with pytest.raises(HostError, match="symlink"):
+        publish.publish_map(paths, SID, _map())
+    assert sorted(os.listdir(target)) == [".guest-map.json.1.x.tmp"]
+
+
+def test_fifo_or_symlink_map_is_replaced_not_read(paths: HostPaths, tmp_path: Path) -> None:
+    d = Path(paths.publish_dir, SID, "mounts", "vmpin")
+    d.mkdir(parents=True)
+    os.mkfifo(d / "guest-map.json")
+    res = publish.publish_map(paths, SID, _map())  # would hang reading the FIFO
+    assert res.written and (d / "guest-map.json").is_file()
+    (d / "guest-map.json").unlink()
+    secret = tmp_path / "secret"
+    secret.write_text("keep")
+    os.symlink(secret, d / "guest-map.json")
+    res = publish.publish_map(paths, SID, _map())
+    assert res.written and not (d / "guest-map.json").is_symlink()
+    assert secret.read_text() == "keep"
+
+
+def test_state_error_names_the_file(paths: HostPaths) -> None:
+    db = Path(paths.state_dir, "state.db")
+    db.write_bytes(b"\0garbage" * 1000)
+    with pytest.raises(StateError, match=str(db)):
+        Store(paths.state_dir)
+
+
+def test_doctor_rebuilds_runc_containers_from_runc_state(
+    paths: HostPaths, env: dict[str, str], tmp_path: Path
+) -> None:
+    from tests.support.runc_util import RuncSession, missing, new_id
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    with RuncSession(paths, tmp_path) as runc:
+        cid = new_id()
+        runc.run(cid, cpus="0", hooks=None)
+        db = Path(paths.state_dir, "state.db")
+        Store(paths.state_dir).close()
+        for extra in ("-wal", "-shm"):
+            Path(str(db) + extra).unlink(missing_ok=True)
+        db.write_bytes(b"garbage" * 1000)
+        out = cli(env, "doctor")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"container {cid}: recovered from runc state" in out.stdout
+        listed = json.loads(cli(env, "containers", "--json").stdout)
+        assert [(c["id"], c["cpus"]) for c in listed] == [(cid, "0")]
+
+
+def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path: Path) -> None:
+    """A full state dir (a real tmpfs, filled): the agent stays up, says so in status
+    (unhealthy), and is healthy again once the store can be written.  (A read-only remount
+    is refused while the agent holds the database open for writing: full is the fault a
+    running agent meets.)"""
+    from vmpin.runtimes.oci import parse_state
+    from vmpin.service import control
+    from vmpin.state.journal import append, build
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / f"ro-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (no CAP_SYS_ADMIN)")
+    paths = HostPaths(state_dir=str(mnt / "state"), vm_dir=env["VMPIN_VM_DIR"],
+                      runc_root=env["VMPIN_RUNC_ROOT"], publish_dir=env["VMPIN_PUBLISH_DIR"])
+    env = {**env, "VMPIN_STATE_DIR": paths.state_dir}
+    agent = AgentProc(paths, env, tmp_path / "agent.log", interval=60)
+    try:
+        agent.wait_ready()
+        agent.wait_pass(1)
+        bundle = tmp_path / "b"
+        bundle.mkdir()
+        (bundle / "config.json").write_text('{"linux":{"resources":{"cpu":{"cpus":"0"}}}}')
+        state = parse_state(json.dumps({"id": "full1", "pid": os.getpid(), "bundle": str(bundle)}))
+        append(paths.state_dir, build(paths, "createRuntime", state))
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the filesystem to the last byte
+            for size in (65536, 4096, 1):
+                try:
+                    while os.write(fd, b"\0" * size):
+                        pass
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        control.request(paths, {"op": "reconcile"}, timeout=2.0)
+
+        def status() -> dict[str, Any]:
+            return agent.status() or {}
+
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not status().get("store_error"):
+            time.sleep(0.1)
+        st = status()
+        assert st["store_error"] and "full" in st["store_error"], st
+        assert st["healthy"] is False
+        assert agent.proc.poll() is None
+        (mnt / "filler").unlink()
+        control.request(paths, {"op": "reconcile"}, timeout=2.0)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and status().get("store_error"):
+            time.sleep(0.1)
+        assert status()["store_error"] is None
+        with Store(paths.state_dir) as store:  # the event waited, and is applied: not lost
+            assert store.container("full1") is not None
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert "Traceback" not in agent.log.read_text()
+
+
+def test_sqlite_error_under_a_command_is_one_line(
+    paths: HostPaths, mocker: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fault after the store opened (EIO on a read) still ends in one line, no traceback."""
+    import sqlite3
+
+    from vmpin.cli import run
+
+    Store(paths.state_dir).close()
+    for method in ("containers", "sandboxes"):
+        mocker.patch.object(Store, method, side_effect=sqlite3.OperationalError("disk I/O error"))
+    assert run(["--state-dir", paths.state_dir, "containers"]) == 2
+    err = capsys.readouterr().err
+    line = one_line(err)
+    assert os.path.join(paths.state_dir, "state.db") in line and "disk I/O error" in line

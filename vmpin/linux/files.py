@@ -1,0 +1,144 @@
+"""Reading files that someone else can write: the one place their rules live.
+
+A bundle's ``config.json``, a ``-r`` resources file, runc's ``state.json``, kubelet's
+checkpoint, a published guest map and the hooks' journal entries are all written by other
+programs (or other users), and read by vmpin as root, sometimes while it holds a lock.  So
+every such read goes through :func:`read_bytes`, which
+
+- does not follow a symlink in the last component (``O_NOFOLLOW``: a link planted where a
+  map or config is expected is refused, not read through), optionally relative to a
+  directory fd (``dir_fd``) the caller opened without following links either;
+- opens with ``O_NONBLOCK`` and then refuses anything but a regular file (``fstat``): opening
+  a FIFO for reading would otherwise block until a writer comes, and ``/dev/zero`` or
+  ``/dev/urandom`` would never end;
+- reads at most ``limit`` bytes (a regular file can still be huge, or grow while read);
+
+and :func:`load_json` parses untrusted JSON with a nesting limit (the C decoder raises
+``RecursionError`` at ~1000 levels; a document that deep is not one vmpin reads).
+
+Stdlib only, no ``typing`` import: the hook and the guest program use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from vmpin.core.errors import SpecError, UnsafeFile
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+#: default size limit: every file vmpin reads this way is a few KiB (a Kata config.json with
+#: all its annotations is ~20 KiB; a 1,000-pod kubelet checkpoint ~200 KiB).
+MAX_BYTES = 4 << 20
+#: default JSON nesting limit: OCI config.json nests ~6 deep, the guest map 3.
+MAX_DEPTH = 64
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symlink"),
+)
+
+
+def _kind(mode: int) -> str:
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_bytes(
+    path: str, *, limit: int = MAX_BYTES, dir_fd: int | None = None, what: str = "file"
+) -> bytes:
+    """The whole content of the regular file ``path`` (relative to ``dir_fd`` when given).
+
+    Raises :class:`UnsafeFile` (one line naming the path) for a symlink, FIFO, device,
+    directory or a file over ``limit`` bytes; ``OSError`` (``FileNotFoundError`` included) as
+    the caller's to translate, since only it knows what a missing file means.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as err:
+        # ELOOP: the last component is a symlink (O_NOFOLLOW); say so instead of "too many
+        # levels of symbolic links".
+        import errno
+
+        if err.errno == errno.ELOOP:
+            raise UnsafeFile(f"{what} {path}: is a symlink, refused (not followed)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{what} {path}: is {_kind(st.st_mode)}, refused (regular files only)")
+        if st.st_size > limit:
+            raise UnsafeFile(f"{what} {path}: {st.st_size} bytes, over the limit of {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise UnsafeFile(f"{what} {path}: grew over the limit of {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _depth_ok(doc: Any, max_depth: int) -> bool:
+    """Iteratively: a walk that recursed would itself be the RecursionError we refuse."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > max_depth:
+            return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
+
+
+def load_json(
+    data: str | bytes,
+    where: str,
+    *,
+    max_depth: int = MAX_DEPTH,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """Parse untrusted JSON; :class:`SpecError` naming ``where`` for anything malformed,
+    undecodable or nested deeper than ``max_depth``. ``object_pairs_hook`` as for
+    :func:`json.loads` (vmpin.core.gojson keeps repeated keys as Go's decoder sees them)."""
+    try:
+        doc = json.loads(data, object_pairs_hook=object_pairs_hook)
+    except RecursionError:
+        raise SpecError(f"{where}: JSON nested too deeply (limit {max_depth})") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SpecError(f"{where}: malformed JSON: {err}") from None
+    if not _depth_ok(doc, max_depth):
+        raise SpecError(f"{where}: JSON nested too deeply (limit {max_depth})")
+    return doc
+
+
+def check_text(value: str, where: str) -> str:
+    """``value`` unless it cannot be stored as UTF-8 (JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which SQLite and every encoder after it refuse)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError(f"{where}: text {value!r} is not valid Unicode (lone surrogate)") from None
+    return value
