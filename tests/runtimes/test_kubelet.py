@@ -262,7 +262,7 @@ KUBELET_REFUSES = [
         r'{\"container1\":\"4-6\",\"container2\":\"asd\"}}}", "dataChecksum": 3794806925}',
         "'entries.pod.container2'",
     ),
-    ("invalid JSON", "{", "not JSON"),
+    ("invalid JSON", "{", "malformed JSON"),
     (
         "a string where the checksum number goes",
         '{"policyName":"none","defaultCpuSet":"","checksum":"3242152201"}',
