@@ -172,3 +172,23 @@ def test_agent_adopts_runc_update_through_the_watch(
         assert agent.stop() == 0
     finally:
         agent.kill()
+
+
+def test_root_created_after_the_watch_with_an_immediate_update(
+    runc: RuncSession, paths: HostPaths
+) -> None:
+    """runc makes its root with the first container; an update right after must not be lost
+    (no rescan timer can help here: it is an hour away)."""
+    assert not os.path.exists(paths.runc_root)
+    calls = Calls()
+    w = Watcher(paths, calls, rescan=3600).start()
+    try:
+        time.sleep(0.1)  # the watch is in place
+        cid = new_id("vmpin-watch")
+        runc.run(cid, cpus="0")
+        before = time.monotonic()
+        runc.update(cid, "0-1" if (os.cpu_count() or 1) > 1 else "0")
+        calls.wait_for(cid, before - 5)  # the update, or the dir's discovery just before it
+        assert str(Path(paths.runc_root) / cid) in w._watched
+    finally:
+        w.close()

@@ -15,7 +15,10 @@ What is watched (all inotify, one thread):
   writes a temporary file and renames it over: ``IN_MOVED_TO``; ``IN_CLOSE_WRITE`` covers a
   writer that rewrites in place).  The directory's name is the container id.
 - for a ``DIR/*`` root (containerd's namespaces), DIR itself, so a namespace created later is
-  picked up; roots missing now are looked for again every ``rescan`` seconds.
+  picked up; for a root missing now, its parent (runc creates its root with the first
+  container); anything still missing is looked for again every ``rescan`` seconds.  A
+  container directory watched only after it appeared counts as changed: its state may have
+  been rewritten before the watch was in place.
 - the directory of kubelet's checkpoint, for that file name (kubelet writes a temporary file
   and renames it over the checkpoint, so a watch on the file itself would go stale).
 
@@ -72,9 +75,11 @@ class Watcher:
         self.on_dirty = on_dirty
         self.rescan = rescan
         self._ino = inotify_simple.INotify()
-        #: watch descriptor -> (kind, path): kind is "root", "container", "parent", "kubelet"
-        self._wds: dict[int, tuple[str, str]] = {}
-        self._watched: set[str] = set()
+        #: watch descriptor -> (path, kinds); kinds: "root", "container", "parent", "kubelet"
+        #: (one directory can be several: the checkpoint's dir may also be a root's parent)
+        self._wds: dict[int, tuple[str, frozenset[str]]] = {}
+        #: path -> (watch descriptor, mask)
+        self._watched: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._kubelet_dir, self._kubelet_name = os.path.split(paths.kubelet_state)
@@ -82,25 +87,34 @@ class Watcher:
 
     # -- watches --------------------------------------------------------------------------
     def _add(self, path: str, mask: int, kind: str) -> bool:
-        if path in self._watched:
+        old_wd, old_mask = self._watched.get(path, (-1, 0))
+        if old_wd >= 0 and kind in self._wds[old_wd][1]:
             return True
         try:
-            wd = self._ino.add_watch(path, mask)
+            # the same inode gives the same descriptor, its mask replaced: pass the union
+            wd = self._ino.add_watch(path, mask | old_mask)
         except OSError as err:
             # ENOENT: not there (yet); ENOSPC: fs.inotify.max_user_watches reached -- the
             # periodic pass still covers what is not watched.
             if err.errno != 2:
                 log.warning("cannot watch %s: %s", path, err.strerror)
             return False
-        self._wds[wd] = (kind, path)
-        self._watched.add(path)
+        kinds = self._wds[old_wd][1] if old_wd == wd else frozenset()
+        self._wds[wd] = (path, kinds | {kind})
+        self._watched[path] = (wd, mask | old_mask)
         return True
 
-    def scan(self) -> None:
-        """Watch every root, container directory and parent that exists now."""
+    def scan(self) -> set[str]:
+        """Watch every root, container directory and parent that exists now; the containers
+        newly watched (their state may have changed before the watch was in place)."""
+        new: set[str] = set()
         for entry in self.paths.runc_root.split(":"):
             if entry.endswith("/*"):
                 self._add(entry[:-2] or "/", PARENT_MASK, "parent")
+            elif entry and not os.path.isdir(entry):
+                # not there yet (runc makes its root with the first container): watch the
+                # parent for it, so the first container's updates are not missed
+                self._add(os.path.dirname(entry.rstrip("/")) or "/", PARENT_MASK, "parent")
         for root in runc_roots(self.paths):
             if not self._add(root, ROOT_MASK, "root"):
                 continue
@@ -110,9 +124,11 @@ class Watcher:
             except OSError:
                 continue
             for d in dirs:
-                self._add(d, FILE_MASK, "container")
+                if d not in self._watched and self._add(d, FILE_MASK, "container"):
+                    new.add(os.path.basename(d))
         if self._kubelet_dir:
             self._add(self._kubelet_dir, FILE_MASK, "kubelet")
+        return new
 
     # -- events ---------------------------------------------------------------------------
     def _changes(self, events: list[inotify_simple.Event]) -> tuple[set[str], bool]:
@@ -123,18 +139,22 @@ class Watcher:
             if ev.mask & _F.IGNORED:  # the watched directory went away
                 gone = self._wds.pop(ev.wd, None)
                 if gone is not None:
-                    self._watched.discard(gone[1])
+                    self._watched.pop(gone[0], None)
                 continue
-            kind, path = self._wds.get(ev.wd, ("", ""))
-            if kind == "container" and ev.name == RUNC_STATE:
+            path, kinds = self._wds.get(ev.wd, ("", frozenset()))
+            if "container" in kinds and ev.name == RUNC_STATE:
                 containers.add(os.path.basename(path))
-            elif kind == "root" and ev.name and ev.mask & (_F.CREATE | _F.MOVED_TO):
-                # a new container: its state.json may already be in place
-                if self._add(os.path.join(path, ev.name), FILE_MASK, "container"):
-                    containers.add(ev.name)
-            elif kind == "parent" and ev.name:
-                self.scan()  # a new namespace directory
-            elif kind == "kubelet" and ev.name == self._kubelet_name:
+            new_dir = ev.name and ev.mask & _F.ISDIR and ev.mask & (_F.CREATE | _F.MOVED_TO)
+            # a new container: its state.json may already be in place
+            if (
+                "root" in kinds
+                and new_dir
+                and self._add(os.path.join(path, ev.name), FILE_MASK, "container")
+            ):
+                containers.add(ev.name)
+            if "parent" in kinds and new_dir:
+                containers |= self.scan()  # a new namespace directory, or a root appearing
+            if "kubelet" in kinds and ev.name == self._kubelet_name:
                 kubelet = True
         return containers, kubelet
 
@@ -161,13 +181,12 @@ class Watcher:
                 events = self._ino.read(timeout=200, read_delay=None)
                 if self._stop.is_set():
                     break
+                containers, kubelet = self._changes(events)
                 if not events:
                     since_scan += 0.2
-                    if since_scan >= self.rescan:
+                    if since_scan >= self.rescan:  # roots that could not be watched before
                         since_scan = 0.0
-                        self.scan()
-                    continue
-                containers, kubelet = self._changes(events)
+                        containers |= self.scan()
                 if not containers and not kubelet:
                     continue
                 try:
