@@ -29,10 +29,13 @@ from tests.support import containerd_util
 from tests.support.containerd_util import IMAGE, Containerd, Cri
 from tests.support.qemu_util import wait_until
 from tests.support.runc_util import hook_env
+from tests.support.session import new_id
 from vmpin.linux.paths import HostPaths
 from vmpin.state.store import Store
 
-pytestmark = [pytest.mark.runc, pytest.mark.containerd]
+pytestmark = [
+    pytest.mark.runc, pytest.mark.containerd, pytest.mark.cgroup_v1, pytest.mark.multi_cpu
+]
 TWO = (os.cpu_count() or 1) > 1
 
 
@@ -112,7 +115,7 @@ def test_cri_pod_lifecycle(
 ) -> None:
     cri = Cri(containerd.address, tmp_path / "stubs")
     pb, rt = cri.pb, cri.rt
-    parent = f"/vmpin-ctd-{uuid.uuid4().hex[:10]}"
+    parent = "/" + new_id("vmpin-ctd")  # names this session: a dead one's is swept
     agent = AgentProc(ctd_paths, ctd_env, tmp_path / "agent.log", interval=3600)
     pod_id = cid = ""
     try:

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,10 +26,11 @@ from tests.service.test_agent import AgentProc
 from tests.support import runc_util
 from tests.support.qemu_util import wait_until
 from tests.support.runc_util import build_rootfs, hook_env, vmpin_argv
+from tests.support.session import new_id
 from vmpin.linux.paths import HostPaths
 from vmpin.state.store import Store
 
-pytestmark = [pytest.mark.runc, pytest.mark.podman]
+pytestmark = [pytest.mark.runc, pytest.mark.podman, pytest.mark.cgroup_v1, pytest.mark.multi_cpu]
 HOOKS_D = Path(__file__).resolve().parents[2] / "hooks" / "oci-hooks.d"
 TWO = (os.cpu_count() or 1) > 1
 #: podman creates these whatever its flags say; removed afterwards when it made them
@@ -39,7 +39,7 @@ PODMAN_MADE = ("/run/containers/networks", "/run/containers", "/run/libpod")
 
 class Podman:
     def __init__(self, work: Path, runc_root: Path, hooks: Path) -> None:
-        self.cgroup_parent = f"/vmpin-podman-{uuid.uuid4().hex[:10]}"
+        self.cgroup_parent = "/" + new_id("vmpin-podman")  # a dead session's is swept
         # podman refuses a runroot longer than 50 characters: pytest's tmp paths are longer
         self.runroot = tempfile.mkdtemp(prefix="vmpin-pm-", dir="/tmp")
         self.argv = [
@@ -106,7 +106,7 @@ def test_podman_run_update_rm(
     agent = AgentProc(paths, env, tmp_path / "agent.log", interval=3600)
     try:
         agent.wait_ready()
-        name = f"vmpin-podman-{uuid.uuid4().hex[:10]}"
+        name = new_id("vmpin-podman")
         podman.names.append(name)
         first = "1" if TWO else "0"
         cid = podman(

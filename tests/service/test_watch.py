@@ -24,7 +24,7 @@ from vmpin.linux.paths import HostPaths
 from vmpin.service.watch import Watcher
 from vmpin.state.store import Store
 
-pytestmark = pytest.mark.runc
+pytestmark = [pytest.mark.runc, pytest.mark.multi_cpu]
 
 
 class Calls:
