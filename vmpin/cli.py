@@ -103,7 +103,12 @@ def main(
         Optional[str], typer.Option(help="cgroup filesystem root. [env: VMPIN_CGROUP_ROOT]")
     ] = None,
     runc_root: Annotated[
-        Optional[str], typer.Option(help="runc's state root (runc --root). [env: VMPIN_RUNC_ROOT]")
+        Optional[str],
+        typer.Option(
+            help="runc's state roots (runc --root), ':'-separated; DIR/* = every directory in"
+            " DIR. Default /run/runc:/run/containerd/runc/* (containerd: one root per"
+            " namespace). [env: VMPIN_RUNC_ROOT]"
+        ),
     ] = None,
     kubelet_state: Annotated[
         Optional[str],

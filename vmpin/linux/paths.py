@@ -22,7 +22,9 @@ DEFAULTS: dict[str, str] = {
     "proc": "/proc",
     "sys": "/sys",
     "cgroup": "/sys/fs/cgroup",
-    "runc_root": "/run/runc",
+    # a search list (vmpin.runtimes.runcstate.runc_roots): runc's own default, then
+    # containerd's runc shim, one root per containerd namespace (k8s.io on Kubernetes)
+    "runc_root": "/run/runc:/run/containerd/runc/*",
     "kubelet_state": "/var/lib/kubelet/cpu_manager_state",
     "publish_dir": "/run/kata-containers/shared/sandboxes",
 }

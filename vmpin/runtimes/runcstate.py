@@ -36,6 +36,14 @@ runc stores ``--cpuset-cpus`` verbatim and the kernel accepts more than the plai
 
 ``init_process_start`` is the init's start time in clock ticks (``/proc/PID/stat`` field 22):
 with the pid it identifies the process, so a reused pid is not mistaken for the container.
+
+Where runc's root is: plain ``runc`` (and podman, CRI-O) default to ``/run/runc``; containerd's
+runc shim runs ``runc --root <Root>/<namespace>`` with ``Root`` from the handler's runc options,
+default ``/run/containerd/runc`` (containerd 1.6 ``pkg/process/init.go`` ``NewRunc``), so a
+Kubernetes node's containers live in ``/run/containerd/runc/k8s.io``.  ``paths.runc_root`` is
+therefore a search list (:func:`runc_roots`): roots separated by ``:``, an entry ending in
+``/*`` standing for every directory in it (containerd's namespaces).  The default covers both
+without configuration.
 """
 
 from __future__ import annotations
@@ -62,8 +70,42 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+def runc_roots(paths: HostPaths) -> list[str]:
+    """Every runc root ``paths.runc_root`` names, in its order (``DIR/*``: DIR's subdirectories).
+
+    Evaluated on each call: containerd creates a namespace's directory with its first
+    container.  A ``DIR/*`` whose DIR is missing names nothing (no containerd on the node).
+    """
+    roots: list[str] = []
+    for entry in paths.runc_root.split(":"):
+        if not entry:
+            continue
+        if entry.endswith("/*"):
+            parent = entry[:-2] or "/"
+            try:
+                with os.scandir(parent) as it:
+                    found = sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+            roots.extend(found)
+        else:
+            roots.append(entry)
+    return roots
+
+
 def state_path(paths: HostPaths, container_id: str) -> str:
-    return os.path.join(paths.runc_root, check_id(container_id, "container id"), "state.json")
+    """The container's state.json in the first root that has it (else under the first root).
+
+    Container ids are unique per runc root only; the first root listed wins, so list the
+    one that matters most first (the default lists ``/run/runc`` before containerd's).
+    """
+    name = check_id(container_id, "container id")
+    roots = runc_roots(paths)
+    for root in roots:
+        path = os.path.join(root, name, "state.json")
+        if os.path.exists(path):
+            return path
+    return os.path.join(roots[0] if roots else paths.runc_root, name, "state.json")
 
 
 def read_state(paths: HostPaths, container_id: str) -> dict[str, Any] | None:

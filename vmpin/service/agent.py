@@ -153,6 +153,7 @@ class Agent:
         self._lockfd: int | None = None
         self._metrics_server: MetricsServer | None = None
         self._store: Store | None = None
+        self._watcher: Any = None  # vmpin.service.watch.Watcher: runc/kubelet changes -> notify
         self._tracked_lock = threading.Lock()
         self._tracked_cache: tuple[float, dict[str, tuple[str, int]]] | None = None
         #: sandboxes with stored changes no pass had planned when this agent started
@@ -206,6 +207,9 @@ class Agent:
                 self._workers.append(t)
             assert self._server is not None
             self._server.start()
+            from vmpin.service import watch  # lazily: inotify_simple is the agent's alone
+
+            self._watcher = watch.start(self.paths, self.notify)
         except BaseException:
             self._close_socket()
             if self._metrics_server is not None:
@@ -269,6 +273,8 @@ class Agent:
         """Drain: drop queued periodic work (the next start repeats it), finish the events
         already queued while still accepting new ones (at most ``drain_timeout``), then close
         the socket and let the workers finish the sandbox they are on."""
+        if self._watcher is not None:
+            self._watcher.close()
         dropped = self.queue.drop_background()
         drained = self.queue.wait_idle(self.drain_timeout)
         if self.kube is not None:
