@@ -1,0 +1,249 @@
+"""The whole point of the guest map, proven on a real Linux guest (tests/support/guest_image.py).
+
+One 2-vCPU sandbox VM, booted the way Kata boots it, with the host's publish dir shared at
+Kata's guest path.  The host side is driven only through vmpin's CLI (Kata's host hooks,
+``vmpin update``, ``show``, ``guest-map``, ``reconcile --once``); the guest side only through
+the one-file guest program (``python3 -I -S vmpin-guest.pyz``), as a guest image ships it.
+
+The proof: vmpin pins vCPU 0 and 1 to host CPUs 1 and 0 -- crossed, so that a mix-up of
+vCPU index and host CPU shows -- by giving it a topology (a fixture sysfs, ``--sysfs-root``)
+in which CPU 1 comes first.  The sandbox has two containers, ``busy`` (host CPU 1) and
+``other`` (host CPU 0): with one container holding both CPUs its guest map would be both
+vCPUs, and where a process runs inside would prove nothing.  In the guest a busy loop stands
+for ``busy``'s process; the guest hook pins it to the vCPU the host published.  On the host
+that vCPU's thread must then accumulate the CPU time (``/proc/PID/task/TID/stat`` utime +
+stime), on the host CPU vmpin pinned it to (field 39, the CPU it last ran on).  Then the
+containers swap CPUs (``vmpin update``), ``vmpin guest follow --once`` re-pins inside, and
+the time moves to the other vCPU thread and the other host CPU.  A third test tampers with
+the published map and sees the same measurement fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import vmpin_cmd
+from tests.support import guest_image
+from tests.support.guest_image import KATA_SHARED, Guest
+from vmpin.guest import bundle
+from vmpin.wire.guestmap import MAP_DIRNAME, MAP_FILENAME
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+
+CRI = "io.kubernetes.cri."
+PYZ = "/mnt/vmpin/vmpin-guest.pyz"
+#: seconds of CPU time sampled per measurement.
+WINDOW = 3.0
+#: the mapped vCPU's thread must hold this share of both vCPU threads' time...
+MIN_SHARE = 0.75
+#: ...and be seen on its expected host CPU in this share of the samples where it ran.
+MIN_ON_CPU = 0.9
+
+
+def crossed_sysfs(root: Path) -> Path:
+    """A 2-CPU topology whose placement order is [1, 0]: CPU 1 on package 0, CPU 0 on 1.
+
+    read_topology orders by package first, so a 1:1 plan puts vCPU 0 on host CPU 1.
+    """
+    cpu = root / "devices/system/cpu"
+    cpu.mkdir(parents=True)
+    (cpu / "online").write_text("0-1\n")
+    (cpu / "possible").write_text("0-1\n")
+    for n, package in ((0, 1), (1, 0)):
+        topo = cpu / f"cpu{n}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text("0\n")
+        (topo / "die_id").write_text("0\n")
+        (topo / "thread_siblings_list").write_text(f"{n}\n")
+        (topo / "core_cpus_list").write_text(f"{n}\n")
+    return root
+
+
+@dataclass
+class Node:
+    """The host half: vmpin's CLI with this test's private paths, and the booted guest."""
+
+    guest: Guest
+    sandbox: str
+    env: dict[str, str]
+    bundles: Path
+    map_file: Path
+    busy: str
+    other: str
+    busy_pid: int = 0
+
+    def vmpin(self, *args: str, stdin: str | None = None) -> str:
+        proc = subprocess.run([*vmpin_cmd(), *args], input=stdin, capture_output=True,
+                              text=True, env=self.env, timeout=120, check=False)
+        if proc.returncode != 0:
+            raise AssertionError(f"vmpin {' '.join(args)} -> {proc.returncode}\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc.stdout
+
+    def hook(self, stage: str, state_id: str, cid: str, cpus: str | None) -> None:
+        """Kata's shim running a host hook (poststart carries the sandbox id)."""
+        b = self.bundles / cid
+        if not b.exists():
+            b.mkdir(parents=True)
+            ann = {CRI + "container-type": "sandbox" if cid == self.sandbox else "container",
+                   CRI + "sandbox-id": self.sandbox, CRI + "sandbox-uid": f"uid-{self.sandbox}",
+                   CRI + "sandbox-name": "pod", CRI + "sandbox-namespace": "default",
+                   CRI + "container-name": cid}
+            spec: dict[str, object] = {"ociVersion": "1.0.2", "annotations": ann, "linux": {}}
+            if cpus is not None:
+                spec["linux"] = {"resources": {"cpu": {"cpus": cpus}}}
+            (b / "config.json").write_text(json.dumps(spec))
+        ann = json.loads((b / "config.json").read_text())["annotations"]
+        state = {"ociVersion": "", "id": state_id, "status": "", "bundle": str(b),
+                 "annotations": ann, "pid": self.guest.qemu.pid}
+        self.vmpin("hook", "--strict", stage, stdin=json.dumps(state))
+
+    def create(self, cid: str, cpus: str | None) -> None:
+        for stage in ("prestart", "createRuntime"):
+            self.hook(stage, cid, cid, cpus)
+        self.hook("poststart", self.sandbox, cid, cpus)
+
+    def vcpus(self) -> dict[int, tuple[int, str]]:
+        """vCPU index -> (host thread id, desired host CPUs), from ``vmpin show``."""
+        show = json.loads(self.vmpin("show", self.sandbox, "--json"))
+        return {t["index"]: (t["tid"], t["desired"]) for t in show["threads"]
+                if t["role"] == "vcpu"}
+
+    def guest_cpus(self, cid: str) -> str:
+        data = json.loads(self.vmpin("guest-map", cid, "--json"))
+        assert data["exact"] is True, data
+        return str(data["guest_cpus"])
+
+    def guest_hook(self, stage: str, cid: str, pid: int) -> str:
+        res = self.guest.run(["python3", "-I", "-S", PYZ, stage, "--strict", "--verbose"],
+                             stdin=json.dumps({"id": cid, "pid": pid, "bundle": "/"}))
+        return str(res["stderr"])
+
+    def follow_once(self) -> str:
+        res = self.guest.run(["python3", "-I", "-S", PYZ, "follow", "--once", "--strict",
+                              "--verbose"])
+        return str(res["stderr"])
+
+
+def _stat(pid: int, tid: int) -> tuple[str, int, int]:
+    """(state, utime+stime ticks, CPU last run on: field 39) of one host thread."""
+    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+        fields = f.read().decode().rpartition(")")[2].split()
+    # fields[0] is field 3 (state); utime, stime are fields 14, 15; processor is field 39.
+    return fields[0], int(fields[11]) + int(fields[12]), int(fields[36])
+
+
+def measure(node: Node, seconds: float = WINDOW) -> dict[int, dict[str, object]]:
+    """Per vCPU: its share of both vCPU threads' CPU time over ``seconds``, and on which host
+    CPUs it was seen running (sampled every 50 ms)."""
+    pid = node.guest.qemu.pid
+    tids = {i: tid for i, (tid, _) in node.vcpus().items()}
+    start = {i: _stat(pid, t)[1] for i, t in tids.items()}
+    seen: dict[int, dict[int, int]] = {i: {} for i in tids}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for i, t in tids.items():
+            state, _, cpu = _stat(pid, t)
+            if state == "R":
+                seen[i][cpu] = seen[i].get(cpu, 0) + 1
+        time.sleep(0.05)
+    used = {i: _stat(pid, t)[1] - start[i] for i, t in tids.items()}
+    total = sum(used.values()) or 1
+    return {i: {"tid": tids[i], "ticks": used[i], "share": round(used[i] / total, 3),
+                "on_cpus": seen[i]} for i in tids}
+
+
+def check_runs_on(node: Node, vcpu: int, host_cpu: int) -> dict[int, dict[str, object]]:
+    """The busy process's time is on vCPU ``vcpu``'s thread, and that thread on ``host_cpu``."""
+    m = measure(node)
+    share = float(m[vcpu]["share"])  # type: ignore[arg-type]
+    on = m[vcpu]["on_cpus"]
+    assert isinstance(on, dict)
+    runs = sum(on.values())
+    on_cpu = on.get(host_cpu, 0) / runs if runs else 0.0
+    assert share >= MIN_SHARE and on_cpu >= MIN_ON_CPU, (
+        f"expected the busy guest process on vCPU {vcpu} = host CPU {host_cpu}; measured "
+        f"per vCPU {m} (share needed {MIN_SHARE}, on-CPU share {on_cpu:.2f} needed {MIN_ON_CPU})"
+    )
+    print(f"guest proof: vCPU {vcpu} on host CPU {host_cpu}: {m}")  # shown with -s / -rP
+    return m
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    base = tmp_path_factory.mktemp("guestvm")
+    sandbox = f"gvm-{uuid.uuid4().hex[:8]}"
+    publish, vm_dir, share = base / "publish", base / "vm", base / "share"
+    mounts = publish / sandbox / "mounts"  # Kata's shared dir exists before vmpin publishes
+    for d in (mounts, vm_dir, share, base / "state"):
+        d.mkdir(parents=True)
+    bundle.build(str(share / "vmpin-guest.pyz"))
+    env = dict(os.environ)
+    env.update(VMPIN_STATE_DIR=str(base / "state"), VMPIN_VM_DIR=str(vm_dir),
+               VMPIN_RUNC_ROOT=str(base / "runc"), VMPIN_KUBELET_STATE=str(base / "kubelet"),
+               VMPIN_PUBLISH_DIR=str(publish),
+               VMPIN_SYSFS_ROOT=str(crossed_sysfs(base / "sysfs")))
+    with guest_image.boot(vm_dir, sandbox, base, {KATA_SHARED: mounts, "/mnt/vmpin": share}) as g:
+        n = Node(g, sandbox, env, base / "bundles", mounts / MAP_DIRNAME / MAP_FILENAME,
+                 f"busy-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}")
+        n.create(sandbox, None)
+        n.create(n.busy, "1")
+        n.create(n.other, "0")
+        n.busy_pid = g.spawn(["sh", "-c", "while :; do :; done"])
+        yield n
+
+
+def test_guest_process_runs_on_its_vcpu_and_follows_an_update(node: Node) -> None:
+    # vmpin crossed the pins: vCPU 0 -> host CPU 1, vCPU 1 -> host CPU 0
+    assert {i: d for i, (_, d) in node.vcpus().items()} == {0: "1", 1: "0"}
+    assert node.guest_cpus(node.busy) == "0" and node.guest_cpus(node.other) == "1"
+    assert node.map_file.exists()
+
+    said = node.guest_hook("prestart", node.busy, node.busy_pid)
+    assert "pinned to vCPUs 0" in said, said
+    check_runs_on(node, vcpu=0, host_cpu=1)
+
+    # kubelet swaps the containers' CPUs; vmpin republishes; the follower re-pins inside
+    node.vmpin("update", node.busy, "--cpuset-cpus", "0")
+    node.vmpin("update", node.other, "--cpuset-cpus", "1")
+    assert {i: d for i, (_, d) in node.vcpus().items()} == {0: "1", 1: "0"}
+    assert node.guest_cpus(node.busy) == "1"
+    said = node.follow_once()
+    assert f"container {node.busy} re-pinned to vCPUs 1" in said, said
+    check_runs_on(node, vcpu=1, host_cpu=0)
+
+
+def test_proof_fails_when_the_guest_map_is_wrong(node: Node) -> None:
+    """Publish a map that sends ``busy`` to the wrong vCPU: the measurement must object."""
+    node.vmpin("reconcile", "--once")
+    right = node.guest_cpus(node.busy)
+    host_cpu = {i: int(d) for i, (_, d) in node.vcpus().items()}
+    node.guest_hook("prestart", node.busy, node.busy_pid)
+    check_runs_on(node, vcpu=int(right), host_cpu=host_cpu[int(right)])
+
+    wrong = 1 - int(right)
+    doc = json.loads(node.map_file.read_text())
+    doc["generation"] += 1
+    doc["containers"][node.busy].update(guest_cpus=str(wrong), generation=doc["generation"])
+    tmp = node.map_file.with_suffix(".tampered")
+    tmp.write_text(json.dumps(doc))
+    tmp.rename(node.map_file)
+    assert f"re-pinned to vCPUs {wrong}" in node.follow_once()
+    with pytest.raises(AssertionError, match="measured per vCPU"):
+        check_runs_on(node, vcpu=int(right), host_cpu=host_cpu[int(right)])
+
+    # the host republishes the true map (its content differs) and the guest follows it back
+    node.vmpin("reconcile", "--once")
+    assert json.loads(node.map_file.read_text())["containers"][node.busy]["guest_cpus"] == right
+    assert f"re-pinned to vCPUs {right}" in node.follow_once()
+    check_runs_on(node, vcpu=int(right), host_cpu=host_cpu[int(right)])
