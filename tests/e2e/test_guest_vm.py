@@ -40,6 +40,9 @@ from vmpin.wire.guestmap import MAP_DIRNAME, MAP_FILENAME
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 
 CRI = "io.kubernetes.cri."
+REPO = Path(__file__).resolve().parents[2]
+#: where the guest unpacks vmpin and its CLI's dependencies (guest_image.python_libs).
+PYLIB = "/run/pylib"
 PYZ = "/mnt/vmpin/vmpin-guest.pyz"
 #: seconds of CPU time sampled per measurement.
 WINDOW = 3.0
@@ -80,6 +83,7 @@ class Node:
     map_file: Path
     busy: str
     other: str
+    work: Path
     busy_pid: int = 0
 
     def vmpin(self, *args: str, stdin: str | None = None) -> str:
@@ -184,8 +188,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     base = tmp_path_factory.mktemp("guestvm")
     sandbox = f"gvm-{uuid.uuid4().hex[:8]}"
     publish, vm_dir, share = base / "publish", base / "vm", base / "share"
+    work = base / "work"
     mounts = publish / sandbox / "mounts"  # Kata's shared dir exists before vmpin publishes
-    for d in (mounts, vm_dir, share, base / "state"):
+    for d in (mounts, vm_dir, share, work, base / "state"):
         d.mkdir(parents=True)
     bundle.build(str(share / "vmpin-guest.pyz"))
     env = dict(os.environ)
@@ -193,14 +198,17 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
                VMPIN_RUNC_ROOT=str(base / "runc"), VMPIN_KUBELET_STATE=str(base / "kubelet"),
                VMPIN_PUBLISH_DIR=str(publish),
                VMPIN_SYSFS_ROOT=str(crossed_sysfs(base / "sysfs")))
-    with guest_image.boot(vm_dir, sandbox, base, {KATA_SHARED: mounts, "/mnt/vmpin": share}) as g:
+    shares = {KATA_SHARED: mounts, "/mnt/vmpin": share, "/mnt/work": work}
+    with guest_image.boot(vm_dir, sandbox, base, shares) as g:
         n = Node(g, sandbox, env, base / "bundles", mounts / MAP_DIRNAME / MAP_FILENAME,
-                 f"busy-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}")
+                 f"busy-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}", work)
         n.create(sandbox, None)
         n.create(n.busy, "1")
         n.create(n.other, "0")
         n.busy_pid = g.spawn(["sh", "-c", "while :; do :; done"])
         yield n
+        # seconds per guest command, shown with -s: what this module costs under TCG
+        print("guest commands:", *g.log, sep="\n  ")
 
 
 def test_guest_process_runs_on_its_vcpu_and_follows_an_update(node: Node) -> None:
@@ -247,3 +255,138 @@ def test_proof_fails_when_the_guest_map_is_wrong(node: Node) -> None:
     assert json.loads(node.map_file.read_text())["containers"][node.busy]["guest_cpus"] == right
     assert f"re-pinned to vCPUs {right}" in node.follow_once()
     check_runs_on(node, vcpu=int(right), host_cpu=host_cpu[int(right)])
+
+
+# -- cgroup v2 for real: runc and vmpin's runc path inside the guest ----------------------------
+#: where the guest-side vmpin keeps its state and runc its containers (guest tmpfs).
+V2 = "/run/vmpin-v2"
+#: cgroup layouts under the v2 root, each made by runc's cgroupfs driver (cgroupsPath).  The
+#: systemd driver's names are made the same way: the guest has no systemd (busybox init), so
+#: runc --systemd-cgroup cannot ask it for a scope (docs/guest.md says so); what vmpin reads
+#: is the hierarchy, which is the same either way.
+LAYOUTS = {
+    "runc": None,
+    "cgfs": "/kubepods/burstable/pod{uid}/{cid}",
+    "sysd": "/kubepods.slice/kubepods-burstable.slice/"
+    "kubepods-burstable-pod{uid_}.slice/cri-containerd-{cid}.scope",
+}
+
+
+class GuestV2:
+    """vmpin and runc inside the guest, on the guest's cgroup v2 hierarchy."""
+
+    def __init__(self, node: Node) -> None:
+        self.g = node.guest
+        self.work = node.work
+        self.env = {
+            "PYTHONPATH": PYLIB,
+            "VMPIN_STATE_DIR": f"{V2}/state",
+            "VMPIN_RUNC_ROOT": f"{V2}/runc",
+            "VMPIN_VM_DIR": f"{V2}/vm",
+            "VMPIN_PUBLISH_DIR": f"{V2}/publish",
+            "VMPIN_KUBELET_STATE": f"{V2}/no-kubelet",
+        }
+
+    def sh(self, script: str, check: bool = True) -> dict[str, object]:
+        return self.g.run(["sh", "-c", script], env=self.env, check=check)
+
+    def vmpin(self, *args: str, check: bool = True) -> dict[str, object]:
+        return self.g.run(["python3", "-m", "vmpin", *args], env=self.env, check=check)
+
+    def containers(self) -> dict[str, dict[str, object]]:
+        out = json.loads(str(self.vmpin("containers", "--json")["stdout"]))
+        return {c["id"]: c for c in out}
+
+    def read(self, path: str) -> str:
+        return str(self.sh(f"cat {path}")["stdout"]).strip()
+
+    def bundle(self, cid: str, cpus: str, cgroups_path: str | None) -> str:
+        """config.json from the host's ``runc spec`` (same runc), hooks running vmpin."""
+        spec = self.work / f"spec-{cid}"
+        spec.mkdir()
+        subprocess.run(["runc", "spec"], cwd=spec, check=True)
+        cfg = json.loads((spec / "config.json").read_text())
+        cfg["root"] = {"path": f"{V2}/rootfs", "readonly": True}
+        cfg["process"].update(args=["sleep", "3600"], terminal=False)
+        cfg["linux"]["resources"] = {"cpu": {"cpus": cpus, "mems": "0"}}
+        if cgroups_path:
+            cfg["linux"]["cgroupsPath"] = cgroups_path
+        hook_env = [f"{k}={v}" for k, v in self.env.items()] + ["PATH=/usr/bin:/bin:/sbin"]
+        cfg["hooks"] = {
+            stage: [{"path": "/usr/bin/python3", "env": hook_env, "timeout": 60,
+                     "args": ["python3", "-m", "vmpin", "hook", stage]}]
+            for stage in ("prestart", "createRuntime", "poststart", "poststop")
+        }
+        (spec / "config.json").write_text(json.dumps(cfg))
+        self.sh(f"mkdir -p {V2}/b/{cid} && cp /mnt/work/spec-{cid}/config.json {V2}/b/{cid}/")
+        return f"{V2}/b/{cid}"
+
+
+@pytest.fixture(scope="module")
+def v2(node: Node) -> GuestV2:
+    g = GuestV2(node)
+    guest_image.python_libs(node.work / "pylib.tar", REPO)
+    g.sh(f"mkdir -p {PYLIB} && tar -xf /mnt/work/pylib.tar -C {PYLIB}")
+    # cgroup2 at the usual place with cpuset enabled for children; a busybox rootfs on tmpfs
+    # (runc runs with --no-pivot: the guest's root is the initramfs, where pivot_root fails).
+    g.sh("grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 none /sys/fs/cgroup;"
+         " echo +cpuset > /sys/fs/cgroup/cgroup.subtree_control;"
+         f" mkdir -p {V2}/rootfs/bin {V2}/state && cp /bin/busybox {V2}/rootfs/bin/ &&"
+         f" ln -sf busybox {V2}/rootfs/bin/sleep && ln -sf busybox {V2}/rootfs/bin/sh")
+    assert "cpuset" in g.read("/sys/fs/cgroup/cgroup.subtree_control")
+    return g
+
+
+@pytest.mark.runc
+def test_runc_on_cgroup_v2_in_the_guest(v2: GuestV2) -> None:
+    """One container per layout, all at once (each vmpin command costs seconds under TCG)."""
+    runc = f"runc --root {V2}/runc"
+    cgs: dict[str, str] = {}
+    for layout, template in sorted(LAYOUTS.items()):
+        cid = f"v2-{layout}-{uuid.uuid4().hex[:8]}"
+        uid = str(uuid.uuid4())
+        rel = (template.format(uid=uid, uid_=uid.replace("-", "_"), cid=cid) if template
+               else f"/{cid}")  # runc's default: /<id> below its own cgroup (the root here)
+        cgs[cid] = f"/sys/fs/cgroup{rel}"
+        b = v2.bundle(cid, "1", template and rel)
+        v2.sh(f"{runc} create --no-pivot --bundle {b} {cid} && {runc} start {cid}")
+    try:
+        pids = {cid: json.loads(str(v2.sh(f"{runc} state {cid}")["stdout"]))["pid"]
+                for cid in cgs}
+        # the hooks told vmpin; each v2 cgroup is where its layout says, with the CPUs
+        listed = v2.containers()
+        for cid, cg in cgs.items():
+            assert (listed[cid]["cpus"], listed[cid]["runtime"]) == ("1", "runc"), listed[cid]
+            assert v2.read(f"{cg}/cpuset.cpus.effective") == "1", cid
+            assert "Cpus_allowed_list:\t1" in v2.read(f"/proc/{pids[cid]}/status"), cid
+        assert v2.vmpin("audit")["rc"] == 0
+
+        # runc update rewrites the cgroup and fires no hook: one pass adopts it
+        v2.sh("; ".join(f"{runc} update --cpuset-cpus 0 {cid}" for cid in cgs))
+        v2.vmpin("reconcile", "--once")
+        listed = v2.containers()
+        for cid, cg in cgs.items():
+            assert (listed[cid]["cpus"], listed[cid]["cpus_source"]) == ("0", "runc"), listed
+            assert v2.read(f"{cg}/cpuset.cpus") == "0", cid
+
+        # a hand edit of a cgroup is drift: audit says so, a pass puts the plan back
+        v2.sh("; ".join(f"echo 1 > {cg}/cpuset.cpus" for cg in cgs.values()))
+        audit = v2.vmpin("audit", "--json", check=False)
+        assert audit["rc"] == 1, audit
+        drifted = [v for v in json.loads(str(audit["stdout"]))["violations"]
+                   if v["role"] == "container" and v["actual"] == "1"]
+        assert {v["sandbox"] for v in drifted} == set(cgs), audit  # a runc ctr is its sandbox
+        v2.vmpin("reconcile", "--once")
+        for cid, cg in cgs.items():
+            assert v2.read(f"{cg}/cpuset.cpus") == "0", cid
+            assert "Cpus_allowed_list:\t0" in v2.read(f"/proc/{pids[cid]}/status"), cid
+        assert v2.vmpin("audit")["rc"] == 0
+
+        # vmpin update (CRI UpdateContainerResources) reaches a v2 cgroup at once
+        cid = next(iter(cgs))
+        v2.vmpin("update", cid, "--cpuset-cpus", "0-1")
+        assert v2.read(f"{cgs[cid]}/cpuset.cpus") == "0-1"
+    finally:
+        v2.sh("; ".join(f"{runc} delete -f {cid}" for cid in cgs), check=False)  # poststop
+    assert not set(cgs) & set(v2.containers())
+

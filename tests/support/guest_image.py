@@ -9,8 +9,9 @@ libseccomp.  Everything a test wants to run is passed in through 9p shares (``ca
 host and guest see each other's writes at once), so the image does not change when tests do.
 
 The image is cached under ``$VMPIN_TEST_CACHE`` (default ``/var/cache/vmpin-tests``) in a
-directory named by a hash of its inputs (this file, the kernel package's name and version,
-the copied binaries' sizes and mtimes): CI builds it once per machine, in a few seconds.
+directory named by a hash of its inputs (the recipe: init script, module list, builder code;
+the kernel package's name and version; the copied binaries' sizes and mtimes): CI builds it
+once per machine, in about 10 s.
 
 The guest boots the way Kata boots its VM (``-name sandbox-<id>``, pidfile and ``qmp.sock``
 in ``<vm dir>/<id>/``, through :func:`tests.support.qemu_util.launch`), under KVM only where
@@ -28,6 +29,7 @@ import contextlib
 import fcntl
 import gzip
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -38,7 +40,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -65,6 +68,10 @@ STDLIB = "/usr/lib/python3.11"
 STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
                "config-3.11-x86_64-linux-gnu", "__pycache__-skip"}
 BINARIES = ("/bin/busybox", "/usr/sbin/runc")
+#: libraries that manylinux wheels shared in from the host's venv load (pydantic_core, psutil:
+#: ``ldd`` on their .so files), beyond what python3 itself links.
+EXTRA_LIBS = tuple(f"/lib/x86_64-linux-gnu/{lib}" for lib in (
+    "libgcc_s.so.1", "librt.so.1", "libdl.so.2", "libpthread.so.0"))
 #: where Kata shows the sandbox's shared directory inside the guest (vmpin.wire.guestmap).
 KATA_SHARED = "/run/kata-containers/shared/containers"
 
@@ -95,7 +102,7 @@ poweroff -f
 
 #: the guest half of :class:`Guest`: runs queued commands, answers each in a file.
 AGENT = r'''
-import json, os, subprocess, sys, time
+import json, os, subprocess, sys, tempfile, time
 Q = "/mnt/ctl/q"
 done = set()
 open("/mnt/ctl/ready", "w").close()
@@ -115,10 +122,15 @@ while not os.path.exists("/mnt/ctl/stop"):
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 out = {"rc": 0, "pid": p.pid, "stdout": "", "stderr": ""}
             else:
-                p = subprocess.run(cmd["argv"], env=env, input=cmd.get("stdin", "").encode(),
-                                   capture_output=True, timeout=cmd.get("timeout", 60))
-                out = {"rc": p.returncode, "stdout": p.stdout.decode(errors="replace"),
-                       "stderr": p.stderr.decode(errors="replace")}
+                # Output through files, not pipes: a detached child (runc's container init)
+                # inherits them and would hold a pipe open forever.
+                with tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e:
+                    p = subprocess.run(cmd["argv"], env=env, input=cmd.get("stdin", "").encode(),
+                                       stdout=o, stderr=e, timeout=cmd.get("timeout", 60))
+                    o.seek(0)
+                    e.seek(0)
+                    out = {"rc": p.returncode, "stdout": o.read().decode(errors="replace"),
+                           "stderr": e.read().decode(errors="replace")}
         except Exception as err:
             out = {"rc": 127, "stdout": "", "stderr": f"agent: {type(err).__name__}: {err}"}
         tmp = os.path.join(Q, name[:-4] + ".tmp")
@@ -182,7 +194,9 @@ def _ldd(path: str) -> list[str]:
 
 def _inputs() -> list[str]:
     """Everything the image is made of, for its cache key."""
-    items = [Path(__file__).read_text(), "|".join(kernel_package())]
+    recipe = [INIT, repr(MODULES), repr(sorted(STDLIB_SKIP)), repr(EXTRA_LIBS),
+              inspect.getsource(_build), inspect.getsource(_Cpio)]
+    items = [*recipe, "|".join(kernel_package())]
     for path in (PYTHON, *BINARIES):
         st = os.stat(path)
         items.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
@@ -267,6 +281,7 @@ def _build(dest: Path) -> None:
             libs.update(_ldd(exe))
         for so in Path(STDLIB, "lib-dynload").glob("*.so"):
             libs.update(_ldd(str(so)))
+        libs.update(lib for lib in EXTRA_LIBS if os.path.exists(lib))
         for lib in sorted(libs):
             cpio.add(lib.lstrip("/"), stat.S_IFREG | 0o755, Path(lib).read_bytes())
         cpio.add(PYTHON.lstrip("/"), stat.S_IFREG | 0o755, Path(PYTHON).read_bytes())
@@ -297,6 +312,52 @@ def image() -> Image:
     return Image(final / "vmlinuz", final / "initrd.gz", key)
 
 
+def _requirements(dist: str) -> set[str]:
+    """``dist`` and every distribution it needs here (markers evaluated, extras left out)."""
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = [dist]
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            reqs = metadata.distribution(name).requires or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in reqs:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def python_libs(dest: Path, repo: Path) -> Path:
+    """A tar of vmpin (from ``repo``) and the installed distributions its CLI needs.
+
+    The guest unpacks it onto its tmpfs: importing typer and pydantic file by file over a
+    ``cache=none`` 9p share costs seconds per command under TCG.
+    """
+    import tarfile
+
+    with tarfile.open(dest, "w") as tar:
+        tar.add(repo / "vmpin", "vmpin",
+                filter=lambda t: None if t.name.endswith((".tmp", ".swp")) else t)
+        for name in sorted(_requirements("vmpin") - {"vmpin"}):
+            try:
+                dist = metadata.distribution(name)
+            except metadata.PackageNotFoundError:
+                continue
+            for f in dist.files or []:
+                src = Path(str(dist.locate_file(f)))
+                if src.is_file() and not str(f).startswith(".."):
+                    tar.add(src, str(f), recursive=False)
+    return dest
+
+
 class GuestError(AssertionError):
     pass
 
@@ -309,6 +370,8 @@ class Guest:
     ctl: Path
     console: Path
     seq: int = 0
+    #: (seconds, command) of every run, for a test's report.
+    log: list[tuple[float, str]] = field(default_factory=list)
 
     def _send(self, cmd: Mapping[str, object], timeout: float) -> dict[str, object]:
         self.seq += 1
@@ -326,8 +389,10 @@ class Guest:
     def run(self, argv: Sequence[str], *, stdin: str = "", env: Mapping[str, str] | None = None,
             timeout: float = 90, check: bool = True) -> dict[str, object]:
         """Run ``argv`` in the guest; {rc, stdout, stderr}."""
+        t0 = time.monotonic()
         res = self._send({"argv": list(argv), "stdin": stdin, "env": dict(env or {}),
                           "timeout": timeout}, timeout + 10)
+        self.log.append((round(time.monotonic() - t0, 2), " ".join(argv)[:100]))
         if check and res["rc"] != 0:
             raise GuestError(f"guest: {' '.join(argv)} -> {res['rc']}\n"
                              f"{res['stdout']}\n{res['stderr']}")
