@@ -7,6 +7,7 @@ stderr and an exit code, nothing below the CLI exits the process::
     +-- CpuSetError        a CPU list or mask that does not parse, or names impossible CPUs
     +-- SpecError          OCI state / config.json / resources JSON that is malformed
     +-- IdError            an id that could name a path outside the state dir
+    +-- WireError          a document in one of vmpin's wire formats that is malformed
     +-- TopologyError      a sysfs tree that cannot describe the host
     +-- PlanError          a placement that cannot be made (e.g. CPUs offline)
     +-- StateError         the SQLite store: unknown container, schema too new
@@ -34,6 +35,10 @@ class CpuSetError(VmpinError, ValueError):
 
 
 class SpecError(VmpinError, ValueError):
+    pass
+
+
+class WireError(VmpinError, ValueError):
     pass
 
 
