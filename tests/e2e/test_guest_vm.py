@@ -44,10 +44,13 @@ REPO = Path(__file__).resolve().parents[2]
 #: where the guest unpacks vmpin and its CLI's dependencies (guest_image.python_libs).
 PYLIB = "/run/pylib"
 PYZ = "/mnt/vmpin/vmpin-guest.pyz"
-#: seconds of CPU time sampled per measurement.
-WINDOW = 3.0
-#: the mapped vCPU's thread must hold this share of both vCPU threads' time...
-MIN_SHARE = 0.75
+#: a measurement samples at least this long, and until the vCPU threads used this many clock
+#: ticks (1.5 CPU-seconds at 100 Hz) or for at most MAX_WINDOW: on a loaded host the busy
+#: vCPU gets a small slice of its CPU, and a fixed window would measure mostly noise.
+MIN_WINDOW, MAX_WINDOW, MIN_TICKS = 2.0, 20.0, 150
+#: the mapped vCPU's thread must hold this share of both vCPU threads' time (a wrong map
+#: puts it on the other thread: ~0.1-0.3 measured)...
+MIN_SHARE = 0.65
 #: ...and be seen on its expected host CPU in this share of the samples where it ran.
 MIN_ON_CPU = 0.9
 
@@ -147,24 +150,28 @@ def _stat(pid: int, tid: int) -> tuple[str, int, int]:
     return fields[0], int(fields[11]) + int(fields[12]), int(fields[36])
 
 
-def measure(node: Node, seconds: float = WINDOW) -> dict[int, dict[str, object]]:
-    """Per vCPU: its share of both vCPU threads' CPU time over ``seconds``, and on which host
-    CPUs it was seen running (sampled every 50 ms)."""
+def measure(node: Node) -> dict[int, dict[str, object]]:
+    """Per vCPU: its share of both vCPU threads' CPU time, and on which host CPUs it was seen
+    running (sampled every 50 ms), over a window of MIN_WINDOW..MAX_WINDOW seconds."""
     pid = node.guest.qemu.pid
     tids = {i: tid for i, (tid, _) in node.vcpus().items()}
     start = {i: _stat(pid, t)[1] for i, t in tids.items()}
     seen: dict[int, dict[int, int]] = {i: {} for i in tids}
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    began = time.monotonic()
+    used = dict.fromkeys(tids, 0)
+    while True:
         for i, t in tids.items():
-            state, _, cpu = _stat(pid, t)
+            state, ticks, cpu = _stat(pid, t)
+            used[i] = ticks - start[i]
             if state == "R":
                 seen[i][cpu] = seen[i].get(cpu, 0) + 1
+        spent = time.monotonic() - began
+        if spent >= MAX_WINDOW or (spent >= MIN_WINDOW and sum(used.values()) >= MIN_TICKS):
+            break
         time.sleep(0.05)
-    used = {i: _stat(pid, t)[1] - start[i] for i, t in tids.items()}
     total = sum(used.values()) or 1
     return {i: {"tid": tids[i], "ticks": used[i], "share": round(used[i] / total, 3),
-                "on_cpus": seen[i]} for i in tids}
+                "on_cpus": seen[i], "seconds": round(spent, 1)} for i in tids}
 
 
 def check_runs_on(node: Node, vcpu: int, host_cpu: int) -> dict[int, dict[str, object]]:
