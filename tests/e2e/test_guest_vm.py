@@ -37,7 +37,7 @@ from tests.support.guest_image import KATA_SHARED, Guest
 from vmpin.guest import bundle
 from vmpin.wire.guestmap import MAP_DIRNAME, MAP_FILENAME
 
-pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.multi_cpu]
 
 CRI = "io.kubernetes.cri."
 REPO = Path(__file__).resolve().parents[2]

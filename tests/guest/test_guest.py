@@ -671,7 +671,7 @@ def test_end_to_end(
             vcpus = {index: tid for index, tid, _ in qmp.query_cpus_fast()}
         assert sorted(vcpus) == [0, 1]
         assert {i: allowed(t) for i, t in vcpus.items()} == {
-            i: str(doc["vcpu_to_host"][str(i)]) for i in vcpus
+            i: str(doc.vcpu_to_host[str(i)]) for i in vcpus
         }
 
 

@@ -46,7 +46,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.qemu_util import QemuHandle, kvm_usable, launch, wait_until
+from tests.support import capabilities
+from tests.support.qemu_util import QemuHandle, launch, wait_until
 
 CACHE_ROOT = Path(os.environ.get("VMPIN_TEST_CACHE", "/var/cache/vmpin-tests"))
 #: modules for virtio-pci and 9p, in load order (busybox insmod resolves no dependencies).
@@ -145,15 +146,6 @@ class Image:
     kernel: Path
     initrd: Path
     key: str
-
-
-def hardware_virt() -> bool:
-    """vmx/svm in /proc/cpuinfo: a KVM that can run a real guest kernel (not PVM)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return ("vmx" in flags or "svm" in flags) and kvm_usable()
 
 
 def missing() -> str | None:
@@ -437,7 +429,7 @@ def boot(vm_dir: Path, sandbox_id: str, workdir: Path, shares: Mapping[str, Path
         cmdline.append(f"vmpin.share={tag}:{guest_path}")
     console = workdir / "console.log"
     extra += ["-append", " ".join(cmdline), "-serial", f"file:{console}", "-no-reboot"]
-    accel = "kvm" if hardware_virt() else "tcg"
+    accel = capabilities.linux_guest_accel()
     q = launch(vm_dir, sandbox_id, smp=smp, accel=accel, iothreads=("io0",), memory=memory,
                extra=extra)
     guest = Guest(q, ctl, console)
