@@ -215,6 +215,19 @@ def test_parse_cpus_rejects(bad: str) -> None:
         guest.parse_cpus(bad)
 
 
+@pytest.mark.parametrize("bad", ["99999", "0-8192", "8192"])
+def test_guest_caps_cpus_like_the_host(bad: str, tmp_path: Path) -> None:
+    """The guest parses CPU lists with the host's parser: no CPU past vmpin.core.cpuset's cap
+    (the guest's old copy accepted 99999)."""
+    with pytest.raises(guest.GuestError):
+        guest.parse_cpus(bad)
+    m = guest.read_map(str(write_map(tmp_path / "m.json", {"c": bad, "ok": "1"})))
+    with pytest.raises(guest.GuestError, match="entry of c"):
+        guest.lookup(m, "c")
+    ok = guest.lookup(m, "ok")  # one bad entry is an error against its container only
+    assert ok is not None and ok.guest_cpus == frozenset({1})
+
+
 def test_format_cpus() -> None:
     assert guest.format_cpus(frozenset({0, 1, 2, 5, 7, 8})) == "0-2,5,7-8"
     assert guest.format_cpus(frozenset()) == ""
@@ -258,18 +271,15 @@ def test_hook_path_imports_nothing_heavy() -> None:
     mods = set(json.loads(out.stdout.splitlines()[-1]))
     for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
         assert heavy not in mods
-    assert {m for m in mods if m.startswith("vmpin")} == {
-        "vmpin",
-        "vmpin.core",
-        "vmpin.core.errors",  # (the safe file reader's errors)
-        "vmpin.linux",
-        "vmpin.linux.files",  # the one reader of files others can write
-        "vmpin.entry",
-        "vmpin.guest",
-        "vmpin.guest.program",
-        "vmpin.wire",
-        "vmpin.wire.guestmap",
+    # exactly the shared stdlib-only modules the zipapp ships (its list is closed), plus the
+    # console entry point
+    shipped = {
+        rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for rel in bundle.GUEST_MODULES
     }
+    assert {m for m in mods if m.startswith("vmpin")} == shipped | {"vmpin.entry"}
+    assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",
+            "vmpin.wire.guestmap"} <= shipped
 
 
 @needs_two_cpus
@@ -482,7 +492,7 @@ BAD_MAPS: dict[str, tuple[str, str]] = {
     "no-containers": (json.dumps({"version": 1}), "has no containers object"),
     "bad-cpus": (
         json.dumps({"version": 1, "containers": {"c": {"guest_cpus": "1-"}}}),
-        "bad CPU list '1-'",
+        "invalid CPU list '1-'",
     ),
     "no-cpus": (
         json.dumps({"version": 1, "containers": {"c": {"exact": True}}}),
@@ -630,8 +640,8 @@ def test_end_to_end(
         vmpin("reconcile", "--once")
         published = shared / "vmpin" / "guest-map.json"
         doc = guest.read_map(str(published))
-        assert doc["sandbox"] == sid and doc["mode"] == "1:1" and doc["nvcpus"] == 2
-        assert doc["vcpu_to_host"] == {"0": 0, "1": 1}
+        assert doc.sandbox == sid and doc.mode == "1:1" and doc.nvcpus == 2
+        assert doc.vcpu_to_host == {"0": 0, "1": 1}
         first = os.stat(published)
 
         for cid, cpus in cids.items():
@@ -661,7 +671,7 @@ def test_end_to_end(
             vcpus = {index: tid for index, tid, _ in qmp.query_cpus_fast()}
         assert sorted(vcpus) == [0, 1]
         assert {i: allowed(t) for i, t in vcpus.items()} == {
-            i: str(doc["vcpu_to_host"][str(i)]) for i in vcpus
+            i: str(doc.vcpu_to_host[str(i)]) for i in vcpus
         }
 
 
@@ -1159,18 +1169,15 @@ def test_follow_imports_nothing_heavy(tmp_path: Path) -> None:
     assert rc == 0
     for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
         assert heavy not in mods
-    assert {m for m in mods if m.startswith("vmpin")} == {
-        "vmpin",
-        "vmpin.core",
-        "vmpin.core.errors",  # (the safe file reader's errors)
-        "vmpin.linux",
-        "vmpin.linux.files",  # the one reader of files others can write
-        "vmpin.entry",
-        "vmpin.guest",
-        "vmpin.guest.program",
-        "vmpin.wire",
-        "vmpin.wire.guestmap",
+    # exactly the shared stdlib-only modules the zipapp ships (its list is closed), plus the
+    # console entry point
+    shipped = {
+        rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for rel in bundle.GUEST_MODULES
     }
+    assert {m for m in mods if m.startswith("vmpin")} == shipped | {"vmpin.entry"}
+    assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",
+            "vmpin.wire.guestmap"} <= shipped
 
 
 @needs_two_cpus

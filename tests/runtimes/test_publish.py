@@ -123,7 +123,7 @@ def test_change_bumps_generation_per_entry(paths: HostPaths, shared: Path) -> No
     assert doc["containers"]["b"]["generation"] == 2 and doc["containers"]["b"]["guest_cpus"] == "2"
     # a container that left is gone from the map
     res3 = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
-    assert res3.generation == 3 and set(guest.read_map(res3.path)["containers"]) == {"a"}  # type: ignore[arg-type]
+    assert res3.generation == 3 and set(guest.read_map(res3.path).containers) == {"a"}
 
 
 def test_atomic_replace(paths: HostPaths, shared: Path) -> None:
@@ -190,7 +190,7 @@ def test_location_configurable(tmp_path: Path) -> None:
     )
     res = publish.publish_map(f, SID, sandbox_map({"a": "8,64"}))
     assert res.path == str(tmp_path / "guests" / SID / "cpus" / f"map-{SID}.json")
-    assert guest.read_map(res.path)["sandbox"] == SID
+    assert guest.read_map(res.path).sandbox == SID
 
 
 def test_location_from_environment(tmp_path: Path) -> None:
@@ -239,7 +239,7 @@ def test_concurrent_writers(paths: HostPaths, shared: Path) -> None:
         assert pr.exitcode == 0
     path = publish.map_path(paths, SID)
     doc = guest.read_map(path)
-    assert doc["generation"] == 4 * 15
+    assert doc.generation == 4 * 15
     # the last writer's last map is what stays
-    assert len(doc["containers"]) == 1 and set(doc["containers"]) <= {f"w{k}-14" for k in range(4)}
+    assert len(doc.containers) == 1 and set(doc.containers) <= {f"w{k}-14" for k in range(4)}
     assert os.listdir(os.path.dirname(path)) == ["guest-map.json"]

@@ -210,6 +210,13 @@ def probe_libvirtd() -> str | None:
     return _root()
 
 
+def probe_guest() -> str | None:
+    """A real Linux guest can be built and booted (tests/support/guest_image.py)."""
+    from tests.support import guest_image
+
+    return probe_qemu() or guest_image.missing()
+
+
 #: marker name -> (probe, is it a host property, what the marker means).
 MARKERS: dict[str, tuple[Callable[[], str | None], bool, str]] = {
     "qemu": (probe_qemu, False, "starts real QEMU processes"),
@@ -222,13 +229,16 @@ MARKERS: dict[str, tuple[Callable[[], str | None], bool, str]] = {
     "cgroup_v1": (probe_cgroup_v1, True, "makes cgroups in the host's v1 cpuset hierarchy"),
     "cgroup_v2": (probe_cgroup_v2, True, "makes cgroups in the host's cgroup v2 (cpuset)"),
     "multi_cpu": (probe_multi_cpu, True, "needs >= 2 online CPUs (and widens its own affinity)"),
+    "guest": (probe_guest, False,
+              "boots a real Linux guest under QEMU (tests/support/guest_image.py)"),
 }
 
 
 #: markers of tests that create something outside their own processes and tmp dirs (VMs,
 #: containers, daemons, cgroups): conftest adds the umbrella marker ``host`` to them.
 TOUCHES_HOST = (
-    "qemu", "tcg", "kvm", "runc", "containerd", "podman", "libvirtd", "cgroup_v1", "cgroup_v2"
+    "qemu", "tcg", "kvm", "runc", "containerd", "podman", "libvirtd", "cgroup_v1", "cgroup_v2",
+    "guest",
 )
 
 

@@ -148,18 +148,20 @@ def qemu_argv(
     iothreads: Sequence[str],
     accel: str,
     cpu: str,
+    memory: int = 128,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     d = vm_dir / sandbox_id
     name = f"sandbox-{sandbox_id}" + (",debug-threads=on" if debug_threads else "")
     argv = [require_qemu(), "-name", name, "-machine", f"q35,accel={accel}", "-cpu", cpu]
-    argv += ["-smp", str(smp), "-m", "128"]
+    argv += ["-smp", str(smp), "-m", str(memory)]
     if paused:
         argv.append("-S")
     argv += ["-nodefaults", "-display", "none"]
     for io in iothreads:
         argv += ["-object", f"iothread,id={io}"]
     argv += ["-qmp", f"unix:{d}/qmp.sock,server=on,wait=off", "-pidfile", f"{d}/pid"]
-    argv.append("-daemonize")
+    argv += [*extra, "-daemonize"]
     return argv
 
 
@@ -210,8 +212,13 @@ def launch(
     paused: bool = False,
     iothreads: Sequence[str] = ("io0",),
     accel: str | None = None,
+    memory: int = 128,
+    extra: Sequence[str] = (),
 ) -> QemuHandle:
-    """Start one daemonized QEMU and return once its pidfile and QMP socket exist."""
+    """Start one daemonized QEMU and return once its pidfile and QMP socket exist.
+
+    ``extra`` goes before ``-daemonize``: a guest kernel, initrd, shares (guest_image.py).
+    """
     require_qemu()
     if accel is None:
         accel = "kvm" if kvm_usable() else "tcg"
@@ -224,7 +231,9 @@ def launch(
         models = _kvm_cpu_model[:1] or ["host", "host,-arch-capabilities"]
     errors: list[str] = []
     for cpu in models:
-        argv = qemu_argv(vm_dir, sandbox_id, smp, debug_threads, paused, iothreads, accel, cpu)
+        argv = qemu_argv(
+            vm_dir, sandbox_id, smp, debug_threads, paused, iothreads, accel, cpu, memory, extra
+        )
         proc = _run(argv, pidfile)
         if proc.returncode == 0:
             if accel == "kvm" and not _kvm_cpu_model:

@@ -8,6 +8,7 @@ stderr and an exit code, nothing below the CLI exits the process::
     +-- SpecError          OCI state / config.json / resources JSON that is malformed
     |   +-- UnsafeFile         a file others can write that is a symlink, FIFO, device or huge
     +-- IdError            an id that could name a path outside the state dir
+    +-- WireError          a document in one of vmpin's wire formats that is malformed
     +-- TopologyError      a sysfs tree that cannot describe the host
     +-- PlanError          a placement that cannot be made (e.g. CPUs offline)
     +-- StateError         the SQLite store: unknown container, schema too new
@@ -40,6 +41,10 @@ class SpecError(VmpinError, ValueError):
 
 class UnsafeFile(SpecError):
     """A file others can write, refused unread (vmpin.linux.files): symlink, FIFO, device, huge."""
+
+
+class WireError(VmpinError, ValueError):
+    pass
 
 
 class IdError(VmpinError, ValueError):

@@ -20,6 +20,8 @@ GUEST_MODULES = (
     "vmpin/core/cpuset.py",
     "vmpin/linux/__init__.py",
     "vmpin/linux/files.py",
+    "vmpin/linux/procfs.py",
+    "vmpin/linux/affinity.py",
     "vmpin/wire/__init__.py",
     "vmpin/wire/guestmap.py",
     "vmpin/guest/__init__.py",

@@ -37,11 +37,13 @@ also records what it pinned -- one small JSON file per container in a guest-side
 vCPUs differ from what was applied, through the same code as the hook, to the same cgroup or
 the same process tree; ``poststop`` removes the record.  See ``docs/guest.md``.
 
-This file is deliberately self-contained: standard library only (json, os, sys), no import
-of the rest of vmpin, no sqlite3/typer/pydantic/psutil (``tests/test_guest.py`` checks it).
-It runs in a small guest image, where it may be installed as the package or copied as this
-one file (``python3 guest.py prestart`` works too: kata-agent runs a hook with argv
-``[name, stage]``).  The CPU-list parser is therefore a small copy of vmpin.core.cpuset's rules.
+It shares the host's stdlib-only modules instead of copying them: CPU lists
+(:mod:`vmpin.core.cpuset`, with the host's cap on CPU numbers), the map's wire format
+(:mod:`vmpin.wire.guestmap`), procfs readers and sched_setaffinity with read-back
+(:mod:`vmpin.linux`); no sqlite3/typer/pydantic/psutil (``tests/guest/test_guest.py`` and the
+lint-imports contract check it).  A guest image gets it as one file, the zipapp of
+:mod:`vmpin.guest.bundle` (``python3 -I -S vmpin-guest.pyz prestart``: kata-agent runs a hook
+with argv ``[name, stage]``), or as the installed package.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ import time
 from types import FrameType
 from typing import Callable, Mapping, NamedTuple
 
-from vmpin.core.errors import VmpinError
-from vmpin.linux.files import load_json, read_bytes
-from vmpin.wire.guestmap import DEFAULT_GUEST_MAP, FORMAT_VERSION
-
-#: the largest guest map read (vmpin.runtimes.publish writes ~60 KiB for 512 vCPUs).
-MAX_MAP_BYTES = 1 << 20
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import CpuSetError, HostError, ProcessGone, VmpinError, WireError
+from vmpin.linux import procfs
+from vmpin.linux.affinity import SchedAffinity
+from vmpin.linux.files import read_bytes
+from vmpin.wire import guestmap as wire
+from vmpin.wire.guestmap import DEFAULT_GUEST_MAP, Entry, GuestMap
 
 ENV_MAP = "VMPIN_GUEST_MAP"
 ENV_PROC_ROOT = "VMPIN_GUEST_PROC_ROOT"
@@ -132,46 +135,18 @@ class GuestError(Exception):
         self.fallback = fallback
 
 
-# -- CPU lists (the Linux list format: "0-3,8") ----------------------------------------------
+# -- CPU lists (the Linux list format: "0-3,8"): vmpin.core.cpuset's rules -------------------
 def parse_cpus(text: str) -> frozenset[int]:
-    """Parse a Linux CPU list strictly: "" is empty, "0,", "3-0", "1-", "-1" are errors."""
-    text = text.strip()
-    if not text:
-        return frozenset()
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, dash, hi = part.partition("-")
-        if not _is_number(lo) or (dash and not _is_number(hi)):
-            raise GuestError(f"bad CPU list {text!r}")
-        first, last = int(lo), int(hi) if dash else int(lo)
-        if last < first:
-            raise GuestError(f"bad CPU list {text!r}: range {part} runs backwards")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus)
-
-
-def _is_number(text: str) -> bool:
-    return text.isascii() and text.isdigit() and len(text) <= 5
+    """Parse a Linux CPU list strictly (the host's parser): "" is empty, "0,", "3-0" are errors."""
+    try:
+        return frozenset(CpuSet.parse(text))
+    except CpuSetError as err:
+        raise GuestError(str(err)) from None
 
 
 def format_cpus(cpus: frozenset[int] | set[int]) -> str:
     """The Linux list format, ranges collapsed: {0, 1, 2, 5} -> "0-2,5"."""
-    out: list[str] = []
-    run: list[int] = []
-    for cpu in sorted(cpus):
-        if run and cpu == run[-1] + 1:
-            run.append(cpu)
-            continue
-        if run:
-            out.append(_span(run))
-        run = [cpu]
-    if run:
-        out.append(_span(run))
-    return ",".join(out)
-
-
-def _span(run: list[int]) -> str:
-    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+    return CpuSet(cpus).to_list()
 
 
 # -- inputs ----------------------------------------------------------------------------------
@@ -181,17 +156,6 @@ class State(NamedTuple):
     id: str
     pid: int
     bundle: str
-
-
-class Entry(NamedTuple):
-    """One container's line of the published map, parsed."""
-
-    container: str
-    guest_cpus: frozenset[int]
-    exact: bool
-    mode: str
-    reason: str
-    generation: int
 
 
 def parse_state(data: bytes) -> State:
@@ -212,14 +176,10 @@ def parse_state(data: bytes) -> State:
     return State(cid, pid, bundle if isinstance(bundle, str) else "")
 
 
-def read_map(path: str) -> dict[str, object]:
-    """Read and check the published map: a JSON object of :data:`FORMAT_VERSION`.
-
-    Unknown keys are ignored (a newer host may add some); another ``version`` is refused,
-    because the host bumps it only when old readers would misread the file.
-    """
+def read_map(path: str) -> GuestMap:
+    """Read and check the published map (:func:`vmpin.wire.guestmap.from_json`)."""
     try:
-        data = read_bytes(path, limit=MAX_MAP_BYTES, what="guest map")
+        data = read_bytes(path, limit=wire.MAX_BYTES, what="guest map")
     except FileNotFoundError:
         raise GuestError(
             f"no guest map at {path} (vmpin on the host has not published one "
@@ -230,38 +190,17 @@ def read_map(path: str) -> dict[str, object]:
     except VmpinError as err:  # a symlink, FIFO, device or huge file: refused unread
         raise GuestError(str(err)) from None
     try:
-        raw = load_json(data, f"guest map {path}")
-    except VmpinError as err:
-        raise GuestError(f"guest map {path} is not JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise GuestError(f"guest map {path} is not a JSON object")
-    version = raw.get("version")
-    if version != FORMAT_VERSION:
-        raise GuestError(
-            f"guest map {path} has version {version!r}; this reader knows {FORMAT_VERSION}"
-        )
-    if not isinstance(raw.get("containers"), dict):
-        raise GuestError(f"guest map {path} has no containers object")
-    return raw
+        return wire.from_json(data, f"guest map {path}")
+    except WireError as err:
+        raise GuestError(str(err)) from None
 
 
-def lookup(guest_map: dict[str, object], container_id: str) -> Entry | None:
+def lookup(guest_map: GuestMap, container_id: str) -> Entry | None:
     """The container's entry, None when the map does not name it."""
-    containers = guest_map.get("containers")
-    item = containers.get(container_id) if isinstance(containers, dict) else None
-    if item is None:
-        return None
-    if not isinstance(item, dict) or not isinstance(item.get("guest_cpus"), str):
-        raise GuestError(f"guest map entry of {container_id} has no guest_cpus list")
-    generation = item.get("generation", guest_map.get("generation", 0))
-    return Entry(
-        container_id,
-        parse_cpus(item["guest_cpus"]),
-        item.get("exact") is True,
-        str(item.get("mode", "")),
-        str(item.get("reason", "")),
-        generation if isinstance(generation, int) else 0,
-    )
+    try:
+        return guest_map.entry(container_id)
+    except WireError as err:
+        raise GuestError(str(err)) from None
 
 
 # -- procfs ------------------------------------------------------------------------------------
@@ -273,18 +212,17 @@ def _read(path: str) -> str:
 def task_ids(proc: str, pid: int) -> list[int]:
     """The thread ids of ``pid``; raises GuestError when the process is gone."""
     try:
-        return sorted(
-            int(t) for t in os.listdir(os.path.join(proc, str(pid), "task")) if t.isdigit()
-        )
-    except OSError:
+        return procfs.tids(proc, pid)
+    except HostError:
         raise GuestError(f"process {pid} is gone") from None
 
 
 def children(proc: str, pid: int, tid: int) -> list[int]:
     """Children of one thread (``task/TID/children``, CONFIG_PROC_CHILDREN); [] if unknown."""
     try:
-        text = _read(os.path.join(proc, str(pid), "task", str(tid), "children"))
-    except OSError:
+        # only under task/TID: /proc/PID has no children file, even for the main thread
+        text = procfs.read_text(proc, pid, os.path.join("task", str(tid), "children"))
+    except HostError:
         return []
     return [int(c) for c in text.split() if c.isdigit()]
 
@@ -292,13 +230,9 @@ def children(proc: str, pid: int, tid: int) -> list[int]:
 def cpus_allowed(proc: str, tid: int) -> frozenset[int] | None:
     """``Cpus_allowed_list`` of a task (``/proc/TID`` works for any thread); None if gone."""
     try:
-        text = _read(os.path.join(proc, str(tid), "status"))
-    except OSError:
+        return frozenset(procfs.cpus_allowed(proc, tid))
+    except (HostError, CpuSetError):
         return None
-    for line in text.splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return parse_cpus(line.partition(":")[2])
-    return None
 
 
 # -- cgroups ---------------------------------------------------------------------------------
@@ -483,21 +417,20 @@ def cgroup_tasks(cg: Cgroup) -> list[int]:
 
 # -- affinity ---------------------------------------------------------------------------------
 def set_affinity(tid: int, cpus: frozenset[int]) -> bool:
-    """sched_setaffinity on one thread; False when it exited meanwhile (nothing to pin)."""
+    """sched_setaffinity on one thread; False when it exited meanwhile (nothing to pin).
+
+    The read-back is :meth:`SchedAffinity.set`'s; :func:`verify_tasks` checks the result.
+    """
     try:
-        os.sched_setaffinity(tid, cpus)
-    except ProcessLookupError:
+        _AFFINITY.set(tid, CpuSet(cpus))
+    except ProcessGone:
         return False
-    except OSError as err:
-        hint = (
-            " (offline vCPU, or outside the task's cpuset cgroup)"
-            if err.errno == errno.EINVAL
-            else ""
-        )
-        raise GuestError(
-            f"sched_setaffinity({tid}, {format_cpus(cpus)}): {_errno_text(err)}{hint}"
-        ) from None
+    except HostError as err:
+        raise GuestError(str(err)) from None
     return True
+
+
+_AFFINITY = SchedAffinity()
 
 
 def process_tree(proc: str, pid: int) -> list[int]:
@@ -622,14 +555,8 @@ def start_time(proc: str, pid: int) -> int | None:
     the system runs, so a record never leads to pinning a stranger that reused the pid.
     """
     try:
-        text = _read(os.path.join(proc, str(pid), "stat"))
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: count fields after its last ")".
-    fields = text.rpartition(")")[2].split()
-    try:
-        return int(fields[19])  # fields[0] is field 3 (state)
-    except (IndexError, ValueError):
+        return procfs.start_time(proc, pid)
+    except (HostError, IndexError, ValueError):
         return None
 
 
@@ -1124,7 +1051,7 @@ def follow_pass(opts: FollowOptions, full: bool = True) -> PassResult:
     paths = list_records(opts.state_dir)
     if not paths:
         return res
-    guest_map: dict[str, object] | None = None
+    guest_map: GuestMap | None = None
     map_err: GuestError | None = None
     try:
         guest_map = read_map(opts.map_path)

@@ -8,9 +8,9 @@ seen inside the guest at ``/run/kata-containers/shared/containers/``.  So the ho
     <publish_dir>/<sandbox>/mounts/vmpin/guest-map.json
 
 and the guest reads ``/run/kata-containers/shared/containers/vmpin/guest-map.json``
-(:data:`vmpin.guest.program.DEFAULT_GUEST_MAP`), with nothing but the standard library and no
-access to vmpin's host state.  ``docs/guest.md`` is the contract; :mod:`vmpin.guest.program` is the
-reference reader, and the format constants live there so the two sides cannot drift.
+(:data:`vmpin.wire.guestmap.DEFAULT_GUEST_MAP`), with nothing but the standard library and no
+access to vmpin's host state.  ``docs/guest.md`` is the contract; :mod:`vmpin.wire.guestmap`
+holds the format (version, names, limits, reader), so the two sides cannot drift.
 
 Rules this module keeps, and why:
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -53,7 +52,8 @@ from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
 from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
-from vmpin.wire.guestmap import FORMAT_VERSION, GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
+from vmpin.wire import guestmap as wire
+from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -100,17 +100,9 @@ def content(sandbox_id: str, guest_map: Mapping[str, Any]) -> dict[str, Any]:
 
     ``guest_map`` is :func:`vmpin.core.guestmap.map_sandbox`'s dict; each container entry is what
     ``vmpin guest-map CONTAINER --json`` prints (to which :func:`render` adds a generation).
+    The shape is :func:`vmpin.wire.guestmap.document`'s.
     """
-    containers = guest_map.get("containers") or {}
-    return {
-        "version": FORMAT_VERSION,
-        "sandbox": sandbox_id,
-        "mode": guest_map.get("mode"),
-        "nvcpus": guest_map.get("nvcpus"),
-        "vcpu_to_host": dict(guest_map.get("vcpu_to_host") or {}),
-        "siblings": [list(g) for g in guest_map.get("siblings") or []],
-        "containers": {cid: dict(entry) for cid, entry in sorted(containers.items())},
-    }
+    return wire.document(sandbox_id, guest_map)
 
 
 def _strip(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -259,7 +251,7 @@ def _remove_stale_temps(dir_fd: int, fname: str) -> None:
 def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, Any]) -> None:
     """Temp file + fsync + rename + fsync(dir), all relative to ``dir_fd``: the guest sees the
     old map or the new one."""
-    data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    data = wire.to_json(doc)
     fname = os.path.basename(path)
     tmp = f".{fname}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
