@@ -163,7 +163,13 @@ class Connection:
     def __init__(self, uri: str, paths: HostPaths, launcher_pid: int | None = None) -> None:
         self.uri, self.paths, self.launcher_pid = uri, paths, launcher_pid
         self._conn: Any = None
-        self._lock = threading.Lock()
+        # What earlier passes learnt, so an idle pass costs no monitor command (each is a
+        # libvirtd round trip, ~10-30 ms on a busy node): per UUID, the libvirt domain id
+        # (new at every start), QEMU's pid, start time and vCPU count ...
+        self._described: dict[str, tuple[int, int, int, int]] = {}
+        # ... and the classification, valid while the same QEMU has exactly the same threads
+        # (a hot-plugged vCPU or a new iothread adds one: then libvirt is asked again).
+        self._classified: dict[str, tuple[int, int, frozenset[int], Classification]] = {}
 
     # -- connection ------------------------------------------------------------------------
     @property
@@ -214,18 +220,30 @@ class Connection:
 
     def describe(self, dom: Any) -> Domain:
         try:
-            name, uuid = dom.name(), dom.UUIDString()
-            vcpus = self._vcpu_tids(dom)
+            name, uuid, did = dom.name(), dom.UUIDString(), int(dom.ID())
+            known = self._described.get(uuid)
+            if known is not None and known[0] == did and self._same(known[1], known[2]):
+                _, pid, start, nvcpus = known
+            else:
+                vcpus = self._vcpu_tids(dom)
+                if not vcpus:
+                    raise LibvirtError(f"domain {name}: QEMU reports no vCPU thread")
+                tid = vcpus[min(vcpus)]
+                pid = int(procfs.status(self.paths.proc, tid, None)["Tgid"])
+                start, nvcpus = procfs.start_time(self.paths.proc, pid), len(vcpus)
+                self._described[uuid] = (did, pid, start, nvcpus)
+            mask = self.metadata_mask(dom)
         except libvirt.libvirtError as err:
             if _gone(err):
                 raise ProcessGone(f"domain {self.uri} {err.get_error_message()}") from err
             raise _error(f"libvirt {self.uri}", err) from err
-        if not vcpus:
-            raise LibvirtError(f"domain {name}: QEMU reports no vCPU thread")
-        tid = vcpus[min(vcpus)]
-        pid = int(procfs.status(self.paths.proc, tid, None)["Tgid"])
-        start = procfs.start_time(self.paths.proc, pid)
-        return Domain(self.uri, name, uuid, pid, start, len(vcpus), self.metadata_mask(dom))
+        return Domain(self.uri, name, uuid, pid, start, nvcpus, mask)
+
+    def _same(self, pid: int, start: int) -> bool:
+        try:
+            return procfs.start_time(self.paths.proc, pid) == start
+        except HostError:
+            return False
 
     def _monitor(self, dom: Any, command: str) -> Any:
         """One QMP command through libvirt's monitor passthrough (libvirt holds the socket)."""
@@ -270,6 +288,10 @@ class Connection:
     # -- classification --------------------------------------------------------------------
     def classify(self, domain: Domain) -> Classification:
         """Every thread of the domain's QEMU, exactly: vCPUs and iothreads from libvirt."""
+        tids = frozenset(procfs.tids(self.paths.proc, domain.pid))
+        known = self._classified.get(domain.uuid)
+        if known is not None and known[:3] == (domain.pid, domain.start, tids):
+            return known[3]
         dom = self.lookup(domain.uuid)
         try:
             vcpus = self._vcpu_tids(dom)
@@ -295,9 +317,9 @@ class Connection:
             VmmThread(t, "iothread", None, f"iothread{i}", "libvirt")
             for i, t in sorted(iothreads.items())
         ]
-        known = set(vcpus.values()) | set(iothreads.values())
+        exact = set(vcpus.values()) | set(iothreads.values())
         for tid in procfs.tids(self.paths.proc, domain.pid):
-            if tid in known:
+            if tid in exact:
                 continue
             try:
                 comm = procfs.comm(self.paths.proc, domain.pid, tid)
@@ -307,7 +329,10 @@ class Connection:
             # libvirt's emulator pin: reported, never managed.
             layer = "kvm-helper" if comm.startswith("kvm-") else "libvirt"
             threads.append(VmmThread(tid, "emulator", None, comm, layer))
-        return Classification(threads, ["libvirt"], notes)
+        out = Classification(threads, ["libvirt"], notes)
+        if {t.tid for t in threads} == tids:  # no thread came or went while we asked
+            self._classified[domain.uuid] = (domain.pid, domain.start, tids, out)
+        return out
 
     # -- pinning ---------------------------------------------------------------------------
     def pin(
