@@ -21,7 +21,7 @@ from tests.e2e.test_e2e_kata import Kata, affinities, sid, thread_names
 from tests.support.libvirt_util import DomainHandle, domain_factory, libvirtd_uri  # noqa: F401
 from tests.support.qemu_util import QemuHandle, qemu_factory, require_qemu
 
-pytestmark = [pytest.mark.libvirt, pytest.mark.qemu]
+pytestmark = [pytest.mark.libvirtd, pytest.mark.qemu, pytest.mark.multi_cpu]
 
 
 @pytest.fixture
@@ -39,7 +39,8 @@ def node(tmp_path: Path, env: dict[str, str], libvirtd_uri: str) -> Kata:  # noq
 def domain_pid(node: Kata, h: DomainHandle) -> int:
     rows = json.loads(node.vmpin("sandboxes", "--json").stdout)
     (row,) = [r for r in rows if r["id"] == h.uuid]
-    assert row["runtime"] == "libvirt" and row["name"] == h.name
+    # the domain is its own one container, named after it
+    assert row["runtime"] == "libvirt" and [c["name"] for c in row["containers"]] == [h.name]
     pid: int = row["vmm_pid"]
     return pid
 
@@ -58,8 +59,12 @@ def test_domain_pinned_one_to_one_drift_found_and_repaired(
     domain_factory: Callable[..., DomainHandle],  # noqa: F811
 ) -> None:
     h = domain_factory(vcpus=2, iothreads=1)
+    node.vmpin("reconcile", "--once")  # a node's first pass makes its state dir
     pid = domain_pid(node, h)
     vcpu = vcpu_tids(pid)
+    # no mask anywhere (no metadata, no kubelet): left exactly as libvirt made it
+    assert set(affinities(pid).values()) == {"0-1"}
+    assert node.show(h.uuid)["mode"] == "none"
 
     node.vmpin("update", h.name, "--cpuset-cpus", "0-1")
     aff = affinities(pid)
@@ -115,7 +120,8 @@ def test_domain_and_kata_sandbox_share_the_node(
     node.vmpin("update", h.name, "--cpuset-cpus", "0")
     node.vmpin("reconcile", "--once")
     pid = domain_pid(node, h)
-    assert set(affinities(pid).values()) == {"0"}
+    names = thread_names(pid)
+    assert {names[t]: a for t, a in affinities(pid).items() if a != "0"} == {}
     assert set(affinities(q.pid).values()) == {"1"}
     assert node.vmpin("audit").returncode == 0
     dshow, kshow = node.show(h.uuid), node.show(q.sandbox_id)

@@ -1,28 +1,24 @@
-"""What the reconciler needs from sandboxes that live outside the store (libvirt domains).
+"""What observe and apply need from sandboxes that live outside the store (libvirt domains).
 
-A protocol of its own, so the reconciler (which the hook imports) names it without importing
-:mod:`vmpin.reconcile.domains` and, through it, libvirt.
+A protocol of its own, so observe/apply/the reconciler (which the hook imports) name it
+without importing :mod:`vmpin.reconcile.domains` and, through it, libvirt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from vmpin.core.cpuset import CpuSet
-
 if TYPE_CHECKING:
-    from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+    from vmpin.core.planner import Policy
+    from vmpin.reconcile.apply import Outcome
+    from vmpin.reconcile.observe import SandboxObs
+    from vmpin.reconcile.plan import SandboxPlan
 
 
 class DomainSource(Protocol):
-    def begin_pass(self) -> None:
-        """Forget the last pass's observation (a new pass observes afresh)."""
+    def sandboxes(self, policy_for: Callable[[str], Policy]) -> list[SandboxObs]:
+        """Observe: one SandboxObs (runtime "libvirt") per running domain; no writes."""
 
-    def masks(self, rc: Reconciler) -> Mapping[str, CpuSet]:
-        """Sandbox id -> mask of each sandbox this source holds (for the node-wide invariant)."""
-
-    def reconcile(
-        self, rc: Reconciler, ids: Sequence[str] | None, apply: bool
-    ) -> list[SandboxReport]:
-        """Plan, apply (when ``apply``) and report each of its sandboxes (``ids``: only those)."""
+    def apply(self, sp: SandboxPlan, publish: bool) -> Mapping[int, Outcome]:
+        """Make the domain match its plan (through libvirt), read back; outcome per tid."""
