@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,7 +16,7 @@ from tests.support.libvirt_util import DomainHandle, domain_factory, libvirtd_ur
 from tests.support.qemu_util import wait_until
 from vmpin.linux.paths import HostPaths
 
-pytestmark = pytest.mark.libvirt
+pytestmark = pytest.mark.libvirtd
 
 
 def vcpu_affinity(name: str) -> dict[int, str]:
@@ -56,13 +55,6 @@ def test_started_domain_is_pinned_on_its_lifecycle_event(
             vcpu_affinity(h.name),
             agent.log.read_text(),
         )
-        status: dict[str, Any] = {}
-
-        def runtime() -> object:
-            status.update(agent.status(h.uuid) or {})  # None: no answer within 2 s (busy host)
-            return (status.get("sandbox") or {}).get("runtime")
-
-        assert wait_until(lambda: runtime() == "libvirt", 20, 0.2), status
         assert "libvirt event" in agent.log.read_text()
         assert agent.stop() == 0
     finally:

@@ -5,9 +5,9 @@ libvirt delivers events only to a process that runs its event loop
 (``virEventRegisterDefaultImpl`` before the connection opens, then ``virEventRunDefaultImpl``
 in a loop: :func:`vmpin.runtimes.libvirt.start_event_loop`).  Each configured connection gets
 a connection of its own here, with one lifecycle callback; the callback runs on libvirt's
-event thread and only marks work (a fresh observation, then the domain's UUID queued), like
-every other event in the agent.  A connection that cannot be opened is logged and skipped:
-the periodic pass still covers its domains.
+event thread and only queues the domain's UUID, like every other event in the agent (the pass
+it wakes observes every domain afresh).  A connection that cannot be opened is logged and
+skipped: the periodic pass still covers its domains.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class DomainEvents:
 
         def on_event(uuid: str, event: str) -> None:
             log.info("libvirt event", extra={"fields": {"domain": uuid, "lifecycle": event}})
-            domains.begin_pass()  # the next look at domains sees this one started/stopped
             notify([uuid])
 
         watched = []
