@@ -125,7 +125,11 @@ class LibvirtDomains:
                     out.append(_error_obs(conn.uri, e, policy_for))
                 for d in domains:
                     seen[d.uuid] = (conn, d)
-                    out.append(self._domain(lv_mod, conn, d, policy_for(d.uuid)))
+                    try:
+                        out.append(self._domain(lv_mod, conn, d, policy_for(d.uuid)))
+                    except Exception as err:  # one domain's failure is an error on it
+                        msg = f"domain {d.name}: unexpected {type(err).__name__}: {err}"
+                        out.append(_error_obs(conn.uri, msg, policy_for))
             self._seen = seen
             return out
 

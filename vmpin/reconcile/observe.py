@@ -224,7 +224,11 @@ class Observer:
             if sid not in seen:
                 out.append(self._untracked(sid, originals))
         if self.domains is not None:
-            out.extend(self.domains.sandboxes(self._policy))
+            try:
+                out.extend(self.domains.sandboxes(self._policy))
+            except Exception as err:  # libvirt's failure is an error on it, not the node's
+                msg = f"observing libvirt domains: unexpected {type(err).__name__}: {err}"
+                out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
         return Observation(tuple(out), checkpoint, cp_error, originals)
 
     def _vm_dir_ids(self) -> list[str]:
