@@ -84,6 +84,9 @@ def env(paths: HostPaths) -> dict[str, str]:
         VMPIN_PUBLISH_DIR=paths.publish_dir,
         # no Kubernetes API unless a test brings its own (tests/support/kubeserver.py)
         KUBECONFIG=str(Path(paths.state_dir) / "no-kubeconfig"),
+        # Domains on this host's libvirtd (another test's, another engineer's) are not this
+        # test's sandboxes; the libvirt tests turn it back on for themselves.
+        VMPIN_LIBVIRT="none",
     )
     for key in ("KUBERNETES_SERVICE_HOST", "VMPIN_KUBECONFIG"):
         e.pop(key, None)
@@ -151,9 +154,7 @@ def pytest_runtest_makereport(
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         if capabilities.HOST_LACKS not in reason:
             report.outcome = "failed"
-            report.longrepr = (
-                f"VMPIN_TEST_STRICT: integration test {markers} skipped: {reason}"
-            )
+            report.longrepr = f"VMPIN_TEST_STRICT: integration test {markers} skipped: {reason}"
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         for marker in markers:
             _outcomes[marker][report.outcome] += 1

@@ -13,7 +13,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -24,6 +24,9 @@ from vmpin.reconcile.plan import NodePlan, SandboxPlan
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 from vmpin.service.settings import Settings
 from vmpin.state.store import ContainerRec, Store
+
+if TYPE_CHECKING:
+    from vmpin.reconcile.domains import LibvirtDomains
 
 app = typer.Typer(
     name="vmpin",
@@ -52,6 +55,7 @@ class Ctx:
         self.settings = settings
         self.paths = settings.paths
         self._given = given or {}
+        self._domains: LibvirtDomains | None = None
 
     def export_policy(self) -> None:
         """Put policy options given on the command line where in-process hooks read them."""
@@ -70,10 +74,19 @@ class Ctx:
         """The store for read-only commands: never written; missing state is an error."""
         return Store.open_readonly(self.paths.state_dir)
 
+    def domains(self) -> LibvirtDomains | None:
+        """The libvirt domains on the configured connections (None: libvirt is off)."""
+        uris = self.settings.libvirt_uris()
+        if self._domains is None and uris:
+            from vmpin.reconcile.domains import LibvirtDomains
+
+            self._domains = LibvirtDomains(self.paths, uris)
+        return self._domains
+
     def reconciler(self, store: Store | None = None) -> Reconciler:
         from vmpin.service.settings import build_reconciler
 
-        return build_reconciler(self.settings, store or self.store())
+        return build_reconciler(self.settings, store or self.store(), domains=self.domains())
 
 
 def _version(value: bool) -> None:
@@ -144,6 +157,14 @@ def main(
             "Guest map under a floating plan: all vCPUs, or a proportional share.",
         ),
     ] = None,
+    libvirt: Annotated[
+        Optional[str],
+        typer.Option(
+            help="[env: VMPIN_LIBVIRT] libvirt connections whose domains are sandboxes:"
+            " comma-separated URIs, 'kubevirt' for every virt-launcher's daemon, 'none'"
+            " (default qemu:///system when its daemon runs; docs/libvirt.md).",
+        ),
+    ] = None,
     version: Annotated[
         bool,
         typer.Option(
@@ -167,6 +188,7 @@ def main(
         "housekeeping": housekeeping,
         "vcpus": vcpu_policy,
         "guest_float": guest_float,
+        "libvirt": libvirt,
     }
     ctx.obj = Ctx(Settings.from_env(given), given)
 
@@ -266,6 +288,13 @@ def update(
     c: Ctx = ctx.obj
     if (cpuset_cpus is None) == (resources is None):
         raise SpecError("give exactly one of --cpuset-cpus LIST or -r FILE|-")
+    domain = _update_domain(c, container, cpuset_cpus, resources)
+    if domain is not None:
+        if as_json:
+            _emit(domain, "update")
+        else:
+            typer.echo(f"{domain['id']}: cpus {domain['cpus'] or '-'} (libvirt domain metadata)")
+        return
     result = update_container(
         c.paths,
         container,
@@ -280,6 +309,31 @@ def update(
             f"{result['id']}: cpus {result['cpus'] or '-'} "
             f"(sandbox {result['sandbox']}: {result['applied_by']})"
         )
+
+
+def _update_domain(
+    c: Ctx, key: str, cpuset_cpus: str | None, resources: str | None
+) -> dict[str, Any] | None:
+    """`vmpin update DOMAIN`: the mask goes into the domain's metadata (its one home), then
+    the node is re-planned.  None when ``key`` is a tracked container or no domain."""
+    with c.store() as store:
+        if store.container(key) is not None:
+            return None
+        domains = c.domains()
+        found = domains.find(key) if domains is not None else None
+        if found is None:
+            return None
+        from vmpin.service.update import parse_update
+
+        conn, d = found
+        cpus = parse_update(cpuset_cpus, resources)
+        if cpus is not None:  # resources without cpu.cpus: nothing for vmpin
+            conn.set_mask(d.uuid, cpus)
+        reports = c.reconciler(store).reconcile([d.uuid])
+    errors = [e for r in reports for e in r.errors]
+    if errors:
+        raise StateError(f"domain {d.name}: {errors[0]}")
+    return {"id": d.name, "sandbox": d.uuid, "cpus": _cpus(cpus), "applied_by": "libvirt"}
 
 
 def _node_plan(ctx: typer.Context, store: Store) -> NodePlan:
@@ -413,10 +467,23 @@ def show_json(r: SandboxReport) -> dict[str, Any]:
     }
 
 
+def _domain_report(c: Ctx, store: Store, key: str) -> SandboxReport | None:
+    """The report of the libvirt domain named or identified by ``key`` (nothing applied)."""
+    domains = c.domains()
+    found = domains.find(key) if domains is not None else None
+    if found is None:
+        return None
+    reports: list[SandboxReport] = c.reconciler(store).reconcile([found[1].uuid], apply=False)
+    return reports[0] if reports else None
+
+
 def _one(ctx: typer.Context, sandbox: str) -> SandboxReport:
     with ctx.obj.reader() as store:
         rec = store.sandbox(sandbox)
         if rec is None:
+            domain = _domain_report(ctx.obj, store, sandbox)
+            if domain is not None:
+                return domain
             raise StateError(f"unknown sandbox {sandbox!r} (see `vmpin sandboxes`)")
         report: SandboxReport = ctx.obj.reconciler(store).reconcile_sandbox(rec, apply=False)
         return report
@@ -467,6 +534,11 @@ def guest_map(
     with ctx.obj.reader() as store:
         c = store.container(container)
         if c is None:
+            domain = _domain_report(ctx.obj, store, container)
+            if domain is not None and domain.guest_map is not None:
+                (entry,) = domain.guest_map["containers"].values()
+                _print_guest_map(entry, as_json)
+                return
             raise StateError(f"unknown container {container!r} (see `vmpin containers`)")
         sb = store.sandbox(c.sandbox_id)
         if sb is None:
@@ -486,6 +558,10 @@ def guest_map(
         }
     else:
         out = entry
+    _print_guest_map(out, as_json)
+
+
+def _print_guest_map(out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         _emit(out, "guest-map")
     else:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vmpin.linux.affinity import AffinityBackend
+    from vmpin.reconcile.sources import DomainSource
 
 
 @dataclass(slots=True)
@@ -58,10 +59,18 @@ def outcome_without_apply(t: ThreadPlan) -> Outcome:
 
 
 class Applier:
-    def __init__(self, paths: HostPaths, affinity: AffinityBackend, *, publish: bool = True):
+    def __init__(
+        self,
+        paths: HostPaths,
+        affinity: AffinityBackend,
+        *,
+        publish: bool = True,
+        domains: DomainSource | None = None,
+    ):
         self.paths = paths
         self.affinity = affinity
         self.publish = publish
+        self.domains = domains
 
     def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
         """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
@@ -72,6 +81,13 @@ class Applier:
             if sp.vanished:
                 continue
             try:
+                if sp.runtime == "libvirt":
+                    # pinned through libvirt (its per-thread cgroups refuse a raw affinity),
+                    # and nothing of a domain goes into the store: libvirt holds its state
+                    if self.domains is not None:
+                        for tid, outcome in self.domains.apply(sp, self.publish).items():
+                            out.threads[(sp.id, tid)] = outcome
+                    continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
                 self._remember_originals(store, sp)
@@ -161,7 +177,7 @@ class Applier:
             s = sp.obs
             if s.vmm is not None:
                 live_vmms.add(f"{ORIG_PREFIX}{sp.id}:{s.vmm.pid}:{s.vmm.start}:")
-            if not s.tracked or s.record is None:
+            if not s.tracked or s.record is None or s.runtime == "libvirt":
                 continue
             if sp.vanished:
                 if s.vmm_gone:

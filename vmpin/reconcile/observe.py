@@ -38,6 +38,7 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vmpin.linux.cgroups import CgroupRef
+    from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
 
 ORIG_PREFIX = "orig-affinity:"
@@ -174,8 +175,11 @@ class Observer:
         *,
         qmp_timeout: float = 0.3,
         policy_for: Mapping[str, Policy] | None = None,
+        domains: DomainSource | None = None,
     ) -> None:
         self.paths = paths
+        #: libvirt domains: sandboxes with runtime "libvirt" that live outside the store
+        self.domains = domains
         self.policy = policy
         #: per-sandbox policy overrides (per-pod policy plugs in here)
         self.policy_for = dict(policy_for or {})
@@ -219,6 +223,12 @@ class Observer:
         for sid in self._vm_dir_ids():
             if sid not in seen:
                 out.append(self._untracked(sid, originals))
+        if self.domains is not None:
+            try:
+                out.extend(self.domains.sandboxes(self._policy))
+            except Exception as err:  # libvirt's failure is an error on it, not the node's
+                msg = f"observing libvirt domains: unexpected {type(err).__name__}: {err}"
+                out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
         return Observation(tuple(out), checkpoint, cp_error, originals)
 
     def _vm_dir_ids(self) -> list[str]:

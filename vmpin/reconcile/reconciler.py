@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.observe import Observation, Observer
     from vmpin.reconcile.plan import NodePlan
+    from vmpin.reconcile.sources import DomainSource
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
 
@@ -48,6 +49,7 @@ class Reconciler:
         qmp_timeout: float = 0.3,
         float_policy: str = "all",
         publish: bool = True,
+        domains: DomainSource | None = None,
     ) -> None:
         self.paths = paths
         self.store = store if store is not None else Store(paths.state_dir)
@@ -57,6 +59,8 @@ class Reconciler:
         self.qmp_timeout = qmp_timeout
         self.float_policy = float_policy
         self.publish = publish
+        #: libvirt domains (vmpin.reconcile.domains), observed and applied beside the store's
+        self.domains = domains
         self._observer: Observer | None = None
         #: pod uid -> the pod's annotations from the Kubernetes API (None = not known there);
         #: the agent sets it when the API is configured, else the OCI annotations the hooks
@@ -87,7 +91,9 @@ class Reconciler:
         if self._observer is None:
             from vmpin.reconcile.observe import Observer
 
-            self._observer = Observer(self.paths, self.policy, qmp_timeout=self.qmp_timeout)
+            self._observer = Observer(
+                self.paths, self.policy, qmp_timeout=self.qmp_timeout, domains=self.domains
+            )
         return self._observer
 
     # -- the pass ------------------------------------------------------------------------
@@ -120,9 +126,9 @@ class Reconciler:
         if apply:
             from vmpin.reconcile.apply import Applier
 
-            applied = Applier(self.paths, self.affinity, publish=self.publish).apply(
-                self.store, plan
-            )
+            applied = Applier(
+                self.paths, self.affinity, publish=self.publish, domains=self.domains
+            ).apply(self.store, plan)
         reports = []
         for sp in plan.sandboxes:
             if not sp.obs.tracked:

@@ -76,7 +76,11 @@ from vmpin.state import journal
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
+    from vmpin.reconcile.domains import LibvirtDomains
     from vmpin.service.kube import KubeLink
+
+#: the work item of a full pass that stands for every libvirt domain (not store sandboxes)
+DOMAINS_WORK = "libvirt-domains"
 
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WORKERS = 2
@@ -117,6 +121,7 @@ class Agent:
         holdoff: float = DEFAULT_HOLDOFF,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         metrics: Metrics | None = None,
+        domains: LibvirtDomains | None = None,
     ) -> None:
         check_seconds("--interval", interval, low=0.01, high=MAX_INTERVAL)
         check_seconds("VMPIN_HOLDOFF", holdoff, low=0.0, high=MAX_HOLDOFF)
@@ -126,6 +131,10 @@ class Agent:
             raise StateError(f"--metrics-port {metrics_port}: not a TCP port (0 = off)")
         self.paths = paths
         self.reconciler_factory = reconciler_factory
+        #: libvirt domains (vmpin.reconcile.domains): planned in every node-wide pass; their
+        #: lifecycle events queue work (vmpin.service.domain_events)
+        self.domains = domains
+        self._domain_events: Any = None
         self._conflicts: set[tuple[str, Any, Any]] = set()
         self.interval = interval
         self.n_workers = workers
@@ -210,6 +219,10 @@ class Agent:
             from vmpin.service import watch  # lazily: inotify_simple is the agent's alone
 
             self._watcher = watch.start(self.paths, self.notify)
+            if self.domains is not None:
+                from vmpin.service.domain_events import DomainEvents
+
+                self._domain_events = DomainEvents.start(self.domains, self.notify)
         except BaseException:
             self._close_socket()
             if self._metrics_server is not None:
@@ -280,6 +293,8 @@ class Agent:
         if self.kube is not None:
             self.kube.stop()
         self._close_socket()
+        if self._domain_events is not None:
+            self._domain_events.close()
         self.queue.close()
         for t in self._workers:
             t.join(timeout=self.drain_timeout)
@@ -402,6 +417,9 @@ class Agent:
             self._passes += 1
             self._ingest(self._store)  # containers whose hooks nobody has applied yet
             ids = [s.id for s in self._store.sandboxes()]
+            if self.domains is not None:
+                # domains are not in the store; one node-wide pass covers them all
+                ids.append(DOMAINS_WORK)
             # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
             for gone in set(self._stats) - set(ids):
                 del self._stats[gone]
@@ -732,6 +750,8 @@ def serve(
         workers=workers,
         metrics_port=metrics_port,
         holdoff=holdoff,
+        # vmpin.cli.Ctx.domains(): libvirt domains on the configured connections, if any
+        domains=getattr(ctx_obj, "domains", lambda: None)(),
     )
 
     # Settings (policy, housekeeping set, guest float) are checked now, once, as one line --

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from vmpin.core.planner import Policy
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.reconcile.sources import DomainSource
     from vmpin.state.store import Store
 else:
     from vmpin.core._lean import NamedTuple
@@ -39,7 +40,10 @@ ENV = {
     "vcpus": "VMPIN_VCPU_POLICY",
     "guest_float": "VMPIN_GUEST_FLOAT",
     "holdoff": "VMPIN_HOLDOFF",
+    "libvirt": "VMPIN_LIBVIRT",
 }
+#: libvirt connections whose domains are sandboxes when none are configured (docs/libvirt.md).
+DEFAULT_LIBVIRT = "qemu:///system"
 
 
 class Settings(NamedTuple):
@@ -50,6 +54,9 @@ class Settings(NamedTuple):
     guest_float: str = "all"
     #: the agent's least time between two passes over one sandbox ("" = its default)
     holdoff: str = ""
+    #: libvirt connections: comma-separated URIs, "kubevirt" for every virt-launcher's
+    #: daemon, "none" for no libvirt at all (docs/libvirt.md)
+    libvirt: str = DEFAULT_LIBVIRT
 
     @classmethod
     def from_env(
@@ -80,6 +87,7 @@ class Settings(NamedTuple):
             vcpus=pick("vcpus", "auto"),
             guest_float=pick("guest_float", "all"),
             holdoff=pick("holdoff", ""),
+            libvirt=pick("libvirt", DEFAULT_LIBVIRT),
         )
 
     def policy(self) -> Policy:
@@ -98,6 +106,10 @@ class Settings(NamedTuple):
             )
         return self.guest_float
 
+    def libvirt_uris(self) -> list[str]:
+        uris = [u.strip() for u in self.libvirt.split(",") if u.strip()]
+        return [] if uris == ["none"] else uris
+
     def as_env(self) -> dict[str, str]:
         """The policy as environment variables, for hooks a CLI command runs in-process."""
         return {
@@ -114,8 +126,14 @@ def build_reconciler(
     *,
     affinity: AffinityBackend | None = None,
     qmp_timeout: float = 0.3,
+    domains: DomainSource | None = None,
 ) -> Reconciler:
-    """The one factory: every entry point's observe -> plan -> apply machinery."""
+    """The one factory: every entry point's observe -> plan -> apply machinery.
+
+    ``domains``: libvirt domains (:class:`vmpin.reconcile.domains.LibvirtDomains` built from
+    :meth:`Settings.libvirt_uris`), handed in by the CLI and the agent only: the hook, which
+    also builds its reconciler here, never imports libvirt.
+    """
     from vmpin.reconcile.reconciler import Reconciler
 
     return Reconciler(
@@ -125,6 +143,7 @@ def build_reconciler(
         affinity=affinity,
         float_policy=settings.float_policy(),
         qmp_timeout=qmp_timeout,
+        domains=domains,
     )
 
 
