@@ -24,7 +24,8 @@ from tests.support.kubeserver import KubeServer, serving
 from tests.support.qemu_util import QemuHandle, qemu_factory, require_qemu, wait_until
 from vmpin.linux.paths import HostPaths
 
-pytestmark = pytest.mark.qemu
+#: real QEMUs under KVM (vcpu_affinity reads threads named "CPU N/KVM"), over host CPUs 0-1.
+pytestmark = [pytest.mark.qemu, pytest.mark.kvm, pytest.mark.multi_cpu]
 
 
 @pytest.fixture

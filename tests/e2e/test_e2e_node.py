@@ -25,6 +25,7 @@ from tests.support.qemu_util import QemuHandle
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 
+#: real QEMUs, plans over host CPUs 0 and 1.
 pytestmark = [pytest.mark.qemu, pytest.mark.multi_cpu]
 __all__ = ["qemu"]  # the fixture, imported for this module's tests
 
@@ -125,10 +126,12 @@ def scenario(kata: Kata, qemu: Callable[..., QemuHandle]) -> None:
     holds(kata, [a, b])
 
 
+@pytest.mark.kvm  # vcpu_tid: threads named "CPU N/KVM"
 def test_two_sandboxes_without_agent(qemu: Callable[..., QemuHandle], kata: Kata) -> None:
     scenario(kata, qemu)
 
 
+@pytest.mark.kvm  # vcpu_tid: threads named "CPU N/KVM"
 def test_two_sandboxes_with_agent(
     qemu: Callable[..., QemuHandle], kata: Kata, paths: HostPaths, env: dict[str, str],
     tmp_path: Path,

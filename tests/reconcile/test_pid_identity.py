@@ -22,7 +22,8 @@ import pytest
 
 from tests.support.session import new_id
 
-pytestmark = pytest.mark.cgroup_v1
+#: makes cpuset cgroups in the host's v1 hierarchy; pid reuse needs a pid namespace (unshare).
+pytestmark = [pytest.mark.cgroup_v1, pytest.mark.multi_cpu]
 
 CPUSET = "/sys/fs/cgroup/cpuset"
 
