@@ -144,6 +144,7 @@ def test_update_is_seen_in_state_and_cgroup(runc: RuncSession, paths: HostPaths)
 
 
 @pytest.mark.runc
+@pytest.mark.multi_cpu  # the init inherits runc's affinity: {0} here unless widened
 def test_no_cpuset_reads_the_inherited_cgroup(runc: RuncSession, paths: HostPaths) -> None:
     cid = new_id()
     pid = runc.run(cid, hooks=runc_util.true_argv)
