@@ -4,19 +4,28 @@ Ids end up in file names (published guest maps, the VM dir lookup ``<vm-dir>/<id
 an id is a single path component of safe characters: runc's own rule (letters, digits,
 ``_ + - .``), no leading dot (no ``.`` or ``..``), at most 1024 bytes (containerd ids are 64 hex
 digits, CRI-O's too; podman's names are shorter).
+
+The check is a set test rather than a regular expression: ``vmpin hook`` checks ids on every
+container start, and ``re`` (with enum and functools behind it) is one of its largest import
+costs (issue 14).
 """
 
 from __future__ import annotations
 
-import re
-
 from vmpin.core.errors import IdError
 
-_ID = re.compile(r"[A-Za-z0-9_+\-][A-Za-z0-9_+\-.]{0,1023}")
+# ASCII only: str.isalnum() would also accept non-ASCII letters and digits, which runc refuses.
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-.")
+_MAX_ID = 1024
+
+
+def _valid(value: object) -> bool:
+    return (isinstance(value, str) and 0 < len(value) <= _MAX_ID and value[0] != "."
+            and _ID_CHARS.issuperset(value))
 
 
 def check_id(value: str, what: str = "id") -> str:
-    if not isinstance(value, str) or not _ID.fullmatch(value):
+    if not _valid(value):
         raise IdError(
             f"{what}: invalid id {value!r} (letters, digits, '_+-.', not starting with '.')"
         )
