@@ -34,6 +34,7 @@ import pytest
 from tests.conftest import vmpin_cmd
 from tests.support import guest_image
 from tests.support.guest_image import KATA_SHARED, Guest
+from tests.support.session import new_id
 from vmpin.guest import bundle
 from vmpin.wire.guestmap import MAP_DIRNAME, MAP_FILENAME
 
@@ -193,7 +194,7 @@ def check_runs_on(node: Node, vcpu: int, host_cpu: int) -> dict[int, dict[str, o
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     base = tmp_path_factory.mktemp("guestvm")
-    sandbox = f"gvm-{uuid.uuid4().hex[:8]}"
+    sandbox = new_id("gvm")  # names this session: a killed run's VM is swept by the next
     publish, vm_dir, share = base / "publish", base / "vm", base / "share"
     work = base / "work"
     mounts = publish / sandbox / "mounts"  # Kata's shared dir exists before vmpin publishes
