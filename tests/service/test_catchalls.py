@@ -251,3 +251,27 @@ def test_kata_hook_with_the_agent_up_hands_over(
         assert agent.stop() == 0
     finally:
         agent.kill()
+
+
+# -- a store that cannot be written does not leave a VM floating -------------------------------
+@pytest.mark.multi_cpu  # the fake VMM starts on every CPU, so its first pin is a real change
+def test_first_pin_goes_ahead_when_the_store_cannot_be_written(
+    paths: HostPaths, vmms: Callable[[str], fakevmm.FakeVmm], mocker: MockerFixture
+) -> None:
+    """A full disk fails the record of the threads' original affinities (taken before the
+    first pin): the sandbox is pinned from the host's truth anyway."""
+    import sqlite3
+
+    sid = new_id("full")
+    vmm = vmms(sid)
+    with Store(paths.state_dir) as store:
+        register(store, sid, "1")
+    assert not all_on(vmm.pid, "1")
+    mocker.patch.object(
+        Store, "set_meta", side_effect=sqlite3.OperationalError("database or disk is full")
+    )
+    # the pass's own record at its end fails too, and that failure reaches the caller (the
+    # agent turns it into `store_error`): but only after the host was brought into line
+    with Store(paths.state_dir) as store, pytest.raises(sqlite3.OperationalError):
+        Reconciler(paths, store).reconcile([sid])
+    assert all_on(vmm.pid, "1"), affinities(vmm.pid)

@@ -16,6 +16,7 @@ the guest map is published for the sandboxes whose plan has one.
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass, field
 
 from vmpin.core.cpuset import CpuSet
@@ -90,7 +91,7 @@ class Applier:
                     continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
-                self._remember_originals(store, sp)
+                self._remember_originals(store, sp, out)
                 for t in sp.threads:
                     if t.role == "container":
                         continue
@@ -124,7 +125,7 @@ class Applier:
                 drift["repaired"] = False
             out.cgroups.setdefault(sp.id, []).append(drift)
 
-    def _remember_originals(self, store: Store, sp: SandboxPlan) -> None:
+    def _remember_originals(self, store: Store, sp: SandboxPlan, out: Applied) -> None:
         """Before vmpin's first pin in a VMM, record every thread's affinity (invariant 4).
 
         Only the first time: a thread created later inherits its creator's pinned affinity,
@@ -138,10 +139,19 @@ class Applier:
             for t in sp.threads
         ):
             return
-        with store.transaction():
-            for t in sp.threads:
-                if t.actual is not None:
-                    store.set_meta(orig_key(sp.id, vmm.pid, vmm.start, t.tid), t.actual.to_list())
+        try:
+            with store.transaction():
+                for t in sp.threads:
+                    if t.actual is not None:
+                        key = orig_key(sp.id, vmm.pid, vmm.start, t.tid)
+                        store.set_meta(key, t.actual.to_list())
+        except (sqlite3.Error, OSError, VmpinError) as err:
+            # A full or read-only state dir must not leave the VM floating over other pods'
+            # CPUs: pin from the host's truth anyway; without a record the undo (invariant 4)
+            # falls back to the shared pool, as for a thread created after the first pin.
+            out.errors.setdefault(sp.id, []).append(
+                f"original affinities not recorded (store not writable: {err}); pinned anyway"
+            )
 
     def _thread(self, sp: SandboxPlan, t: ThreadPlan) -> Outcome:
         if t.actual is None:
