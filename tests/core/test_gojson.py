@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vmpin.core import gojson
+from vmpin.linux.files import load_json
 
 FIELDS = ("cpus", "mems", "cpuSet")
 
@@ -23,12 +24,13 @@ FIELDS = ("cpus", "mems", "cpuSet")
     ],
 )
 def test_field_values(doc: str, name: str, want: list[str]) -> None:
-    assert gojson.field_values(gojson.loads(doc), name, FIELDS) == want
+    obj = load_json(doc, "test", object_pairs_hook=gojson.Obj)
+    assert gojson.field_values(obj, name, FIELDS) == want
 
 
 def test_exact_name_of_another_field_is_not_folded() -> None:
     fields = ("a", "A")
-    obj = gojson.loads('{"A": 1, "a": 2}')
+    obj = load_json('{"A": 1, "a": 2}', "test", object_pairs_hook=gojson.Obj)
     assert gojson.field_values(obj, "a", fields) == [2]
     assert gojson.field_values(obj, "A", fields) == [1]
 

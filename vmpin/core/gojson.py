@@ -18,8 +18,6 @@ checks types against its own struct.
 
 from __future__ import annotations
 
-import json
-
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
     from typing import Any
@@ -33,14 +31,6 @@ class Obj(dict):  # type: ignore[type-arg]
     def __init__(self, pairs: list[tuple[str, Any]]) -> None:
         super().__init__(pairs)
         self.pairs = pairs
-
-
-def loads(raw: str | bytes) -> Any:
-    """Parse JSON keeping repeated keys (objects come back as :class:`Obj`).
-
-    Raises ValueError for malformed JSON, as :func:`json.loads` does.
-    """
-    return json.loads(raw, object_pairs_hook=Obj)
 
 
 def fold(name: str) -> str:
