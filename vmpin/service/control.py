@@ -4,6 +4,13 @@ One JSON object per line, one reply line.  Requests: ``{"op": "dirty", "sandboxe
 (mark sandboxes dirty; the agent plans them, coalesced) and ``{"op": "status"}``.  The socket
 lives in the state dir with mode 0600: only root may ask the agent to act.
 
+``{"op": "dirty", "sandboxes": [...], "wait": SECONDS}`` is the blocking form (hooks and
+``vmpin update``: the invariant must hold when they return).  The agent replies only once a
+node-wide pass that *started after the request arrived* has finished (it saw the caller's
+journaled or stored write) -- ``{"ok": true, "queued": n, "done": true}`` -- or, when that
+takes longer than SECONDS, ``{"ok": true, "queued": n, "done": false}``; the caller then does
+the work itself.  No polling of the store: the reply is the signal.
+
 The client never waits long: if no agent answers within ``timeout`` the caller does the work
 itself, so a hung agent slows a container start by at most that, and a dead one by nothing
 (the socket file is checked before ``socket`` is even imported).
@@ -47,7 +54,17 @@ def request(
     return reply if isinstance(reply, dict) else None
 
 
-def notify(paths: HostPaths, sandbox_ids: list[str], timeout: float = 1.0) -> bool:
-    """Mark sandboxes dirty in the running agent; False when there is none to tell."""
-    reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
-    return bool(reply and reply.get("ok"))
+def notify(
+    paths: HostPaths, sandbox_ids: list[str], timeout: float = 1.0, wait: float | None = None
+) -> bool:
+    """Mark sandboxes dirty in the running agent; False when there is none to tell.
+
+    With ``wait``, block until the agent has finished a pass that saw this request (True), or
+    give up after ``wait`` seconds (False: the caller reconciles in-process).
+    """
+    if wait is None:
+        reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
+        return bool(reply and reply.get("ok"))
+    message = {"op": "dirty", "sandboxes": sandbox_ids, "wait": wait}
+    reply = request(paths, message, timeout + wait)
+    return bool(reply and reply.get("ok") and reply.get("done"))
