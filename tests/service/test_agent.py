@@ -207,29 +207,35 @@ class Clock:
         return self.now
 
 
+def take(q: DirtyQueue) -> list[str]:
+    """The ids of one batch, now (the fake clock never advances by itself)."""
+    batch = q.take_batch(timeout=0)
+    assert batch is not None
+    return [w.sandbox_id for w in batch]
+
+
 def test_queue_coalesces_while_queued_and_reruns_once_after_a_running_pass() -> None:
     clock = Clock()
     q = DirtyQueue(holdoff=0.1, clock=clock)
     assert q.add("a", "event", clock.now)
     assert not q.add("a", "event", clock.now)  # folded into the queued entry
-    work = q.take(timeout=0)
-    assert work is not None and work.sandbox_id == "a" and work.cause == "event"
-    assert q.take(timeout=0) is None
+    batch = q.take_batch(timeout=0)
+    assert batch is not None and [(w.sandbox_id, w.cause) for w in batch] == [("a", "event")]
+    assert take(q) == []
     # events during the pass: exactly one more pass, after the holdoff
     assert q.add("a", "event", clock.now)
     for _ in range(50):
         assert not q.add("a", "event", clock.now)
     q.done("a")
-    assert q.take(timeout=0) is None
+    assert take(q) == []
     clock.now += 0.1
-    again = q.take(timeout=0)
-    assert again is not None and again.sandbox_id == "a"
+    assert take(q) == ["a"]
     q.done("a")
     clock.now += 5
-    assert q.take(timeout=0) is None and q.idle()
+    assert take(q) == [] and q.idle()
 
 
-def test_queue_serves_events_before_background_and_promotes() -> None:
+def test_queue_batch_lists_events_before_background_and_promotes() -> None:
     clock = Clock()
     q = DirtyQueue(holdoff=0.1, clock=clock)
     for sid in ("p1", "p2", "p3"):
@@ -237,12 +243,13 @@ def test_queue_serves_events_before_background_and_promotes() -> None:
     clock.now += 1
     q.add("e1", "event", clock.now)
     q.add("p3", "event", clock.now)  # a queued periodic entry becomes an event
-    order = []
-    while (w := q.take(timeout=0)) is not None:
-        order.append((w.sandbox_id, w.cause))
-        q.done(w.sandbox_id)
+    batch = q.take_batch(timeout=0)
+    assert batch is not None
+    order = [(w.sandbox_id, w.cause) for w in batch]
     assert order[:2] == [("e1", "event"), ("p3", "event")]
     assert sorted(order[2:]) == [("p1", "periodic"), ("p2", "periodic")]
+    q.done_all(w.sandbox_id for w in batch)
+    assert q.idle()
 
 
 def test_queue_backoff_doubles_in_a_storm_and_resets_when_quiet() -> None:
@@ -252,8 +259,7 @@ def test_queue_backoff_doubles_in_a_storm_and_resets_when_quiet() -> None:
     end = clock.now + 3.0
     q.add("s", "event", clock.now)
     while clock.now < end:
-        w = q.take(timeout=0)
-        if w is not None:
+        if take(q):
             starts.append(round(clock.now - 100, 2))
             q.add("s", "event", clock.now)  # the storm goes on during every pass
             clock.now += 0.005
@@ -264,27 +270,60 @@ def test_queue_backoff_doubles_in_a_storm_and_resets_when_quiet() -> None:
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert all(g2 >= g1 for g1, g2 in itertools.pairwise(gaps)), gaps
     assert max(gaps) <= 1.03
-    while q.take(timeout=0) is not None:
+    while take(q):
         q.done("s")
     clock.now += 1.5  # quiet for longer than the backoff: the next event goes at once
     q.add("s", "event", clock.now)
-    assert q.take(timeout=0) is not None
+    assert take(q) == ["s"]
 
 
-def test_queue_runs_background_work_on_one_worker_events_on_any() -> None:
+def test_queue_one_batch_takes_every_ready_entry_and_leaves_held_ones() -> None:
+    """The coalescing: one node pass covers every sandbox ready when it starts (a full pass
+    over n sandboxes is one batch), while a sandbox still in its hold-off waits for its own."""
     clock = Clock()
     q = DirtyQueue(holdoff=0.1, clock=clock)
-    for sid in ("p1", "p2"):
+    q.add("held", "event", clock.now)
+    assert take(q) == ["held"]
+    q.done("held")  # an event-driven pass just ended: the next event waits 0.1 s
+    ids = [f"s{i}" for i in range(500)]
+    for sid in ids:
         q.add(sid, "periodic")
-    first = q.take(timeout=0)
-    assert first is not None and first.cause == "periodic"
-    assert q.take(timeout=0) is None  # the background slot is taken: p2 waits
+    q.add("held", "event", clock.now)
     q.add("e1", "event", clock.now)
-    ev = q.take(timeout=0)
-    assert ev is not None and ev.sandbox_id == "e1"  # an event still gets a worker
-    q.done(first.sandbox_id)
-    second = q.take(timeout=0)
-    assert second is not None and second.sandbox_id == "p2"
+    batch = take(q)
+    assert batch[0] == "e1" and sorted(batch[1:]) == sorted(ids)
+    assert take(q) == []  # "held" waits out its hold-off
+    q.add("s7", "event", clock.now)  # during the pass: once more afterwards, no hold-off owed
+    q.done_all(batch)
+    assert take(q) == ["s7"]
+    q.done("s7")
+    clock.now += 0.1
+    assert take(q) == ["held"]
+
+
+def test_queue_urgent_event_skips_the_holdoff() -> None:
+    """A caller that blocks on the pass (``wait``) is not held off; a plain event is."""
+    clock = Clock()
+    q = DirtyQueue(holdoff=0.1, clock=clock)
+    q.add("a", "event", clock.now)
+    assert take(q) == ["a"]
+    q.done("a")
+    q.add("a", "event", clock.now)
+    assert take(q) == []  # held off
+    q.add("a", "event", clock.now, urgent=True)  # pulled forward
+    assert take(q) == ["a"]
+    q.add("a", "event", clock.now, urgent=True)  # during its pass: right after it
+    q.done("a")
+    assert take(q) == ["a"]
+    q.done("a")
+
+
+def test_queue_kick_asks_for_a_pass_with_nothing_queued() -> None:
+    q = DirtyQueue(holdoff=0.1, clock=Clock())
+    q.kick()
+    assert q.take_batch(timeout=None) == []  # returns at once, an empty batch
+    q.close()
+    assert q.take_batch() is None
 
 
 def test_queue_drain_drops_periodic_work_keeps_events() -> None:
@@ -295,10 +334,8 @@ def test_queue_drain_drops_periodic_work_keeps_events() -> None:
     q.add("e1", "event", clock.now)
     q.add("p2", "event", clock.now)  # promoted: an event now, kept
     assert q.drop_background() == 2
-    taken = []
-    while (w := q.take(timeout=0)) is not None:
-        taken.append(w.sandbox_id)
-        q.done(w.sandbox_id)
+    taken = take(q)
+    q.done_all(taken)
     assert sorted(taken) == ["e1", "p2"] and q.idle()
 
 
@@ -306,11 +343,11 @@ def test_queue_periodic_pass_does_not_delay_an_event() -> None:
     clock = Clock()
     q = DirtyQueue(holdoff=0.1, clock=clock)
     q.add("a", "periodic")
-    assert q.take(timeout=0) is not None
+    assert take(q) == ["a"]
     q.add("a", "event", clock.now)  # arrives while the periodic pass runs
     q.done("a")
-    w = q.take(timeout=0)
-    assert w is not None and w.cause == "event"
+    batch = q.take_batch(timeout=0)
+    assert batch is not None and [(w.sandbox_id, w.cause) for w in batch] == [("a", "event")]
 
 
 # -- the real process ------------------------------------------------------------------------------

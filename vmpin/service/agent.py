@@ -5,24 +5,35 @@ reconcile their sandbox in-process when no agent answers.  When the agent runs t
 sandbox over instead (:mod:`vmpin.service.control`), which keeps hooks fast and turns update storms
 into a handful of plans.  The shape::
 
-    control socket ──► dirty set (per-sandbox coalescing) ──► N workers ──► Reconciler
-    (server.py)         (queue.py)                    (workers.py; logs.py, metrics.py)
-    (one accept thread)       ▲                                  (own Store + Reconciler each)
+    control socket ──► dirty set (per-sandbox coalescing) ──► the planner ──► Reconciler
+    (server.py; a thread   (queue.py)      every ready entry: (one thread; logs.py,
+     per connection)          ▲            one node pass       metrics.py, workers.py)
                               └── periodic full pass (main thread, every ``interval``)
 
 - **Events only mark sandboxes dirty.**  The writer (hook, update) has already stored the new
-  level and bumped the sandbox's generation ``gen``; ``{"op":"dirty"}`` only wakes a worker.
-  A sandbox is queued at most once and planned by one worker at a time: notifications that
-  arrive while it is queued fold into that entry, and those arriving while it is being planned
-  make it run exactly once more afterwards (that pass re-reads the store, so it sees the last
-  update).  Events for a sandbox whose last event-driven pass ended less than ``holdoff``
-  (0.1 s) ago wait out the rest of it, and the wait doubles, up to 1 s, while they keep
-  coming: a storm of N updates costs a handful of plans, not N, and an isolated update
-  waits for nothing.
-- **Each pass is level-triggered.**  A worker reads the sandbox (and its ``gen``), reconciles
-  it from the full desired state, then records ``done_gen = gen`` (``Reconciler`` does both).
-- **Periodic full pass** (default every 5 s): every sandbox is queued (behind events, which are
-  served first, on one worker at a time so that the others stay free for events), and the
+  level and bumped the sandbox's generation ``gen``; ``{"op":"dirty"}`` only wakes the
+  planner.  A sandbox is queued at most once and is in at most one pass at a time:
+  notifications that arrive while it is queued fold into that entry, and those arriving while
+  a pass over it runs make it run exactly once more afterwards (that pass re-reads the store,
+  so it sees the last update).  Events for a sandbox whose last event-driven pass ended less
+  than ``holdoff`` (0.1 s) ago wait out the rest of it, and the wait doubles, up to 1 s, while
+  they keep coming: a storm of N updates costs a handful of plans, not N, and an isolated
+  update waits for nothing.
+- **One node pass per batch.**  Every pass is node-wide (``Reconciler.reconcile`` observes,
+  plans and applies the whole node, whatever asked for it), so the planner takes *every*
+  ready entry at once (events first) and runs one pass for the lot, then accounts each
+  sandbox's report.  A full pass over n sandboxes is one node pass, not n.  There is one
+  planner thread: two node passes at once would do the same work twice and race on the same
+  threads (and the GIL runs them one at a time anyway); ``--workers`` is accepted for
+  compatibility and plans nothing more.
+- **Each pass is level-triggered.**  The pass reads each sandbox (and its ``gen``),
+  reconciles it from the full desired state, then records ``done_gen = gen`` (``Reconciler``
+  does both).
+- **Blocking replies.**  ``{"op":"dirty",...,"wait":s}`` is answered once a node pass that
+  started after the request arrived has finished (waiters sleep on a condition the planner
+  signals at the end of each pass), or with ``done: false`` after ``s`` seconds; its entries
+  skip the hold-off (their caller is waiting).
+- **Periodic full pass** (default every 5 s): every sandbox is queued (behind events), and the
   reconciler re-reads the host and writes only where desired and actual differ: new threads
   (vCPU hotplug, a new vhost worker), vanished VMMs and containers, cpusets changed behind
   vmpin's back, kubelet checkpoint changes.  A tick that finds the previous pass
@@ -33,7 +44,7 @@ into a handful of plans.  The shape::
   interrupted is planned again from the stored level.
 - **SIGTERM / SIGINT drain.**  Periodic passes stop; queued work is finished while the socket
   still accepts (at most ``drain_timeout`` s); then the socket is closed and removed (hooks
-  fall back to in-process reconciles), workers finish their current sandbox, exit code 0.
+  fall back to in-process reconciles), the planner finishes its current pass, exit code 0.
   Work left undone is still dirty in the store, or is drift the next start repairs.
 - **Observable.**  JSON lines on stderr (one object per line: ``ts``, ``level``, ``event`` and
   fields), Prometheus metrics (:mod:`vmpin.service.metrics`) on a loopback port, and
@@ -41,6 +52,8 @@ into a handful of plans.  The shape::
 
 Control protocol (one JSON object per line, one reply line; socket mode 0600, and the peer's
 uid must be ours): ``{"op":"dirty","sandboxes":[ids]}`` -> ``{"ok":true,"queued":n}``;
+``{"op":"dirty","sandboxes":[ids],"wait":s}`` (0 < s <= 60) -> ``{"ok":true,"queued":n,
+"done":bool}`` (:mod:`vmpin.service.control`);
 ``{"op":"status"[,"sandbox":id]}`` -> health and counters (one sandbox's bookkeeping when
 asked); ``{"op":"reconcile"}`` -> start a full pass now.
 """
@@ -99,6 +112,8 @@ class CtxLike(Protocol):
 MAX_INTERVAL = 86400.0
 MAX_HOLDOFF = 60.0
 MAX_WORKERS = 64
+#: the longest a blocking ``dirty`` request may ask to wait (seconds)
+MAX_WAIT = 60.0
 
 
 def check_seconds(name: str, value: float, *, low: float, high: float) -> float:
@@ -137,7 +152,10 @@ class Agent:
         self._domain_events: Any = None
         self._conflicts: set[tuple[str, Any, Any]] = set()
         self.interval = interval
-        self.n_workers = workers
+        #: ``--workers`` as given (validated, kept for compatibility): node passes are
+        #: serialised on one planner thread whatever it says
+        self.workers_option = workers
+        self.n_workers = 1
         self.metrics_port = metrics_port
         self.drain_timeout = drain_timeout
         self.metrics = metrics or Metrics()
@@ -157,6 +175,14 @@ class Agent:
         self._events = 0
         self._plans = 0
         self._errors = 0
+        self._node_passes = 0
+        #: node passes started / finished / finished without raising (numbered from 1), and
+        #: the condition blocking ``dirty`` requests sleep on (signalled at each pass's end)
+        self._pass_cond = threading.Condition()
+        self._node_started = 0
+        self._node_finished = 0
+        self._node_ok = 0
+        self._stopping = False
         self._workers: list[threading.Thread] = []
         self._server: ControlServer | None = None
         self._lockfd: int | None = None
@@ -210,10 +236,9 @@ class Agent:
             except sqlite3.OperationalError as err:  # read-only or full: pin on regardless
                 self.store_error = f"{self._store.path}: {err}"
                 log_event(logging.ERROR, "cannot write the store", error=self.store_error)
-            for i in range(self.n_workers):
-                t = threading.Thread(target=self._worker, name=f"vmpin-worker-{i}", daemon=True)
-                t.start()
-                self._workers.append(t)
+            t = threading.Thread(target=self._planner, name="vmpin-planner", daemon=True)
+            t.start()
+            self._workers.append(t)
             assert self._server is not None
             self._server.start()
             from vmpin.service import watch  # lazily: inotify_simple is the agent's alone
@@ -284,12 +309,14 @@ class Agent:
 
     def shutdown(self) -> int:
         """Drain: drop queued periodic work (the next start repeats it), finish the events
-        already queued while still accepting new ones (at most ``drain_timeout``), then close
-        the socket and let the workers finish the sandbox they are on."""
+        already queued while still accepting new ones (at most ``drain_timeout``), answer
+        whoever still waits with ``done: false``, then close the socket and let the planner
+        finish the pass it is on."""
         if self._watcher is not None:
             self._watcher.close()
         dropped = self.queue.drop_background()
         drained = self.queue.wait_idle(self.drain_timeout)
+        self._release_waiters()  # no pass is coming for whoever still waits: done=false
         if self.kube is not None:
             self.kube.stop()
         self._close_socket()
@@ -371,7 +398,16 @@ class Agent:
                 sids = [check_id(s, "sandbox id") for s in ids]
             except IdError as err:
                 return self._bad(f"dirty: {err}")
-            return {"ok": True, "queued": self.notify(sids)}
+            if "wait" not in msg:
+                return {"ok": True, "queued": self.notify(sids)}
+            wait = msg["wait"]
+            if (
+                isinstance(wait, bool)
+                or not isinstance(wait, (int, float))
+                or not (math.isfinite(wait) and 0 < wait <= MAX_WAIT)
+            ):
+                return self._bad(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
+            return self.notify_and_wait(sids, float(wait))
         if op == "status":
             sid = msg.get("sandbox")
             return self.status(sid if isinstance(sid, str) else None)
@@ -387,19 +423,52 @@ class Agent:
         log_event(logging.WARNING, "bad control request", error=error)
         return {"ok": False, "error": error}
 
-    def notify(self, sandbox_ids: list[str]) -> int:
-        """Mark sandboxes dirty (their new level is already in the store); how many queued."""
+    def notify(self, sandbox_ids: list[str], *, urgent: bool = False) -> int:
+        """Mark sandboxes dirty (their new level is already in the store); how many queued.
+
+        ``urgent``: a caller blocks on the pass, so no hold-off (:class:`DirtyQueue`).
+        """
         now = time.monotonic()
         queued = 0
         for sid in sandbox_ids:
             self.metrics.events.inc()
-            if self.queue.add(sid, "event", now):
+            if self.queue.add(sid, "event", now, urgent=urgent):
                 queued += 1
             else:
                 self.metrics.coalesced.inc()
         with self._lock:
             self._events += len(sandbox_ids)
         return queued
+
+    def notify_and_wait(self, sandbox_ids: list[str], wait: float) -> dict[str, Any]:
+        """The blocking ``dirty``: reply once a node pass that started after now has ended.
+
+        Runs on the request's own connection thread (:class:`ControlServer` serves each
+        connection on one), so the accept loop and other clients go on meanwhile.  No
+        polling: the planner signals ``_pass_cond`` at the end of every pass.  A pass that
+        raised does not count (the caller then does the work itself), a later one does.
+        """
+        deadline = time.monotonic() + wait
+        with self._pass_cond:
+            # passes are numbered in the order they start, and one runs at a time: the first
+            # to start from now on is number started + 1 (it ingests and reads the store
+            # after this point, so it sees whatever the caller wrote before asking)
+            target = self._node_started + 1
+        queued = self.notify(sandbox_ids, urgent=True)
+        self.queue.kick()  # a pass even if every id folded into one running, or none was given
+        with self._pass_cond:
+            while self._node_finished < target and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._pass_cond.wait(left)
+            done = self._node_ok >= target
+        return {"ok": True, "queued": queued, "done": done}
+
+    def _release_waiters(self) -> None:
+        with self._pass_cond:
+            self._stopping = True
+            self._pass_cond.notify_all()
 
     # -- passes -----------------------------------------------------------------------------
     def full_pass(self, cause: str) -> bool:
@@ -454,39 +523,60 @@ class Agent:
         level = logging.INFO if (p.repaired or p.errors or p.cause == "startup") else logging.DEBUG
         log_event(level, "pass done", **self._last_pass)
 
-    def _worker(self) -> None:
+    def _planner(self) -> None:
+        """The one planning thread: every ready entry -> one node pass -> each one accounted."""
         try:
             store = Store(self.paths.state_dir)
             reconciler = self.reconciler_factory(store)
             # the live pod's annotations win over the OCI ones (once the API is attached)
             reconciler.api_annotations = self._api_annotations
         except VmpinError as err:
-            log_event(logging.ERROR, "worker cannot start", error=str(err))
+            log_event(logging.ERROR, "planner cannot start", error=str(err))
             self.metrics.errors.labels("internal").inc()
             self._exit_code = 1
+            self._release_waiters()
             self.request_stop()
             return
         with store:
             while True:
-                work = self.queue.take()
-                if work is None:
+                batch = self.queue.take_batch()
+                if batch is None:
                     return
-                try:
-                    self._process(work, store, reconciler)
-                except Exception as err:  # a worker must survive any one sandbox
-                    self.metrics.errors.labels("internal").inc()
-                    with self._lock:
-                        self._errors += 1
-                    log.error(
-                        "sandbox pass failed",
-                        # the database failing (full, read-only, corrupt) is one line, not a
-                        # traceback per sandbox per pass
-                        exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
-                        extra={"fields": {"sandbox": work.sandbox_id, "error": str(err)}},
-                    )
-                finally:
-                    self.queue.done(work.sandbox_id)
-                    self._progress(work)
+                self._run_batch(batch, store, reconciler)
+
+    def _run_batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
+        with self._pass_cond:
+            self._node_started += 1
+            number = self._node_started
+        ok = False
+        try:
+            self._node_pass(batch, store, reconciler)
+            ok = True
+        except Exception as err:  # the planner must survive any one pass
+            self.metrics.errors.labels("internal").inc()
+            with self._lock:
+                self._errors += 1
+            log.error(
+                "node pass failed",
+                # the database failing (full, read-only, corrupt) is one line, not a
+                # traceback per pass
+                exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
+                extra={
+                    "fields": {
+                        "sandboxes": [w.sandbox_id for w in batch[:20]],
+                        "batch": len(batch),
+                        "error": str(err),
+                    }
+                },
+            )
+        finally:
+            self.queue.done_all([w.sandbox_id for w in batch])
+            self._progress(batch)
+            with self._pass_cond:
+                self._node_finished = number
+                if ok:
+                    self._node_ok = number
+                self._pass_cond.notify_all()
 
     def _api_annotations(self, pod_uid: str) -> Mapping[str, str] | None:
         kube = self.kube
@@ -505,37 +595,54 @@ class Agent:
         else:
             self.store_error = None
 
-    def _progress(self, work: Work) -> None:
+    def _progress(self, batch: list[Work]) -> None:
+        """Tick the running full pass off for the entries it queued (not older ones)."""
         with self._lock:
             p = self._pass
-            if p is None or work.taken_at < p.started or work.sandbox_id not in p.remaining:
+            if p is None:
                 return
-            p.remaining.discard(work.sandbox_id)
+            for work in batch:
+                if work.taken_at >= p.started:
+                    p.remaining.discard(work.sandbox_id)
         self._finish_pass_if_done(p)
 
-    def _process(self, work: Work, store: Store, reconciler: Reconciler) -> None:
-        sid = work.sandbox_id
+    def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
+        """One node-wide pass for every sandbox in ``batch``, then each one's accounting."""
         t0 = time.monotonic()
-        self._ingest(store)  # a plain container's hook journals its event and only notifies us
-        rec = store.sandbox(sid)
-        if rec is None:  # deleted (poststop): the node is still re-planned (undo its pins)
-            reconciler.reconcile([sid])
-            self._note_conflicts(reconciler)
-            with self._lock:
-                self._stats.pop(sid, None)
-            if self.kube is not None:
-                self.kube.forget_sandbox(sid)
-            return
-        report = reconciler.reconcile_sandbox(rec)
+        # once per pass: a plain container's hook journals its event and only notifies us
+        self._ingest(store)
+        # each sandbox's generation before the pass (for drift), in one read
+        recs = {rec.id: rec for rec in store.sandboxes()}
+        ids = [w.sandbox_id for w in batch]
+        reports = {r.id: r for r in reconciler.reconcile(ids)}
         self._note_conflicts(reconciler)
         end = time.monotonic()
-        self.metrics.plans.labels(work.cause).inc()
         self.metrics.sandbox_pass.observe(end - t0)
-        if work.first_event is not None:
-            self.metrics.latency.observe(end - work.first_event)
-        drift = self._account(work, rec.gen, rec.dirty, report)
-        if self.kube is not None:
-            self.kube.after_pass(rec, report, drift=drift)
+        self.metrics.node_passes.inc()
+        with self._lock:
+            self._node_passes += 1
+        kube = self.kube
+        for work in batch:
+            sid = work.sandbox_id
+            rec = recs.get(sid)
+            if rec is None:  # deleted (poststop), or a libvirt domain: the pass undid its pins
+                with self._lock:
+                    self._stats.pop(sid, None)
+                if kube is not None:
+                    kube.forget_sandbox(sid, publish=False)
+                continue
+            report = reports.get(sid)
+            if report is None:  # gone during the pass
+                report = SandboxReport(sid, rec.runtime)
+                report.vanished = True
+            self.metrics.plans.labels(work.cause).inc()
+            if work.first_event is not None:
+                self.metrics.latency.observe(end - work.first_event)
+            drift = self._account(work, rec.gen, rec.dirty, report)
+            if kube is not None:
+                kube.after_pass(rec, report, drift=drift, publish=False)
+        if kube is not None:
+            kube.publish()
 
     def _note_conflicts(self, reconciler: Reconciler) -> None:
         """Invariant 5: conflicting exclusive claims are a metric and a log line, never merged."""
@@ -675,7 +782,7 @@ class Agent:
         with self._lock:
             last_end = self._last_pass_end
             age = None if last_end is None else now - last_end
-            # Healthy: every worker alive and a full pass finished lately (one may take
+            # Healthy: the planner alive and a full pass finished lately (one may take
             # longer than an interval on a crowded node: allow three, plus start-up slack).
             workers_alive = sum(1 for t in self._workers if t.is_alive())
             since = age if age is not None else now - self.started
@@ -699,6 +806,7 @@ class Agent:
                 "running": self.queue.running(),
                 "events": self._events,
                 "plans": self._plans,
+                "node_passes": self._node_passes,
                 "errors": self._errors,
                 "passes": self._passes,
                 "pass_running": self._pass is not None,

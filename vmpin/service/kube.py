@@ -133,10 +133,17 @@ class KubeLink:
             self.events.forget(u)
 
     # -- passes -> Events and the report ------------------------------------------------
-    def after_pass(self, rec: SandboxRec, r: SandboxReport, *, drift: bool) -> None:
+    def after_pass(
+        self, rec: SandboxRec, r: SandboxReport, *, drift: bool, publish: bool = True
+    ) -> None:
+        """Events for one sandbox's share of a pass; its entry in the report.
+
+        ``publish=False`` leaves the report to :meth:`publish` (the agent calls it once per
+        node pass: the report is built from every sandbox, so once per sandbox is quadratic).
+        """
         sid = rec.id
         if r.vanished:
-            self.forget_sandbox(sid)
+            self.forget_sandbox(sid, publish=publish)
             return
         ref = None
         if rec.pod_uid and rec.pod_name and rec.pod_namespace:
@@ -197,14 +204,20 @@ class KubeLink:
                  "cpus": "" if c.cpus is None else c.cpus.to_list()}
                 for c in r.containers if r.runtime == "runc" and not c.is_sandbox
             ]
-        self.report.set(self.status())
+        if publish:
+            self.publish()
 
-    def forget_sandbox(self, sid: str) -> None:
+    def forget_sandbox(self, sid: str, *, publish: bool = True) -> None:
         with self._lock:
             for d in (self._sandboxes, self._masks, self._containers, self._conflicts,
                       self._errors):
                 d.pop(sid, None)
             self._seen.discard(sid)
+        if publish:
+            self.publish()
+
+    def publish(self) -> None:
+        """Hand the report as it stands to :class:`NodeReport` (which rate-limits writes)."""
         self.report.set(self.status())
 
     def status(self) -> dict[str, Any]:

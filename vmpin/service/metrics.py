@@ -13,8 +13,11 @@ What is exported, and what question each answers:
 ``vmpin_threads_pinned{role}``         threads carrying their plan after the last pass over
                                        their sandbox (role: vcpu, iothread, vhost, emulator,
                                        container)
-``vmpin_plans_total{cause}``           sandbox passes (plan + apply): cause ``event`` (a
-                                       notification), ``periodic``, ``startup``
+``vmpin_plans_total{cause}``           sandboxes planned (each one's share of a node pass):
+                                       cause ``event`` (a notification), ``periodic``,
+                                       ``startup``
+``vmpin_node_passes_total``            node-wide passes (observe, plan, apply the node): one
+                                       covers every sandbox that was ready when it started
 ``vmpin_events_total``                 dirty notifications received on the control socket
 ``vmpin_events_coalesced_total``       ... of which folded into a pass already queued/running
 ``vmpin_affinity_writes_total{role}``  sched_setaffinity calls that took
@@ -28,7 +31,8 @@ What is exported, and what question each answers:
                                        ``control`` (a malformed request)
 ``vmpin_pin_latency_seconds``          from a dirty notification to its sandbox's threads
                                        carrying the new plan (read back from the kernel)
-``vmpin_sandbox_pass_seconds``         one sandbox's pass (refresh, plan, apply, verify)
+``vmpin_sandbox_pass_seconds``         one node pass run for dirty sandboxes (refresh, plan,
+                                       apply, verify; the name is older than the batching)
 ``vmpin_full_pass_seconds``            one periodic pass over every sandbox (wall time)
 ``vmpin_full_pass_cpu_seconds``        CPU time of the last periodic pass (the whole process)
 ``vmpin_last_full_pass_timestamp``     when the last periodic pass finished (unix time)
@@ -102,7 +106,12 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.plans = Counter(
-            "vmpin_plans", "Sandbox passes (plan + apply) run by the agent", ["cause"], registry=r
+            "vmpin_plans", "Sandboxes planned by the agent's node passes", ["cause"], registry=r
+        )
+        self.node_passes = Counter(
+            "vmpin_node_passes",
+            "Node-wide passes, each covering every sandbox ready when it started",
+            registry=r,
         )
         self.events = Counter("vmpin_events", "Dirty notifications received", registry=r)
         self.coalesced = Counter(
@@ -128,7 +137,7 @@ class Metrics:
         )
         self.sandbox_pass = Histogram(
             "vmpin_sandbox_pass_seconds",
-            "One sandbox's pass: refresh, plan, apply, verify",
+            "One node pass run for dirty sandboxes: refresh, plan, apply, verify",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

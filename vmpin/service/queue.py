@@ -1,7 +1,8 @@
 """The agent's dirty set: per-sandbox coalescing of events, with a hold-off while they keep coming.
 
-It owns only queueing: workers ``take()`` a :class:`Work` and call ``done()``; what a worker
-does with it is the agent's business (kopf's queueing/processing split).
+It owns only queueing: the planner ``take_batch()``-es every ready :class:`Work` and calls
+``done()`` for each; what it does with them (one node-wide pass for the whole batch) is the
+agent's business (kopf's queueing/processing split).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 #: events for a sandbox planned less than this ago wait for the rest of it (seconds) ...
@@ -31,31 +32,40 @@ class Work(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("cause", "first_event", "seq")
+    __slots__ = ("cause", "first_event", "seq", "urgent")
 
-    def __init__(self, cause: str, first_event: float | None, seq: int) -> None:
+    def __init__(
+        self, cause: str, first_event: float | None, seq: int, urgent: bool = False
+    ) -> None:
         self.cause, self.first_event, self.seq = cause, first_event, seq
+        #: a caller blocks on the pass (``{"op":"dirty","wait":...}``): no hold-off for it
+        self.urgent = urgent
 
-    def merge(self, cause: str, event_time: float | None) -> None:
+    def merge(self, cause: str, event_time: float | None, urgent: bool = False) -> None:
         if CAUSES.index(cause) < CAUSES.index(self.cause):
             self.cause = cause
         if event_time is not None and (self.first_event is None or event_time < self.first_event):
             self.first_event = event_time
+        self.urgent = self.urgent or urgent
 
 
 class DirtyQueue:
-    """Sandboxes waiting for a pass, each at most once, each worked on by one worker at a time.
+    """Sandboxes waiting for a pass, each at most once, each in at most one pass at a time.
 
-    Two heaps of (ready time, seq, sandbox): events, served first, and background work
+    Two heaps of (ready time, seq, sandbox): events, listed first, and background work
     (periodic and start-up passes).  A heap item is stale when its seq is no longer the
-    entry's (the entry was promoted to the event heap, or taken); stale items are skipped.
+    entry's (the entry was promoted to the event heap, re-pushed earlier, or taken); stale
+    items are skipped.  :meth:`take_batch` hands out every entry that is ready at once: one
+    node-wide pass covers them all (a pass re-plans the whole node whatever asked for it).
 
     Rate limit, per sandbox and for event-driven passes only: an event for a sandbox whose
     last event-driven pass ended less than its backoff ago waits for the rest of it; the
     backoff starts at ``holdoff`` and doubles (up to ``max_holdoff``) each time events keep
     arriving within it, and falls back to nothing after a quiet backoff.  An isolated update
     is planned at once; a storm costs about log2(duration/holdoff) + duration/max_holdoff
-    plans, and its last update lands at most ``max_holdoff`` after the storm.
+    plans, and its last update lands at most ``max_holdoff`` after the storm.  An *urgent*
+    event (a caller blocks on its pass) is never held off: its caller is waiting, and callers
+    that wait are self-limiting (each waits for a pass before it can send the next).
     """
 
     def __init__(
@@ -63,7 +73,6 @@ class DirtyQueue:
         holdoff: float = DEFAULT_HOLDOFF,
         max_holdoff: float = DEFAULT_MAX_HOLDOFF,
         clock: Callable[[], float] = time.monotonic,
-        background_workers: int = 1,
     ) -> None:
         self.holdoff = holdoff
         self.max_holdoff = max(holdoff, max_holdoff)
@@ -78,43 +87,57 @@ class DirtyQueue:
         self._recent: dict[str, tuple[float, int]] = {}
         self._seq = itertools.count()
         self._closed = False
-        #: background (periodic, start-up) passes run on at most this many workers at once:
-        #: a pass over many idle sandboxes gains nothing from more (the GIL serialises it, and
-        #: two threads contending for it cost ~60 % more CPU), and the other workers stay
-        #: free for events.
-        self.background_workers = background_workers
-        self._bg_running = 0
+        #: a node pass is wanted even if no entry is ready (a blocking request for no sandbox)
+        self._kicked = False
 
     def _backoff(self, streak: int) -> float:
         return min(self.max_holdoff, self.holdoff * float(2 ** min(streak, 30)))
 
-    def add(self, sandbox_id: str, cause: str, event_time: float | None = None) -> bool:
-        """Queue a pass; False when it was folded into one already queued (coalesced)."""
+    def add(
+        self,
+        sandbox_id: str,
+        cause: str,
+        event_time: float | None = None,
+        *,
+        urgent: bool = False,
+    ) -> bool:
+        """Queue a pass; False when it was folded into one already queued (coalesced).
+
+        ``urgent`` (an event whose caller blocks on it) skips the hold-off, and pulls an entry
+        already held off forward to now.
+        """
         with self._cond:
             running = self._running.get(sandbox_id)
             if running is not None:
                 run_cause, again = running
                 if again is None:
-                    self._running[sandbox_id] = (run_cause, _Entry(cause, event_time, -1))
+                    self._running[sandbox_id] = (run_cause, _Entry(cause, event_time, -1, urgent))
                     return True
-                again.merge(cause, event_time)
+                again.merge(cause, event_time, urgent)
                 return False
             entry = self._queued.get(sandbox_id)
             if entry is not None:
-                was_event = entry.cause == "event"
-                entry.merge(cause, event_time)
-                if entry.cause == "event" and not was_event:
-                    self._push(sandbox_id, entry, self._ready_at(sandbox_id, "event"))  # promote
+                was_event, was_urgent = entry.cause == "event", entry.urgent
+                entry.merge(cause, event_time, urgent)
+                if entry.cause == "event" and (not was_event or (urgent and not was_urgent)):
+                    # promote to the event heap / pull forward (the old heap item goes stale)
+                    self._push(sandbox_id, entry, self._ready_at(sandbox_id, "event", urgent))
                 return False
-            entry = _Entry(cause, event_time, -1)
+            entry = _Entry(cause, event_time, -1, urgent)
             self._queued[sandbox_id] = entry
-            self._push(sandbox_id, entry, self._ready_at(sandbox_id, cause))
+            self._push(sandbox_id, entry, self._ready_at(sandbox_id, cause, urgent))
             return True
 
-    def _ready_at(self, sandbox_id: str, cause: str) -> float:
+    def kick(self) -> None:
+        """Ask for a node pass now even when nothing is queued (``take_batch`` returns [])."""
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+
+    def _ready_at(self, sandbox_id: str, cause: str, urgent: bool = False) -> float:
         now = self._clock()
         recent = self._recent.get(sandbox_id)
-        if cause != "event" or recent is None:
+        if cause != "event" or recent is None or urgent:
             return now
         last, streak = recent
         until = last + self._backoff(streak)
@@ -128,7 +151,7 @@ class DirtyQueue:
         entry.seq = next(self._seq)
         heap = self._events if entry.cause == "event" else self._background
         heapq.heappush(heap, (ready, entry.seq, sandbox_id))
-        self._cond.notify()
+        self._cond.notify_all()
 
     def _top(self, heap: list[tuple[float, int, str]]) -> tuple[float, int, str] | None:
         while heap:
@@ -139,61 +162,72 @@ class DirtyQueue:
             heapq.heappop(heap)  # stale
         return None
 
-    def take(self, timeout: float | None = None) -> Work | None:
-        """The next ready sandbox; None once closed (or when ``timeout`` passes)."""
+    def take_batch(self, timeout: float | None = None) -> list[Work] | None:
+        """Every ready sandbox, events first, all marked running; None once closed.
+
+        Waits until one is ready (or :meth:`kick` asks for a pass: then the batch may be
+        empty); ``timeout`` gives up with ``[]``.  Entries still held off stay queued.
+        """
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             while not self._closed:
                 now = self._clock()
+                batch: list[Work] = []
                 wait: float | None = None
                 for heap in (self._events, self._background):
-                    if heap is self._background and self._bg_running >= self.background_workers:
-                        continue  # done() wakes us when the background slot frees up
-                    top = self._top(heap)
-                    if top is None:
-                        continue
-                    if top[0] <= now:
+                    while (top := self._top(heap)) is not None:
+                        if top[0] > now:
+                            wait = top[0] - now if wait is None else min(wait, top[0] - now)
+                            break
                         heapq.heappop(heap)
                         sid = top[2]
                         entry = self._queued.pop(sid)
                         self._running[sid] = (entry.cause, None)
-                        if entry.cause != "event":
-                            self._bg_running += 1
-                        return Work(sid, entry.cause, entry.first_event, now)
-                    wait = top[0] - now if wait is None else min(wait, top[0] - now)
+                        batch.append(Work(sid, entry.cause, entry.first_event, now))
+                if batch or self._kicked:
+                    self._kicked = False
+                    return batch
                 if deadline is not None:
                     left = deadline - now
                     if left <= 0:
-                        return None
+                        return []
                     wait = left if wait is None else min(wait, left)
                 self._cond.wait(wait)
             return None
 
     def done(self, sandbox_id: str) -> None:
+        self.done_all([sandbox_id])
+
+    def done_all(self, sandbox_ids: Iterable[str]) -> None:
+        """The pass over these sandboxes has ended: re-queue those notified meanwhile."""
         with self._cond:
-            if sandbox_id not in self._running:
-                return
-            cause, again = self._running.pop(sandbox_id)
-            if cause != "event":
-                self._bg_running -= 1
             now = self._clock()
-            if cause == "event":
-                _, streak = self._recent.get(sandbox_id, (now, 0))
-                if again is not None and again.cause == "event":
-                    # events kept coming while this one was planned: back off
-                    self._queued[sandbox_id] = again
-                    self._push(sandbox_id, again, now + self._backoff(streak))
-                    again = None
-                    streak += 1
-                self._recent[sandbox_id] = (now, streak)
-            if again is not None:
-                self._queued[sandbox_id] = again
-                self._push(sandbox_id, again, now)
+            for sid in sandbox_ids:
+                self._done(sid, now)
             if len(self._recent) > 4096:
                 for s, (last, streak) in list(self._recent.items()):
                     if now >= last + self._backoff(streak):
                         del self._recent[s]
             self._cond.notify_all()
+
+    def _done(self, sandbox_id: str, now: float) -> None:
+        if sandbox_id not in self._running:
+            return
+        cause, again = self._running.pop(sandbox_id)
+        if cause == "event":
+            _, streak = self._recent.get(sandbox_id, (now, 0))
+            if again is not None and again.cause == "event":
+                # events kept coming while this one was planned: back off (unless a caller
+                # blocks on it)
+                self._queued[sandbox_id] = again
+                ready = now if again.urgent else now + self._backoff(streak)
+                self._push(sandbox_id, again, ready)
+                again = None
+                streak += 1
+            self._recent[sandbox_id] = (now, streak)
+        if again is not None:
+            self._queued[sandbox_id] = again
+            self._push(sandbox_id, again, now)
 
     def close(self) -> None:
         with self._cond:

@@ -1,7 +1,7 @@
-"""What the agent's workers keep per sandbox and per full pass (status, gauges, pass logs).
+"""What the agent's planner keeps per sandbox and per full pass (status, gauges, pass logs).
 
-The worker loop itself (take -> node-wide pass -> account) is
-:meth:`vmpin.service.agent.Agent._worker`: it updates these records under the agent's lock.
+The planner loop itself (take every ready entry -> one node-wide pass -> account each) is
+:meth:`vmpin.service.agent.Agent._planner`: it updates these records under the agent's lock.
 """
 
 from __future__ import annotations
