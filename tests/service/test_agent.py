@@ -754,3 +754,315 @@ def test_runc_container_under_agent_kill9_and_restart(
         runc.delete(cid)
         assert wait_until(lambda: cid not in listed(), 10)
         assert restarted.stop() == 0
+
+
+# -- one node pass per batch, and the blocking reply ----------------------------------------------
+class PassGate:
+    """Wraps ``Reconciler.reconcile`` (pytest-mock injects it) to number node passes, log
+    their start and end, and hold a pass at its start while the gate is shut."""
+
+    def __init__(self, mocker: Any) -> None:
+        self.real = Reconciler.reconcile
+        self.log: list[tuple[str, int]] = []
+        self.calls = 0
+        self.open = threading.Event()
+        self.open.set()
+        self.held = threading.Event()  # set while a pass waits at the shut gate
+        self._lock = threading.Lock()
+        mocker.patch.object(Reconciler, "reconcile", autospec=True, side_effect=self._reconcile)
+
+    def _reconcile(self, rec: Reconciler, *args: Any, **kw: Any) -> Any:
+        with self._lock:
+            self.calls += 1
+            n = self.calls
+            self.log.append(("start", n))
+        if not self.open.is_set():
+            self.held.set()
+            self.open.wait(60)
+        try:
+            return self.real(rec, *args, **kw)
+        finally:
+            with self._lock:
+                self.log.append(("end", n))
+
+    def note(self, what: str) -> None:
+        with self._lock:
+            self.log.append((what, self.calls))
+
+    def shut_and_hold(self, agent: Agent) -> None:
+        """Shut the gate and make the planner run into it (a pass that starts now)."""
+        self.held.clear()
+        self.open.clear()
+        assert agent.full_pass("periodic")
+        assert self.held.wait(20)
+
+
+@pytest.fixture
+def inproc_agent(paths: HostPaths) -> Iterator[Callable[..., Agent]]:
+    started: list[Agent] = []
+
+    def start(**kw: Any) -> Agent:
+        kw = {"interval": 3600, "workers": 2, "metrics_port": 0, **kw}
+        agent = Agent(paths, lambda s: Reconciler(paths, s), **kw)
+        agent.start()
+        started.append(agent)
+        assert wait_until(
+            lambda: agent.status()["passes"] >= 1 and not agent.status()["pass_running"], 20
+        )
+        return agent
+
+    try:
+        yield start
+    finally:
+        for agent in started:
+            if agent._lockfd is not None:  # not shut down by the test itself
+                agent.request_stop()
+                agent.shutdown()
+
+
+def dirty_wait(paths: HostPaths, ids: list[str], wait: float) -> dict[str, Any]:
+    reply = control.request(paths, {"op": "dirty", "sandboxes": ids, "wait": wait}, wait + 10)
+    assert reply is not None
+    return reply
+
+
+@pytest.mark.multi_cpu
+def test_a_full_pass_over_n_sandboxes_is_one_node_pass(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """Coalescing: every sandbox of a full pass is planned by one Reconciler.reconcile (it
+    applies the whole node anyway), not one each -- counted with a spy, not timed."""
+    n = 12
+    ids = [new_id(f"nb{i}") for i in range(n)]
+    with Store(paths.state_dir) as store:
+        for i, sid in enumerate(ids):
+            fake_vmms(sid, vcpus=2)
+            register(store, sid, str(i % 2))
+    spy = mocker.spy(Reconciler, "reconcile")
+    agent = inproc_agent()
+    startup = spy.call_count
+    assert 1 <= startup <= 2, spy.call_args_list  # (a watcher event may land in its own)
+    first = spy.call_args_list[0].args[1]
+    assert sorted(first) == sorted(ids)  # the start-up pass asked about every sandbox at once
+    for sid in ids:  # ... and every sandbox was planned by it
+        st = agent.status(sid)["sandbox"]
+        assert st is not None and st["plans"] >= 1 and st["threads_pinned"] == 4, (sid, st)
+    for k in (2, 3):
+        before = spy.call_count
+        assert agent.full_pass("periodic")
+        assert wait_until(
+            lambda k=k: (  # type: ignore[misc]
+                agent.status()["passes"] == k and not agent.status()["pass_running"]
+            ),
+            20,
+        )
+        assert spy.call_count - before == 1
+    st = agent.status()
+    assert st["node_passes"] == spy.call_count and st["plans"] >= 3 * n
+    assert st["last_pass_sandboxes"] == n and st["threads_pinned"] == 4 * n
+
+
+@pytest.mark.multi_cpu
+def test_blocking_dirty_replies_after_a_pass_that_started_after_it(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """done:true only once a node pass that *started after the request* has ended: a pass
+    already running when it arrives (held here at the gate) does not count, because it may
+    have read the store before the caller's write."""
+    sid = new_id("blk")
+    vmm = fake_vmms(sid, vcpus=2)
+    with Store(paths.state_dir) as store:
+        register(store, sid, "0")
+    gate = PassGate(mocker)
+    agent = inproc_agent()
+    assert all_on(vmm.pid, "0")
+    gate.shut_and_hold(agent)  # pass A runs (held): it started before the request
+    held_pass = gate.calls
+    events = agent.status()["events"]
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse("1"), "update")
+    replies: list[dict[str, Any]] = []
+
+    def caller() -> None:
+        reply = dirty_wait(paths, [sid], 30)
+        gate.note("reply")
+        replies.append(reply)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    try:
+        assert wait_until(lambda: agent.status()["events"] > events, 10)  # it has arrived
+        assert not replies  # held pass A still runs: no answer yet
+    finally:
+        gate.open.set()
+        t.join(40)
+    assert replies and replies[0] == {"ok": True, "queued": 1, "done": True}, replies
+    # the invariant holds when the caller returns: no waiting on the caller's side
+    assert all_on(vmm.pid, "1"), affinities(vmm.pid)
+    reply_at = gate.log.index(("reply", gate.calls))
+    assert ("start", held_pass + 1) in gate.log[:reply_at]
+    assert ("end", held_pass + 1) in gate.log[:reply_at]
+    # without a pass in the way it is one pass, and the reply says so at once
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse("0"), "update")
+    assert control.notify(paths, [sid], wait=30)
+    assert all_on(vmm.pid, "0"), affinities(vmm.pid)
+    # with no sandbox named, a pass runs all the same (a journaled hook event, say)
+    before = gate.calls
+    assert dirty_wait(paths, [], 30) == {"ok": True, "queued": 0, "done": True}
+    assert gate.calls > before
+
+
+@pytest.mark.multi_cpu
+def test_blocking_dirty_times_out_with_done_false(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    sid = new_id("slow")
+    fake_vmms(sid, vcpus=2)
+    with Store(paths.state_dir) as store:
+        register(store, sid, "0")
+    gate = PassGate(mocker)
+    agent = inproc_agent()
+    gate.shut_and_hold(agent)  # a pass that will not end while the caller waits
+    try:
+        assert dirty_wait(paths, [sid], 0.2) == {"ok": True, "queued": 1, "done": False}
+        assert not control.notify(paths, [sid], wait=0.2)  # the caller then does it itself
+        assert agent.status()["ok"]  # the accept loop was never blocked
+    finally:
+        gate.open.set()
+    # once the planner is free the queued work runs, and a later blocking call succeeds
+    assert control.notify(paths, [sid], wait=30)
+
+
+def test_blocking_dirty_refuses_a_bad_wait(
+    paths: HostPaths, inproc_agent: Callable[..., Agent]
+) -> None:
+    agent = inproc_agent()
+    before = agent.metrics.registry.get_sample_value("vmpin_errors_total", {"kind": "control"})
+    bad = [0, -1, 60.5, 1e9, "1", True, None, [1], {"s": 1}]
+    for wait in bad:
+        reply = control.request(paths, {"op": "dirty", "sandboxes": [], "wait": wait})
+        assert reply is not None and reply["ok"] is False, wait
+        assert "wait" in reply["error"] and "\n" not in reply["error"], reply
+    # NaN and Infinity are not JSON, but Python's reader takes them
+    for raw in (b"NaN", b"Infinity"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(paths.control_socket)
+            s.sendall(b'{"op": "dirty", "sandboxes": [], "wait": ' + raw + b"}\n")
+            reply = json.loads(s.makefile().readline())
+        assert reply["ok"] is False and "wait" in reply["error"], raw
+    after = agent.metrics.registry.get_sample_value("vmpin_errors_total", {"kind": "control"})
+    assert after == (before or 0) + len(bad) + 2
+    # the edges that are allowed
+    assert dirty_wait(paths, [], 60)["done"] is True
+    assert dirty_wait(paths, [], 0.001)["ok"] is True
+
+
+@pytest.mark.multi_cpu
+def test_blocking_storm_of_waiters_costs_a_few_node_passes(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """Forty callers blocking at once (hooks of a burst of container starts) are all answered
+    by the pass that starts after them: the waiters coalesce as the events do."""
+    ids = [new_id(f"ws{i}") for i in range(4)]
+    with Store(paths.state_dir) as store:
+        for sid in ids:
+            fake_vmms(sid, vcpus=2)
+            register(store, sid, "0")
+    gate = PassGate(mocker)
+    agent = inproc_agent()
+    gate.shut_and_hold(agent)
+    first = gate.calls
+    replies: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def caller(i: int) -> None:
+        reply = dirty_wait(paths, [ids[i % len(ids)]], 30)
+        with lock:
+            replies.append(reply)
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(40)]
+    events = agent.status()["events"]
+    for t in callers:
+        t.start()
+    assert wait_until(lambda: agent.status()["events"] >= events + 40, 20)
+    gate.open.set()
+    for t in callers:
+        t.join(40)
+    assert len(replies) == 40 and all(r["done"] for r in replies), replies
+    assert gate.calls - first <= 2, gate.log  # the one after the held pass (+ a straggler)
+
+
+@pytest.mark.multi_cpu
+def test_drain_answers_waiters_and_exits_clean(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """SIGTERM's drain while a pass is stuck: a blocked caller gets done:false (it then pins
+    in-process) instead of hanging until its own timeout, and the agent exits 0."""
+    sid = new_id("drn")
+    fake_vmms(sid, vcpus=2)
+    with Store(paths.state_dir) as store:
+        register(store, sid, "0")
+    gate = PassGate(mocker)
+    agent = inproc_agent(drain_timeout=0.2)
+    gate.shut_and_hold(agent)
+    replies: list[dict[str, Any]] = []
+    events = agent.status()["events"]
+    t = threading.Thread(target=lambda: replies.append(dirty_wait(paths, [sid], 60)))
+    t.start()
+    try:
+        assert wait_until(lambda: agent.status()["events"] > events, 10)
+        agent.request_stop()
+        assert agent.shutdown() == 0
+        t.join(30)
+        assert replies == [{"ok": True, "queued": 1, "done": False}]
+        assert not os.path.lexists(paths.control_socket)
+    finally:
+        gate.open.set()
+
+
+@pytest.mark.qemu
+@pytest.mark.kvm
+@pytest.mark.multi_cpu
+def test_real_qemu_blocking_notify_returns_with_every_thread_pinned(
+    agent_factory: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
+) -> None:
+    """The hooks' and `vmpin update`'s contract, against the real agent process and a real
+    QEMU: when a blocking notify returns True, every thread already carries the new mask (read
+    back from the kernel at once, no waiting)."""
+    sid = new_id("bq")
+    from tests.support.qemu_util import start_qemu
+
+    with (
+        start_qemu(vm_dir, sid, smp=4, debug_threads=True, accel="kvm") as qemu,
+        Store(paths.state_dir) as store,
+    ):
+        register(store, sid, "0-1")
+        agent = agent_factory(interval=3600)
+        agent.wait_pass(1)
+        for cpus in ("1", "0", "1", "0-1", "0", "1") * 3:
+            store.set_container_cpus(f"{sid}-app", CpuSet.parse(cpus), "update")
+            assert control.notify(paths, [sid], wait=10)
+            # (on 0-1 the last two vCPUs get one CPU each: every thread within the mask)
+            mask = CpuSet.parse(cpus)
+            got = affinities(qemu.pid)
+            assert len(got) > 4 and all(a.issubset(mask) for a in got.values()), (cpus, got)
+        rec = store.sandbox(sid)
+        assert rec is not None and rec.done_gen == rec.gen
+        assert agent.stop() == 0
