@@ -40,8 +40,8 @@ into a handful of plans.  The shape::
   unfinished is skipped, so a slow node never piles passes up.
 - **Crash-safe.**  State lives only in SQLite (each write one transaction; WAL).  At start the
   agent takes an exclusive ``flock`` on ``agent.lock`` (released by the kernel even on kill -9),
-  removes a stale socket, marks every sandbox dirty and runs a full pass: whatever a crash
-  interrupted is planned again from the stored level.
+  removes a stale socket and runs a full pass: whatever a crash interrupted is planned again
+  from the stored level (the pass is node-wide, so dirty or not, every sandbox is planned).
 - **SIGTERM / SIGINT drain.**  Periodic passes stop; queued work is finished while the socket
   still accepts (at most ``drain_timeout`` s); then the socket is closed and removed (hooks
   fall back to in-process reconciles), the planner finishes its current pass, exit code 0.
@@ -191,8 +191,6 @@ class Agent:
         self._watcher: Any = None  # vmpin.service.watch.Watcher: runc/kubelet changes -> notify
         self._tracked_lock = threading.Lock()
         self._tracked_cache: tuple[float, dict[str, tuple[str, int]]] | None = None
-        #: sandboxes with stored changes no pass had planned when this agent started
-        self._pending_at_start: set[str] = set()
         #: the Kubernetes link (vmpin.service.kube) when the API is configured
         self.kube: KubeLink | None = None
         self.metrics.track_state(self._snapshot)
@@ -229,13 +227,9 @@ class Agent:
                     self.metrics.errors.labels("internal").inc()
                     log_event(logging.ERROR, "metrics off", error=self.metrics_error)
             # Crash recovery: whatever the last agent (or a killed hook) left half-done is
-            # planned again from the stored level.
-            self._pending_at_start = {sid for sid, _ in self._store.dirty()}
-            try:
-                self._store.mark_dirty(None)
-            except sqlite3.OperationalError as err:  # read-only or full: pin on regardless
-                self.store_error = f"{self._store.path}: {err}"
-                log_event(logging.ERROR, "cannot write the store", error=self.store_error)
+            # planned again from the stored level by the start-up pass, which (node-wide like
+            # every pass) plans every sandbox whether marked dirty or not.  So nothing is
+            # marked here: that cost a write per sandbox per start and changed no plan.
             t = threading.Thread(target=self._planner, name="vmpin-planner", daemon=True)
             t.start()
             self._workers.append(t)
@@ -556,6 +550,10 @@ class Agent:
             self.metrics.errors.labels("internal").inc()
             with self._lock:
                 self._errors += 1
+            if isinstance(err, sqlite3.OperationalError):  # full (or gone read-only)
+                if self.store_error is None:
+                    log_event(logging.ERROR, "cannot write the store", error=str(err))
+                self.store_error = f"{store.path}: {err}"
             log.error(
                 "node pass failed",
                 # the database failing (full, read-only, corrupt) is one line, not a
@@ -667,13 +665,10 @@ class Agent:
 
     def _account(self, work: Work, gen: int, dirty: bool, r: SandboxReport) -> bool:
         """Metrics, bookkeeping and a log line for one sandbox pass."""
-        # Drift = what a pass repaired that no stored change asked for.  A periodic pass over
-        # a dirty sandbox is applying an update whose notification is still on its way; the
-        # start-up pass marks every sandbox dirty, so there it is the ones dirty before that.
-        if work.cause == "startup":
-            drift = work.sandbox_id not in self._pending_at_start
-        else:
-            drift = work.cause == "periodic" and not dirty
+        # Drift = what a pass repaired that no stored change asked for.  A periodic (or
+        # start-up) pass over a dirty sandbox is applying an update whose notification is
+        # still on its way, or that a crash interrupted.
+        drift = work.cause != "event" and not dirty
         pinned_threads = [t for t in r.threads if t.action == "pinned"]
         cgroup_fixed = sum(1 for d in r.cgroup_drift if d.get("repaired"))
         failed = [t for t in r.threads if t.action == "error"]
