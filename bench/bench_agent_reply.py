@@ -17,11 +17,14 @@ Two measurements, each a subcommand:
             read back from the kernel (sched_getaffinity) and must carry the new CPU: a reply
             that came before the pin counts as a failure.  Updates alternate CPU 0 and 1 and
             go back to back (a blocking caller is not held off, so no gap is needed).
+            The state dir is on a tmpfs (``--root``, default /dev/shm) as ``/run/vmpin``
+            is on a node: on a disk, each pass's one commit (``synchronous=FULL``) adds an
+            fsync of a few ms that is the disk's, not the agent's.
 
 Run (as root)::
 
     python bench/bench_agent_reply.py passes [--sandboxes 500] [--passes 3] [--json OUT]
-    python bench/bench_agent_reply.py reply [--updates 200] [--smp 32] [--json OUT]
+    python bench/bench_agent_reply.py reply [--updates 200] [--smp 32] [--root DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ def all_on(pid: int, cpu: int) -> tuple[bool, int]:
 def cmd_reply(args: argparse.Namespace) -> dict[str, Any]:
     from tests.support.qemu_util import launch
 
-    root = Path(tempfile.mkdtemp(prefix="vmpin-reply-"))
+    root = Path(tempfile.mkdtemp(prefix="vmpin-reply-", dir=args.root))
     paths = make_paths(root)
     (root / "vm").mkdir(parents=True)
     sid = "reply32"
@@ -231,6 +234,11 @@ def main() -> int:
     r = sub.add_parser("reply", help="blocking dirty reply latency, real 32-vCPU QEMU")
     r.add_argument("--updates", type=int, default=200)
     r.add_argument("--smp", type=int, default=32)
+    r.add_argument(
+        "--root",
+        default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+        help="where the state dir goes (a tmpfs, as /run is on a node)",
+    )
     r.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
     result = cmd_passes(args) if args.what == "passes" else cmd_reply(args)

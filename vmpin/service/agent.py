@@ -614,6 +614,9 @@ class Agent:
         ids = [w.sandbox_id for w in batch]
         reports = {r.id: r for r in reconciler.reconcile(ids)}
         self._note_conflicts(reconciler)
+        # the node's plan (with the observation it holds) is not needed between passes: do
+        # not keep every sandbox's plan alive until the next one (agent RSS, issue #14)
+        reconciler.last_plan = None
         end = time.monotonic()
         self.metrics.sandbox_pass.observe(end - t0)
         self.metrics.node_passes.inc()
