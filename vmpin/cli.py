@@ -688,7 +688,9 @@ def _print(data: Any) -> None:
 def serve(
     ctx: typer.Context,
     interval: Annotated[float, typer.Option(help="Seconds between full repair passes.")] = 5.0,
-    workers: Annotated[int, typer.Option(help="Worker threads planning dirty sandboxes.")] = 2,
+    workers: Annotated[
+        int, typer.Option(help="Kept for compatibility (1-64): passes are node-wide, one planner.")
+    ] = 2,
     metrics_port: Annotated[
         int, typer.Option(help="Prometheus metrics port on 127.0.0.1 (0 = off).")
     ] = 9464,
