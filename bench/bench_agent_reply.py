@@ -17,6 +17,10 @@ Two measurements, each a subcommand:
             read back from the kernel (sched_getaffinity) and must carry the new CPU: a reply
             that came before the pin counts as a failure.  Updates alternate CPU 0 and 1 and
             go back to back (a blocking caller is not held off, so no gap is needed).
+            Interleaved with each, the same kind of update done by a node pass in this
+            process (``Reconciler.reconcile``, what the agent's pass runs): the floor the
+            reply stands on; ``agent_overhead_ms`` is the median of the pair differences
+            (wake-ups, socket, the agent's accounting).
             The state dir is on a tmpfs (``--root``, default /dev/shm) as ``/run/vmpin``
             is on a node: on a disk, each pass's one commit (``synchronous=FULL``) adds an
             fsync of a few ms that is the disk's, not the agent's.
@@ -68,6 +72,16 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[max(0, min(len(s) - 1, round(q / 100 * len(s) + 0.5) - 1))]  # nearest rank
+
+
+def summary(ms: list[float]) -> dict[str, float]:
+    return {
+        "p50": round(pct(ms, 50), 2),
+        "p90": round(pct(ms, 90), 2),
+        "p99": round(pct(ms, 99), 2),
+        "max": round(max(ms), 2),
+        "mean": round(statistics.fmean(ms), 2),
+    }
 
 
 def memory(pid: int) -> dict[str, float]:
@@ -189,10 +203,12 @@ def cmd_reply(args: argparse.Namespace) -> dict[str, Any]:
         agent = start_agent(paths)
         wait_agent_pass(paths, 1)
         ms: list[float] = []
+        floor: list[float] = []
         failures = 0
         threads = 0
         cpu = 0
         with Store(paths.state_dir) as store:
+            reconciler = Reconciler(paths, store)
             for _ in range(args.updates):
                 cpu ^= 1
                 store.set_container_cpus(f"{sid}-app", CpuSet({cpu}), "update")
@@ -201,6 +217,12 @@ def cmd_reply(args: argparse.Namespace) -> dict[str, Any]:
                 ms.append((time.perf_counter() - t0) * 1000)
                 pinned, threads = all_on(qemu.pid, cpu)
                 failures += int(not (done and pinned))
+                cpu ^= 1  # the floor: the same update as a node pass in this process
+                store.set_container_cpus(f"{sid}-app", CpuSet({cpu}), "update")
+                t0 = time.perf_counter()
+                reconciler.reconcile([sid])
+                floor.append((time.perf_counter() - t0) * 1000)
+                reconciler.last_plan = None
         st = control.request(paths, {"op": "status"}) or {}
         return {
             "benchmark": "agent_reply",
@@ -208,13 +230,11 @@ def cmd_reply(args: argparse.Namespace) -> dict[str, Any]:
             "threads": threads,
             "updates": args.updates,
             "not_pinned_at_reply": failures,
-            "reply_ms": {
-                "p50": round(pct(ms, 50), 2),
-                "p90": round(pct(ms, 90), 2),
-                "p99": round(pct(ms, 99), 2),
-                "max": round(max(ms), 2),
-                "mean": round(statistics.fmean(ms), 2),
-            },
+            "reply_ms": summary(ms),
+            "in_process_pass_ms": summary(floor),
+            "agent_overhead_ms": round(
+                statistics.median(a - b for a, b in zip(ms, floor, strict=True)), 2
+            ),
             "node_passes": st.get("node_passes"),
         }
     finally:
