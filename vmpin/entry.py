@@ -3,7 +3,16 @@
 A typer app costs ~70 ms to import on a small node, and the OCI hook runs on every container
 start; so ``hook`` (and the in-guest ``guest hook`` and ``guest follow``, which run in a small
 guest image) are recognised here, by hand, and never import typer, pydantic, psutil or
-kubernetes.  Everything else goes to :mod:`vmpin.cli`.
+kubernetes.
+
+``vmpin update`` and the read commands (``containers``, ``sandboxes``, ``show``, ``audit``)
+take the same kind of fast route (issue 14): typer 0.29 imports pydantic and builds a
+TypeAdapter per option on every run (~80 ms together, against ~8 ms for a bare interpreter),
+which is most of what ``update`` costs.  Their argv is parsed with the option table the typer
+app itself is declared from (:mod:`vmpin.service.clispec`), and they run the very bodies the
+typer commands run (:mod:`vmpin.service.commands`); anything not plainly one of them (--help,
+a typo, a missing argument) goes to typer, which explains.  Everything else goes to
+:mod:`vmpin.cli`.
 """
 
 from __future__ import annotations
@@ -11,35 +20,13 @@ from __future__ import annotations
 import os
 import sys
 
-#: global options that take a value, as in DESIGN.md (plus vmpin's own path extras).
-GLOBAL_OPTIONS = {
-    "--state-dir": "state_dir",
-    "--vm-dir": "vm_dir",
-    "--proc-root": "proc",
-    "--sysfs-root": "sys",
-    "--cgroup-root": "cgroup",
-    "--runc-root": "runc_root",
-    "--kubelet-state": "kubelet_state",
-    "--publish-dir": "publish_dir",
-}
+from vmpin.service import clispec
 
 
 def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
-    """Take leading global options off ``argv``; None when something else leads."""
-    opts: dict[str, str] = {}
-    i = 0
-    while i < len(argv) and argv[i].startswith("--"):
-        name, eq, value = argv[i].partition("=")
-        if name not in GLOBAL_OPTIONS:
-            return None
-        if not eq:
-            if i + 1 >= len(argv):
-                return None
-            value = argv[i + 1]
-            i += 1
-        opts[GLOBAL_OPTIONS[name]] = value
-        i += 1
-    return opts, argv[i:]
+    """Take leading host-root options (vmpin.service.clispec) off ``argv``; None when
+    something else leads."""
+    return clispec.split_globals(argv, paths_only=True)
 
 
 def console() -> None:
@@ -88,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_code: int = follow_main(rest[2:])
             return follow_code
+    parsed = clispec.parse(args)
+    if parsed is not None:
+        # update and the read commands: the typer app's own bodies, without typer or pydantic
+        from vmpin.service.commands import fast
+
+        return fast(args, *parsed)
     from vmpin.cli import run
 
     return run(args)
