@@ -71,12 +71,20 @@ class Ctx:
         return Store.open_readonly(self.paths.state_dir)
 
     def domains(self) -> LibvirtDomains | None:
-        """The libvirt domains on the configured connections (None: libvirt is off)."""
+        """The libvirt domains on the configured connections (None: libvirt is off, or only
+        the default connection is configured and no daemon serves it on this node).
+
+        A command runs once, so the daemon's absence is settled here, before libvirt-python
+        is imported (~17 ms, and its adapter ~20 ms more, for a read command that would find
+        no domain anyway)."""
         uris = self.settings.libvirt_uris()
         if self._domains is None and uris:
             from vmpin.reconcile.domains import LibvirtDomains
 
-            self._domains = LibvirtDomains(self.paths, uris)
+            domains = LibvirtDomains(self.paths, uris)
+            if not domains.wanted_uris():
+                return None
+            self._domains = domains
         return self._domains
 
     def reconciler(self, store: Store | None = None) -> Reconciler:
