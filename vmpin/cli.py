@@ -358,6 +358,8 @@ def serve(
     """
     from vmpin.service.agent import serve as serve_agent
 
+    ctx.obj.one_shot = False  # a libvirt daemon that starts later is the agent's to handle
+
     raise typer.Exit(
         serve_agent(ctx.obj, interval=interval, workers=workers, metrics_port=metrics_port,
                     kubeconfig=kubeconfig, node_name=node_name)

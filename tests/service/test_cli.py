@@ -4,6 +4,7 @@ route (update and the read commands without typer) against the typer route, argv
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -107,7 +108,8 @@ from vmpin.entry import main
 code = main(sys.argv[1:])
 sys.stdout.flush()
 with open(os.environ["PROBE_OUT"], "w") as f:
-    json.dump(sorted(m for m in ("typer", "pydantic", "vmpin.cli") if m in sys.modules),
+    json.dump(sorted(m for m in ("typer", "pydantic", "vmpin.cli", "libvirt")
+                     if m in sys.modules),
               f)
 sys.exit(code)
 """
@@ -215,12 +217,17 @@ def test_typer_app_declares_the_option_table() -> None:
 
 
 def test_fast_route_needs_no_pydantic(env: dict[str, str], tmp_path: Path, node: str) -> None:
-    """Off the tests' VMPIN_CHECK_VIEWS, a --json read loads neither pydantic nor typer."""
-    quiet = {k: v for k, v in env.items() if k != "VMPIN_CHECK_VIEWS"}
+    """Off the tests' VMPIN_CHECK_VIEWS, a --json read loads neither pydantic nor typer; and
+    with libvirt left at its default (qemu:///system when its daemon runs), not libvirt
+    either on a node where no daemon runs."""
+    from vmpin.reconcile.domains import _SYSTEM_SOCKETS
+
+    quiet = {k: v for k, v in env.items() if k not in ("VMPIN_CHECK_VIEWS", "VMPIN_LIBVIRT")}
+    daemon = any(os.path.exists(s) for s in _SYSTEM_SOCKETS)
     probe = tmp_path / "probe.json"
     out = subprocess.run([sys.executable, "-c", FAST, "sandboxes", "--json"],
                          env={**quiet, "PROBE_OUT": str(probe)}, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert [s["id"] for s in json.loads(out.stdout)] == [node]
-    assert json.loads(probe.read_text()) == []
+    assert json.loads(probe.read_text()) == (["libvirt"] if daemon else [])

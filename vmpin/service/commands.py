@@ -47,6 +47,9 @@ class Ctx:
         self.paths = settings.paths
         self._given = given or {}
         self._domains: LibvirtDomains | None = None
+        #: a command that runs once (every one but ``serve``, which sets this False: a
+        #: libvirt daemon may start after the agent, and the agent then handles its domains)
+        self.one_shot = True
 
     @classmethod
     def from_options(cls, given: dict[str, str | None]) -> Ctx:
@@ -71,18 +74,19 @@ class Ctx:
         return Store.open_readonly(self.paths.state_dir)
 
     def domains(self) -> LibvirtDomains | None:
-        """The libvirt domains on the configured connections (None: libvirt is off, or only
-        the default connection is configured and no daemon serves it on this node).
+        """The libvirt domains on the configured connections (None: libvirt is off, or, for a
+        one-shot command, only the default connection is configured and no daemon serves it
+        on this node).
 
-        A command runs once, so the daemon's absence is settled here, before libvirt-python
-        is imported (~17 ms, and its adapter ~20 ms more, for a read command that would find
-        no domain anyway)."""
+        A one-shot command settles the daemon's absence here, before libvirt-python is
+        imported (~17 ms, and its adapter ~20 ms more, for a read command that would find no
+        domain anyway)."""
         uris = self.settings.libvirt_uris()
         if self._domains is None and uris:
             from vmpin.reconcile.domains import LibvirtDomains
 
             domains = LibvirtDomains(self.paths, uris)
-            if not domains.wanted_uris():
+            if self.one_shot and not domains.wanted_uris():
                 return None
             self._domains = domains
         return self._domains
