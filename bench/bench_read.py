@@ -12,11 +12,13 @@ interpreter): one pair per round, ``--rounds`` rounds.  Reported per command: th
 the per-pair ratios (command / bare), the medians of both wall times, and where the time goes:
 the command run twice in one process (``vmpin.entry.main``), the first run carrying the
 imports and the second not, so ``import_ms`` = first - second and ``work_ms`` = second
-(observe + plan + print: what a read command does).
+(observe + plan + print: what a read command does).  With ``--compare VMPIN`` another build's
+console script runs in each round too (its own pair with a bare interpreter):
+``compare_ratio_median``, a before/after in one run.
 
 Run (as root; the fake VMMs need no KVM)::
 
-    python bench/bench_read.py [--sandboxes 500] [--rounds 15] [--json OUT]
+    python bench/bench_read.py [--sandboxes 500] [--rounds 15] [--json OUT] [--compare VMPIN]
 """
 
 from __future__ import annotations
@@ -63,10 +65,13 @@ def wall(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
     return time.perf_counter() - t0, proc.returncode
 
 
-def measure(args: list[str], env: dict[str, str], rounds: int) -> dict[str, object]:
+def measure(
+    args: list[str], env: dict[str, str], rounds: int, compare: str | None = None
+) -> dict[str, object]:
     bare_cmd = [sys.executable, "-c", "pass"]
     cmd = [*vmpin_cmd(), *args]
-    ratios, ts, bs = [], [], []
+    other = [compare, *args] if compare else None
+    ratios, ts, bs, other_ratios = [], [], [], []
     code = 0
     wall(cmd, env)  # warm the page cache once
     for _ in range(rounds):
@@ -75,6 +80,10 @@ def measure(args: list[str], env: dict[str, str], rounds: int) -> dict[str, obje
         ratios.append(t / b)
         ts.append(t * 1000)
         bs.append(b * 1000)
+        if other:
+            o, _ = wall(other, env)
+            b2, _ = wall(bare_cmd, env)
+            other_ratios.append(o / b2)
     split = subprocess.run(
         [sys.executable, "-c", SPLIT, json.dumps(args)], env=env, capture_output=True,
         text=True, check=True,
@@ -89,6 +98,8 @@ def measure(args: list[str], env: dict[str, str], rounds: int) -> dict[str, obje
         "in_process_first_ms": round(parts["first_ms"], 1),
         "import_ms": round(parts["first_ms"] - parts["second_ms"], 1),
         "work_ms": round(parts["second_ms"], 1),
+        **({"compare_ratio_median": round(statistics.median(other_ratios), 2)}
+           if other_ratios else {}),
     }
 
 
@@ -98,6 +109,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--all-json", action="store_true", help="also every command with --json")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--compare", metavar="VMPIN",
+                    help="another vmpin console script (e.g. a checkout of main's venv), run"
+                    " interleaved too: compare_ratio_median (A/B in one run)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vmpin-read-"))
     vmms: list[fakevmm.FakeVmm] = []
@@ -111,7 +125,7 @@ def main() -> int:
         if args.all_json:
             commands += [["containers", "--json"], ["sandboxes", "--json"],
                          ["show", first, "--json"], ["audit"]]
-        results = {" ".join(c): measure(c, env, args.rounds) for c in commands}
+        results = {" ".join(c): measure(c, env, args.rounds, args.compare) for c in commands}
         result = {
             "benchmark": "read_commands",
             "sandboxes": args.sandboxes,

@@ -28,11 +28,13 @@ Three series (``--samples`` each, default 200):
             the command reconciles the sandbox itself.
 
 Also ``bare_interpreter``: ``python -c pass`` (this venv), interleaved with the cli series,
-for scale.
+for scale; and with ``--compare VMPIN`` another build's ``vmpin update`` interleaved with this
+one's in the cli and no-agent series (``compare_*``), for a before/after in one run.
 
 Run (as root)::
 
     python bench/bench_update_latency.py [--samples 200] [--smp 32] [--json OUT]
+        [--compare /path/to/other/venv/bin/vmpin]
 """
 
 from __future__ import annotations
@@ -110,32 +112,36 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 def series_cli(
     paths: HostPaths, env: dict[str, str], pid: int, n: int, gap: float, first_cpu: int,
-    bare: list[float] | None = None,
-) -> tuple[list[float], list[float], int]:
-    to_threads, cmd_time = [], []
+    bare: list[float] | None = None, compare: list[str] | None = None,
+) -> tuple[list[float], list[float], int, list[float]]:
+    """``vmpin update`` as a new process, ``n`` times: (to all threads, command run time, the
+    last CPU, and -- with ``compare``, another vmpin run interleaved -- its to-all-threads)."""
+    to_threads, cmd_time, other = [], [], []
     cpu = first_cpu
     for _ in range(n):
-        cpu ^= 1
         if bare is not None:
             b0 = time.perf_counter()
             subprocess.run([sys.executable, "-c", "pass"], check=True)
             bare.append((time.perf_counter() - b0) * 1000)
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            [*vmpin_cmd(), "update", f"{SID}-app", "--cpuset-cpus", str(cpu)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        seen = wait_all_on(pid, cpu)
-        _, err = proc.communicate(timeout=60)
-        done = time.perf_counter()
-        if proc.returncode != 0:
-            raise RuntimeError(f"vmpin update failed: {err.decode()}")
-        to_threads.append((seen - t0) * 1000)
-        cmd_time.append((done - t0) * 1000)
-        time.sleep(gap)
-    return to_threads, cmd_time, cpu
+        for exe, out in ((vmpin_cmd(), to_threads), *([(compare, other)] if compare else [])):
+            cpu ^= 1
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                [*exe, "update", f"{SID}-app", "--cpuset-cpus", str(cpu)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            seen = wait_all_on(pid, cpu)
+            _, err = proc.communicate(timeout=60)
+            done = time.perf_counter()
+            if proc.returncode != 0:
+                raise RuntimeError(f"vmpin update failed: {err.decode()}")
+            out.append((seen - t0) * 1000)
+            if out is to_threads:
+                cmd_time.append((done - t0) * 1000)
+            time.sleep(gap)
+    return to_threads, cmd_time, cpu, other
 
 
 def series_notify(
@@ -177,6 +183,9 @@ def main() -> int:
     ap.add_argument("--smp", type=int, default=32)
     ap.add_argument("--gap", type=float, default=0.15, help="seconds between updates")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--compare", metavar="VMPIN",
+                    help="another vmpin console script (e.g. a checkout of main's venv):"
+                    " its update interleaved with this one's in the cli series (A/B)")
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="vmpin-lat-"))
@@ -206,7 +215,10 @@ def main() -> int:
         wait_all_on(qemu.pid, 0)
         threads = len(tids(qemu.pid))
         bare: list[float] = []
-        cli, cli_cmd, last = series_cli(paths, env, qemu.pid, args.samples, args.gap, 0, bare)
+        compare = [args.compare] if args.compare else None
+        cli, cli_cmd, last, other = series_cli(
+            paths, env, qemu.pid, args.samples, args.gap, 0, bare, compare
+        )
         notify, replies, blocking, last = series_notify(
             paths, qemu.pid, args.samples, args.gap, last
         )
@@ -227,8 +239,11 @@ def main() -> int:
         agent.wait(timeout=30)
         agent = None
         no_agent: list[float] = []
+        no_agent_other: list[float] = []
         if args.no_agent_samples:
-            no_agent, _, _ = series_cli(paths, env, qemu.pid, args.no_agent_samples, args.gap, last)
+            no_agent, _, _, no_agent_other = series_cli(
+                paths, env, qemu.pid, args.no_agent_samples, args.gap, last, None, compare
+            )
         result = {
             "benchmark": "update_latency",
             "accel": qemu.accel,
@@ -238,6 +253,10 @@ def main() -> int:
             "gap_s": args.gap,
             "cli_to_all_threads": summary(cli),
             "cli_command_runtime": summary(cli_cmd),
+            "compare": args.compare,
+            "compare_cli_to_all_threads": summary(other) if other else None,
+            "compare_no_agent_cli_to_all_threads": summary(no_agent_other)
+            if no_agent_other else None,
             "bare_interpreter": summary(bare),
             "notify_to_all_threads": summary(notify),
             "notify_agent_reply": summary(replies),
