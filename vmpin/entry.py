@@ -20,13 +20,38 @@ from __future__ import annotations
 import os
 import sys
 
-from vmpin.service import clispec
+#: global options that take a value, as in DESIGN.md (plus vmpin's own path extras).
+#: The hook's and the guest's own copy of the host-root entries of vmpin.service.clispec.GLOBALS
+#: (the guest path may load nothing the guest program does not ship, tests/guest/test_guest.py);
+#: tests/service/test_cli.py checks the two agree.
+GLOBAL_OPTIONS = {
+    "--state-dir": "state_dir",
+    "--vm-dir": "vm_dir",
+    "--proc-root": "proc",
+    "--sysfs-root": "sys",
+    "--cgroup-root": "cgroup",
+    "--runc-root": "runc_root",
+    "--kubelet-state": "kubelet_state",
+    "--publish-dir": "publish_dir",
+}
 
 
 def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
-    """Take leading host-root options (vmpin.service.clispec) off ``argv``; None when
-    something else leads."""
-    return clispec.split_globals(argv, paths_only=True)
+    """Take leading global options off ``argv``; None when something else leads."""
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        name, eq, value = argv[i].partition("=")
+        if name not in GLOBAL_OPTIONS:
+            return None
+        if not eq:
+            if i + 1 >= len(argv):
+                return None
+            value = argv[i + 1]
+            i += 1
+        opts[GLOBAL_OPTIONS[name]] = value
+        i += 1
+    return opts, argv[i:]
 
 
 def console() -> None:
@@ -75,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_code: int = follow_main(rest[2:])
             return follow_code
+    from vmpin.service import clispec
+
     parsed = clispec.parse(args)
     if parsed is not None:
         # update and the read commands: the typer app's own bodies, without typer or pydantic

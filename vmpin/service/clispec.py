@@ -7,7 +7,9 @@ cannot disagree about a name, or about whether an option takes a value.
 ``tests/service/test_cli.py`` checks that the typer app declares exactly these, and that both
 routes give the same stdout, stderr and exit code for the same argv.
 
-No imports at all: :mod:`vmpin.entry` loads this on every start, the OCI hook's included.
+No imports at all: :mod:`vmpin.entry` loads this for every command but the hooks (which
+parse their few host-root options themselves: ``vmpin.entry.GLOBAL_OPTIONS``, the entries
+marked ``path`` here; a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Opt:
         self.flags, self.key, self.help = flags, key, help
         #: takes a value (``--opt V`` / ``--opt=V``); False: a flag
         self.value = value
-        #: a host root of HostPaths (the hook takes these from its own argv)
+        #: a host root of HostPaths (the hook takes these from its own argv too)
         self.path = path
 
 
@@ -120,12 +122,10 @@ def _flags(opts: tuple[Opt, ...]) -> dict[str, Opt]:
     return {flag: o for o in opts for flag in o.flags}
 
 
-def split_globals(
-    argv: list[str], paths_only: bool = False
-) -> tuple[dict[str, str], list[str]] | None:
+def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
     """Take the leading global options off ``argv``: ({key: value}, the rest); None when an
-    option leads that is not one (or, with ``paths_only``, not a host root), or repeats."""
-    table = _flags(tuple(o for o in GLOBALS if o.path or not paths_only))
+    option leads that is not one, or repeats."""
+    table = _flags(GLOBALS)
     given: dict[str, str] = {}
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
