@@ -157,6 +157,7 @@ FAST_CASES = [
     ["update", "{sid}-app", "--cpuset-cpus", "3-1"], ["update", "{sid}-app", "--cpuset-cpus", "7"],
     ["update", "{sid}-app"], ["update", "{sid}-app", "--cpuset-cpus", "0", "-r", "-"],
     ["update", "{sid}-app", "--cpuset-cpus", ""], ["--libvirt", "bogus:", "containers"],
+    ["--helper-policy", "bogus", "containers"], ["update", "{sid}-app", "-r", "/nonexistent"],
 ]
 #: argv the fast route leaves to typer (usage errors, --help): the same by construction
 TYPER_CASES = [
