@@ -16,15 +16,25 @@ Three series (``--samples`` each, default 200):
 
 ``cli``     ``vmpin update lat32-app --cpuset-cpus N`` as a new process (what CRI tooling
             runs): from just before the fork to every thread on the new CPU; also the
-            command's own run time (it returns once the agent has planned the write).
-``notify``  the agent's part alone: store write + control-socket notification from this
-            process, to every thread on the new CPU.
+            command's own run time (it returns once the agent's blocking reply says a pass
+            that saw the write has finished -- or, with an agent that does not give that
+            reply, once it has re-pinned in-process).  ``vmpin update`` takes the fast route
+            of vmpin.entry (no typer, no pydantic).
+``notify``  the agent's part alone: store write + the blocking ``dirty`` request
+            (``{"op": "dirty", "wait": ...}``) from this process: to the agent's reply
+            (``agent_reply``, only when the agent gives the blocking reply: ``blocking``) and
+            to every thread on the new CPU.
 ``no-agent``  (``--no-agent-samples``, default 50) ``vmpin update`` with no agent running:
             the command reconciles the sandbox itself.
+
+Also ``bare_interpreter``: ``python -c pass`` (this venv), interleaved with the cli series,
+for scale; and with ``--compare VMPIN`` another build's ``vmpin update`` interleaved with this
+one's in the cli and no-agent series (``compare_*``), for a before/after in one run.
 
 Run (as root)::
 
     python bench/bench_update_latency.py [--samples 200] [--smp 32] [--json OUT]
+        [--compare /path/to/other/venv/bin/vmpin]
 """
 
 from __future__ import annotations
@@ -101,45 +111,62 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 
 def series_cli(
-    paths: HostPaths, env: dict[str, str], pid: int, n: int, gap: float, first_cpu: int
-) -> tuple[list[float], list[float], int]:
-    to_threads, cmd_time = [], []
+    paths: HostPaths, env: dict[str, str], pid: int, n: int, gap: float, first_cpu: int,
+    bare: list[float] | None = None, compare: list[str] | None = None,
+) -> tuple[list[float], list[float], int, list[float]]:
+    """``vmpin update`` as a new process, ``n`` times: (to all threads, command run time, the
+    last CPU, and -- with ``compare``, another vmpin run interleaved -- its to-all-threads)."""
+    to_threads, cmd_time, other = [], [], []
     cpu = first_cpu
     for _ in range(n):
-        cpu ^= 1
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            [*vmpin_cmd(), "update", f"{SID}-app", "--cpuset-cpus", str(cpu)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        seen = wait_all_on(pid, cpu)
-        _, err = proc.communicate(timeout=60)
-        done = time.perf_counter()
-        if proc.returncode != 0:
-            raise RuntimeError(f"vmpin update failed: {err.decode()}")
-        to_threads.append((seen - t0) * 1000)
-        cmd_time.append((done - t0) * 1000)
-        time.sleep(gap)
-    return to_threads, cmd_time, cpu
+        if bare is not None:
+            b0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+            bare.append((time.perf_counter() - b0) * 1000)
+        for exe, out in ((vmpin_cmd(), to_threads), *([(compare, other)] if compare else [])):
+            cpu ^= 1
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                [*exe, "update", f"{SID}-app", "--cpuset-cpus", str(cpu)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            seen = wait_all_on(pid, cpu)
+            _, err = proc.communicate(timeout=60)
+            done = time.perf_counter()
+            if proc.returncode != 0:
+                raise RuntimeError(f"vmpin update failed: {err.decode()}")
+            out.append((seen - t0) * 1000)
+            if out is to_threads:
+                cmd_time.append((done - t0) * 1000)
+            time.sleep(gap)
+    return to_threads, cmd_time, cpu, other
 
 
 def series_notify(
     paths: HostPaths, pid: int, n: int, gap: float, first_cpu: int
-) -> tuple[list[float], int]:
-    out = []
+) -> tuple[list[float], list[float], bool, int]:
+    """The agent's part: (to all threads, to the reply, whether every reply was blocking)."""
+    out, replies = [], []
+    blocking = True
     cpu = first_cpu
     with Store(paths.state_dir) as store:
         for _ in range(n):
             cpu ^= 1
             t0 = time.perf_counter()
             store.set_container_cpus(f"{SID}-app", CpuSet({cpu}), "update")
-            if not control.notify(paths, [SID]):
-                raise RuntimeError("agent did not take the notification")
+            # the request vmpin update makes (control.notify(..., wait=)), its reply kept
+            reply = control.request(paths, {"op": "dirty", "sandboxes": [SID], "wait": 10.0},
+                                    timeout=11.0)
+            t_reply = time.perf_counter()
+            if not reply or not reply.get("ok"):
+                raise RuntimeError(f"agent did not take the notification: {reply}")
+            blocking = blocking and reply.get("done") is True
+            replies.append((t_reply - t0) * 1000)
             out.append((wait_all_on(pid, cpu) - t0) * 1000)
             time.sleep(gap)
-    return out, cpu
+    return out, replies, blocking, cpu
 
 
 def metrics_text(port: int) -> str:
@@ -156,6 +183,9 @@ def main() -> int:
     ap.add_argument("--smp", type=int, default=32)
     ap.add_argument("--gap", type=float, default=0.15, help="seconds between updates")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--compare", metavar="VMPIN",
+                    help="another vmpin console script (e.g. a checkout of main's venv):"
+                    " its update interleaved with this one's in the cli series (A/B)")
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="vmpin-lat-"))
@@ -184,8 +214,14 @@ def main() -> int:
             time.sleep(0.05)
         wait_all_on(qemu.pid, 0)
         threads = len(tids(qemu.pid))
-        cli, cli_cmd, last = series_cli(paths, env, qemu.pid, args.samples, args.gap, 0)
-        notify, last = series_notify(paths, qemu.pid, args.samples, args.gap, last)
+        bare: list[float] = []
+        compare = [args.compare] if args.compare else None
+        cli, cli_cmd, last, other = series_cli(
+            paths, env, qemu.pid, args.samples, args.gap, 0, bare, compare
+        )
+        notify, replies, blocking, last = series_notify(
+            paths, qemu.pid, args.samples, args.gap, last
+        )
         body = metrics_text(port)
         agent_lat = {
             line.split()[0]: float(line.split()[1])
@@ -203,8 +239,11 @@ def main() -> int:
         agent.wait(timeout=30)
         agent = None
         no_agent: list[float] = []
+        no_agent_other: list[float] = []
         if args.no_agent_samples:
-            no_agent, _, _ = series_cli(paths, env, qemu.pid, args.no_agent_samples, args.gap, last)
+            no_agent, _, _, no_agent_other = series_cli(
+                paths, env, qemu.pid, args.no_agent_samples, args.gap, last, None, compare
+            )
         result = {
             "benchmark": "update_latency",
             "accel": qemu.accel,
@@ -214,7 +253,14 @@ def main() -> int:
             "gap_s": args.gap,
             "cli_to_all_threads": summary(cli),
             "cli_command_runtime": summary(cli_cmd),
+            "compare": args.compare,
+            "compare_cli_to_all_threads": summary(other) if other else None,
+            "compare_no_agent_cli_to_all_threads": summary(no_agent_other)
+            if no_agent_other else None,
+            "bare_interpreter": summary(bare),
             "notify_to_all_threads": summary(notify),
+            "notify_agent_reply": summary(replies),
+            "agent_blocking_reply": blocking,
             "no_agent_cli_to_all_threads": summary(no_agent) if no_agent else None,
             "agent_pin_latency_mean_ms": round(
                 1000

@@ -3,7 +3,16 @@
 A typer app costs ~70 ms to import on a small node, and the OCI hook runs on every container
 start; so ``hook`` (and the in-guest ``guest hook`` and ``guest follow``, which run in a small
 guest image) are recognised here, by hand, and never import typer, pydantic, psutil or
-kubernetes.  Everything else goes to :mod:`vmpin.cli`.
+kubernetes.
+
+``vmpin update`` and the read commands (``containers``, ``sandboxes``, ``show``, ``audit``)
+take the same kind of fast route (issue 14): typer 0.29 imports pydantic and builds a
+TypeAdapter per option on every run (~80 ms together, against ~8 ms for a bare interpreter),
+which is most of what ``update`` costs.  Their argv is parsed with the option table the typer
+app itself is declared from (:mod:`vmpin.service.clispec`), and they run the very bodies the
+typer commands run (:mod:`vmpin.service.commands`); anything not plainly one of them (--help,
+a typo, a missing argument) goes to typer, which explains.  Everything else goes to
+:mod:`vmpin.cli`.
 """
 
 from __future__ import annotations
@@ -12,6 +21,9 @@ import os
 import sys
 
 #: global options that take a value, as in DESIGN.md (plus vmpin's own path extras).
+#: The hook's and the guest's own copy of the host-root entries of vmpin.service.clispec.GLOBALS
+#: (the guest path may load nothing the guest program does not ship, tests/guest/test_guest.py);
+#: tests/service/test_cli.py checks the two agree.
 GLOBAL_OPTIONS = {
     "--state-dir": "state_dir",
     "--vm-dir": "vm_dir",
@@ -88,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_code: int = follow_main(rest[2:])
             return follow_code
+    from vmpin.service import clispec
+
+    parsed = clispec.parse(args)
+    if parsed is not None:
+        # update and the read commands: the typer app's own bodies, without typer or pydantic
+        from vmpin.service.commands import fast
+
+        return fast(args, *parsed)
     from vmpin.cli import run
 
     return run(args)

@@ -1,12 +1,15 @@
 """The ``--json`` views as pydantic models: one home for each output's shape and its schema.
 
-DESIGN.md fixes the keys scripts rely on; these models write them down once.  The CLI
-validates every ``--json`` output against its model before printing it (a view that drifts
-from its schema fails loudly in the tests, not silently in someone's script), and ``vmpin
-schema [COMMAND]`` prints the JSON Schema of each.  Models allow extra keys: outputs may
-grow, never lose a key.
+DESIGN.md fixes the keys scripts rely on; these models write them down once.  ``vmpin schema
+[COMMAND]`` prints the JSON Schema of each.  Models allow extra keys: outputs may grow, never
+lose a key.
 
-pydantic costs ~70 ms to import: only the CLI imports this module, never the hook.
+Every ``--json`` output is validated against its model before it is printed when
+``VMPIN_CHECK_VIEWS`` is set (vmpin.service.commands.emit): the tests set it for every vmpin
+they run, so a view that drifts from its schema fails loudly in the tests, not silently in
+someone's script.  An operator's command does not pay for pydantic (~30 ms to import, and
+typer's route another ~50 ms): ``update`` and the read commands never import this module
+unless asked to check.  Models build their validators on first use (``defer_build``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ CpuList = Optional[str]  # Linux list format, "0-3,8"; None when there is no set
 
 
 class View(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
 
 
 class ContainerView(View):

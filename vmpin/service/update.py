@@ -1,24 +1,32 @@
 """``vmpin update``: CRI UpdateContainerResources, as vmpin hears it.
 
 Validation happens before anything is written: an unknown container, a malformed list or
-JSON, or CPUs that are not online leave the state exactly as it was.
+JSON, or CPUs that are not online leave the state exactly as it was.  Then the re-pin: the
+agent's blocking reply (:func:`vmpin.service.control.notify` with ``wait``: it answers once a
+pass that saw this write has finished), else a pass in this process; a failure puts the old
+set back.  The reconciler is only imported on that second path: with an agent, the command
+costs a store write and one round trip on top of its start-up (issue 14).
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError, StateError
 from vmpin.linux.files import read_bytes
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.reconciler import Reconciler
 from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
-from vmpin.service.settings import Settings, build_reconciler
+from vmpin.service.settings import Settings
 from vmpin.state.store import ContainerRec, Store
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    from vmpin.reconcile.reconciler import Reconciler
 
 
 def _read_resources(source: str) -> bytes:
@@ -46,17 +54,6 @@ def parse_update(cpuset_cpus: str | None, resources: str | None) -> CpuSet | Non
     return parse_resources_json(_read_resources(resources), where).cpus
 
 
-def _wait_done(store: Store, sandbox_id: str, gen: int, timeout: float) -> bool:
-    """Wait until the sandbox was planned from generation ``gen`` or later (or is gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rec = store.sandbox(sandbox_id)
-        if rec is None or rec.done_gen >= gen:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def update_container(
     paths: HostPaths,
     container_id: str,
@@ -67,9 +64,10 @@ def update_container(
     settings: Settings | None = None,
     wait: float = 10.0,
 ) -> dict[str, Any]:
-    """Record the new set, then re-pin: through the agent when one answers (waiting until it
-    has planned from this write, so that the command returning means the threads moved), else
-    in this process (a node-wide pass: another sandbox's plan may depend on this set)."""
+    """Record the new set, then re-pin: through the agent when one answers (its reply comes
+    once a pass that saw this write has finished, so that the command returning means the
+    threads moved; ``wait`` bounds that), else in this process (a node-wide pass: another
+    sandbox's plan may depend on this set)."""
     cpus = parse_update(cpuset_cpus, resources)
     with Store(paths.state_dir) as store:
         rec = store.container(container_id)
@@ -98,7 +96,6 @@ def update_container(
             raise
 
 
-
 def _repin(
     paths: HostPaths,
     store: Store,
@@ -108,16 +105,17 @@ def _repin(
     settings: Settings | None,
     wait: float,
 ) -> dict[str, Any]:
-    sandbox = store.sandbox(rec.sandbox_id)
-    gen = sandbox.gen if sandbox else 0
     from vmpin.service.control import notify
 
-    if notify(paths, [rec.sandbox_id]) and _wait_done(store, rec.sandbox_id, gen, wait):
+    if notify(paths, [rec.sandbox_id], wait=wait):
         applied = "re-pinned by the agent"
     else:
+        # no agent, or none that finished a pass in ``wait``: this process does it (again)
         if reconciler_factory is not None:
             rec_ = reconciler_factory(store)
         else:
+            from vmpin.service.settings import build_reconciler
+
             # the configured policy, as every other entry point (the one factory)
             rec_ = build_reconciler((settings or Settings.from_env())._replace(paths=paths), store)
         reports = rec_.reconcile([rec.sandbox_id])

@@ -1,0 +1,148 @@
+"""Benchmark: the read commands against a bare interpreter, at N sandboxes (issue 14: <= 8x).
+
+Setup: N (default 500) fake QEMU processes registered as Kata sandboxes, exactly as
+bench/bench_idle_pass.py registers them (tests/support/fakevmm.py: 4 threads each, a pause
+container and one workload container on CPU 0 or 1), then one ``vmpin reconcile --once`` so
+that the node is as an agent keeps it (every thread pinned; ``audit`` finds nothing).
+
+Each command -- ``containers``, ``sandboxes``, ``show <first sandbox>``, ``audit --json``
+(and their ``--json`` forms with ``--all-json``) -- runs as a new process (the console script
+``vmpin``, as an operator runs it), interleaved with ``python -c pass`` (the same venv's
+interpreter): one pair per round, ``--rounds`` rounds.  Reported per command: the median of
+the per-pair ratios (command / bare), the medians of both wall times, and where the time goes:
+the command run twice in one process (``vmpin.entry.main``), the first run carrying the
+imports and the second not, so ``import_ms`` = first - second and ``work_ms`` = second
+(observe + plan + print: what a read command does).  With ``--compare VMPIN`` another build's
+console script runs in each round too (its own pair with a bare interpreter):
+``compare_ratio_median``, a before/after in one run.
+
+Run (as root; the fake VMMs need no KVM)::
+
+    python bench/bench_read.py [--sandboxes 500] [--rounds 15] [--json OUT] [--compare VMPIN]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_idle_pass import env_for, setup, vmpin_cmd  # noqa: E402
+
+from tests.support import fakevmm  # noqa: E402
+
+#: run a command twice in one process: the first run pays the imports, the second does not
+SPLIT = """
+import io, json, os, sys, time
+from vmpin.entry import main
+args = json.loads(sys.argv[1])
+out = sys.stdout
+times = []
+for _ in range(2):
+    sys.stdout = io.StringIO()
+    t0 = time.perf_counter()
+    code = main(list(args))
+    times.append(time.perf_counter() - t0)
+sys.stdout = out
+print(json.dumps({"code": code, "first_ms": times[0] * 1000, "second_ms": times[1] * 1000}))
+"""
+
+
+def wall(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0, proc.returncode
+
+
+def measure(
+    args: list[str], env: dict[str, str], rounds: int, compare: str | None = None
+) -> dict[str, object]:
+    bare_cmd = [sys.executable, "-c", "pass"]
+    cmd = [*vmpin_cmd(), *args]
+    other = [compare, *args] if compare else None
+    ratios, ts, bs, other_ratios = [], [], [], []
+    code = 0
+    wall(cmd, env)  # warm the page cache once
+    for _ in range(rounds):
+        b, _ = wall(bare_cmd, env)
+        t, code = wall(cmd, env)
+        ratios.append(t / b)
+        ts.append(t * 1000)
+        bs.append(b * 1000)
+        if other:
+            o, _ = wall(other, env)
+            b2, _ = wall(bare_cmd, env)
+            other_ratios.append(o / b2)
+    split = subprocess.run(
+        [sys.executable, "-c", SPLIT, json.dumps(args)], env=env, capture_output=True,
+        text=True, check=True,
+    )
+    parts = json.loads(split.stdout.strip().splitlines()[-1])
+    return {
+        "exit": code,
+        "ratio_median": round(statistics.median(ratios), 2),
+        "ratio_max": round(max(ratios), 2),
+        "command_ms_median": round(statistics.median(ts), 1),
+        "bare_ms_median": round(statistics.median(bs), 2),
+        "in_process_first_ms": round(parts["first_ms"], 1),
+        "import_ms": round(parts["first_ms"] - parts["second_ms"], 1),
+        "work_ms": round(parts["second_ms"], 1),
+        **({"compare_ratio_median": round(statistics.median(other_ratios), 2)}
+           if other_ratios else {}),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sandboxes", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--all-json", action="store_true", help="also every command with --json")
+    ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--compare", metavar="VMPIN",
+                    help="another vmpin console script (e.g. a checkout of main's venv), run"
+                    " interleaved too: compare_ratio_median (A/B in one run)")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="vmpin-read-"))
+    vmms: list[fakevmm.FakeVmm] = []
+    try:
+        paths, vmms = setup(root, args.sandboxes)
+        env = env_for(paths)
+        subprocess.run([*vmpin_cmd(), "reconcile", "--once"], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        first = "idle0000"
+        commands = [["containers"], ["sandboxes"], ["show", first], ["audit", "--json"]]
+        if args.all_json:
+            commands += [["containers", "--json"], ["sandboxes", "--json"],
+                         ["show", first, "--json"], ["audit"]]
+        results = {" ".join(c): measure(c, env, args.rounds, args.compare) for c in commands}
+        result = {
+            "benchmark": "read_commands",
+            "sandboxes": args.sandboxes,
+            "threads": sum(len(v.tids()) for v in vmms),
+            "rounds": args.rounds,
+            "cpus": os.cpu_count(),
+            "commands": results,
+        }
+        print(json.dumps(result, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
+    finally:
+        for v in vmms:
+            v.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
