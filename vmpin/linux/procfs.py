@@ -100,6 +100,37 @@ def cpus_allowed(proc: str, pid: int, tid: int | None = None) -> CpuSet:
     return CpuSet.parse(status(proc, pid, tid)["Cpus_allowed_list"])
 
 
+_OWN: dict[str, bool] = {}
+
+
+def is_own(proc: str) -> bool:
+    """True when ``proc`` is this process's own procfs (its ``self`` is our pid): then its
+    pids and tids are the ones this process's system calls take."""
+    own = _OWN.get(proc)
+    if own is None:
+        try:
+            own = os.readlink(os.path.join(proc, "self")) == str(os.getpid())
+        except OSError:
+            own = False
+        _OWN[proc] = own
+    return own
+
+
+def affinity(proc: str, pid: int, tid: int | None = None) -> CpuSet:
+    """The task's affinity: ``sched_getaffinity(2)`` when ``proc`` is our own procfs (0.3 us),
+    else ``Cpus_allowed_list`` parsed from ``status`` (24 us: 40 % of an idle pass).
+
+    The syscall takes a bare tid, not (pid, tid): callers pass a tid they just listed in the
+    pid's ``task/``, as ``sched_setaffinity`` does when it pins it.  ESRCH = gone, as ENOENT.
+    """
+    if not is_own(proc):
+        return cpus_allowed(proc, pid, tid)
+    try:
+        return CpuSet(os.sched_getaffinity(pid if tid is None else tid))
+    except OSError as err:
+        raise _translate(err, pid, tid, "sched_getaffinity") from err
+
+
 def syscall(proc: str, pid: int, tid: int | None = None) -> list[str]:
     """``syscall``: number and arguments of the call the task is blocked in, or "running"."""
     return read_text(proc, pid, "syscall", tid).split()

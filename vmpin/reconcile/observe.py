@@ -38,10 +38,12 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vmpin.linux.cgroups import CgroupRef
+    from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
 
 ORIG_PREFIX = "orig-affinity:"
+MISSING_PREFIX = "missing-vcpus:"
 
 
 def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
@@ -50,7 +52,7 @@ def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
 
 
 def missing_key(sandbox_id: str, pid: int, start: int) -> str:
-    return f"missing-vcpus:{sandbox_id}:{pid}:{start}"
+    return f"{MISSING_PREFIX}{sandbox_id}:{pid}:{start}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +150,32 @@ class Observation:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
 
 
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    """What a pass reads from the store, each table read once for the whole node.
+
+    (One query per sandbox per table made the store's share of a pass grow with the node,
+    and kept the pass's queries proportional to it; see tests/reconcile/test_scaling.py.)
+    """
+
+    containers: Mapping[str, list[ContainerRec]]
+    threads: Mapping[tuple[str, int, int], dict[int, ThreadRec]]
+    missing: Mapping[str, str]
+    originals: Mapping[str, str]
+
+    @classmethod
+    def read(cls, store: Store) -> _Recorded:
+        containers: dict[str, list[ContainerRec]] = {}
+        for c in store.containers():
+            containers.setdefault(c.sandbox_id, []).append(c)
+        return cls(
+            containers,
+            store.all_threads(),
+            dict(store.meta_prefix(MISSING_PREFIX)),
+            dict(store.meta_prefix(ORIG_PREFIX)),
+        )
+
+
 def pid_alive(paths: HostPaths, pid: int | None, start: int | None) -> bool | None:
     """True/False when we can tell, None when there is nothing to check."""
     if not pid:
@@ -207,14 +235,20 @@ class Observer:
 
     # -- the node ----------------------------------------------------------------------------
     def observe(self, store: Store) -> Observation:
+        from vmpin.reconcile.podpolicies import PodPolicies
+
         checkpoint, cp_error = self.checkpoint()
-        originals = dict(store.meta_prefix(ORIG_PREFIX))
+        recorded = _Recorded.read(store)
+        originals = recorded.originals
+        policies = PodPolicies(
+            store, self.policy, self.api_annotations, recorded=store.all_policy_annotations()
+        )
         out: list[SandboxObs] = []
         seen: set[str] = set()
         for rec in store.sandboxes():
             seen.add(rec.id)
             try:
-                out.append(self._sandbox(store, rec, checkpoint, originals))
+                out.append(self._sandbox(recorded, policies, rec, checkpoint))
             except Exception as err:  # one sandbox's failure is an error on it, not the node's
                 msg = f"observing it: unexpected {type(err).__name__}: {err}"
                 out.append(
@@ -274,23 +308,23 @@ class Observer:
 
     def _sandbox(
         self,
-        store: Store,
+        recorded: _Recorded,
+        policies: PodPolicies,
         rec: SandboxRec,
         cp: Checkpoint | None,
-        originals: Mapping[str, str],
     ) -> SandboxObs:
         runtime = rec.runtime
         became_kata = False
         if runtime == "runc" and os.path.isdir(os.path.join(self.paths.vm_dir, rec.id)):
             # Recorded before its VM dir existed (hooks ran ahead of the VMM): it is Kata's.
             runtime, became_kata = "kata", True
-        containers = tuple(self._container(c, runtime, cp) for c in store.containers(rec.id))
+        containers = tuple(
+            self._container(c, runtime, cp) for c in recorded.containers.get(rec.id, ())
+        )
         if rec.id in self.policy_for:
             policy, source, problems = self.policy_for[rec.id], "node", tuple[str, ...]()
         else:
-            from vmpin.reconcile.podpolicies import PodPolicies
-
-            r = PodPolicies(store, self.policy, self.api_annotations).resolve(rec.id, rec.pod_uid)
+            r = policies.resolve(rec.id, rec.pod_uid, lookup=False)
             policy, source, problems = r.policy, r.source, tuple(r.problems)
         if runtime != "kata":
             return SandboxObs(
@@ -298,7 +332,7 @@ class Observer:
                 policy_source=source, policy_problems=problems,
             )  # fmt: skip
         try:
-            vmm, gone, notes = self._vmm(store, rec, originals)
+            vmm, gone, notes = self._vmm(recorded, rec)
         except VmpinError as err:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
@@ -353,7 +387,7 @@ class Observer:
             return ThreadObs(
                 tid,
                 "container",
-                actual=procfs.cpus_allowed(self.paths.proc, tid),
+                actual=procfs.affinity(self.paths.proc, tid),
                 name=procfs.comm(self.paths.proc, tid),
                 layer="cgroup",
             )
@@ -364,28 +398,26 @@ class Observer:
 
     # -- VMMs ----------------------------------------------------------------------------------
     def _vmm(
-        self, store: Store, rec: SandboxRec, originals: Mapping[str, str]
+        self, recorded: _Recorded, rec: SandboxRec
     ) -> tuple[VmmObs | None, bool, list[str]]:
         from vmpin.runtimes import vmm as vmm_mod
         from vmpin.runtimes.threads import VmmThread, classify
 
-        vmm = None
-        if rec.vmm_pid and rec.vmm_start is not None:
-            candidate = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)
-            if vmm_mod.is_same(self.paths, candidate, rec.id):
-                vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=False)
+        # The pidfile, then the recorded pid, then (only when neither is the sandbox's QEMU)
+        # a scan of /proc.  (Asking first whether the recorded pid is still the same process
+        # read its stat and cmdline twice: find_vmm checks both, and tries that pid anyway.)
+        vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
         if vmm is None:
-            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
-            if vmm is None:
-                if rec.vmm_pid and rec.vmm_start is not None:
-                    return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
-                return None, False, ["no VMM found yet for this sandbox"]
-        remembered = store.threads(rec.id, vmm.pid, vmm.start)
+            if rec.vmm_pid and rec.vmm_start is not None:
+                return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
+            return None, False, ["no VMM found yet for this sandbox"]
+        originals = recorded.originals
+        remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
-        missing_before = store.meta(missing_key(rec.id, vmm.pid, vmm.start))
+        missing_before = recorded.missing.get(missing_key(rec.id, vmm.pid, vmm.start))
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
@@ -443,13 +475,14 @@ class Observer:
         original = CpuSet.parse(orig_text) if orig_text else None
         base = ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
         try:
-            actual = procfs.cpus_allowed(self.paths.proc, owner, t.tid)
-            name = procfs.comm(self.paths.proc, owner, t.tid)
+            actual = procfs.affinity(self.paths.proc, owner, t.tid)
+            # a labelled thread is reported by its label: its comm is not read
+            name = t.label or procfs.comm(self.paths.proc, owner, t.tid)
         except ProcessGone:
             return base
         except HostError as err:
             return _replace(base, error=str(err))
-        return _replace(base, actual=actual, name=t.label or name)
+        return _replace(base, actual=actual, name=name)
 
     def _vmm_threads_plain(
         self, sid: str, pid: int, start: int, originals: Mapping[str, str]

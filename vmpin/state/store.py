@@ -455,6 +455,14 @@ class Store:
         raw = self.meta(POLICY_META + sandbox_id)
         return dict(json.loads(raw)) if raw else {}
 
+    def all_policy_annotations(self) -> dict[str, dict[str, str]]:
+        """:meth:`policy_annotations` of every sandbox that has some, in one query."""
+        return {
+            key.removeprefix(POLICY_META): dict(json.loads(raw))
+            for key, raw in self.meta_prefix(POLICY_META)
+            if raw
+        }
+
     def _forget(self, ev: dict[str, Any]) -> str | None:
         """poststop: forget the container the event is about (see :meth:`_resolve`)."""
         rec = self._resolve(ev)
@@ -797,10 +805,22 @@ class Store:
     def threads(self, sandbox_id: str, vmm_pid: int, vmm_start: int) -> dict[int, ThreadRec]:
         rows = self.db.execute(
             "SELECT tid, role, idx, label, layer FROM threads"
-            " WHERE sandbox_id=? AND vmm_pid=? AND vmm_start=?",
+            " WHERE sandbox_id=? AND vmm_pid=? AND vmm_start=? ORDER BY tid",
             (sandbox_id, vmm_pid, vmm_start),
         ).fetchall()
         return {r[0]: ThreadRec(*r) for r in rows}
+
+    def all_threads(self) -> dict[tuple[str, int, int], dict[int, ThreadRec]]:
+        """:meth:`threads` of every (sandbox, VMM pid, VMM start), in one query (a node pass
+        reads them all: one query per sandbox made the pass's store time grow with them)."""
+        out: dict[tuple[str, int, int], dict[int, ThreadRec]] = {}
+        rows = self.db.execute(
+            "SELECT sandbox_id, vmm_pid, vmm_start, tid, role, idx, label, layer FROM threads"
+            " ORDER BY sandbox_id, tid"
+        )
+        for sid, pid, start, *rest in rows.fetchall():
+            out.setdefault((sid, pid, start), {})[rest[0]] = ThreadRec(*rest)
+        return out
 
     def save_threads(
         self, sandbox_id: str, vmm_pid: int, vmm_start: int, threads: Iterable[ThreadRec]
