@@ -121,14 +121,14 @@ def affinity(proc: str, pid: int, tid: int | None = None) -> CpuSet:
     else ``Cpus_allowed_list`` parsed from ``status`` (24 us: 40 % of an idle pass).
 
     The syscall takes a bare tid, not (pid, tid): callers pass a tid they just listed in the
-    pid's ``task/``, as ``sched_setaffinity`` does when it pins it.  ESRCH = gone, as ENOENT.
+    pid's ``task/``, as ``sched_setaffinity`` does when it pins it.  ESRCH = gone
+    (:class:`ProcessGone`, as ENOENT is for the file).
     """
     if not is_own(proc):
         return cpus_allowed(proc, pid, tid)
-    try:
-        return CpuSet(os.sched_getaffinity(pid if tid is None else tid))
-    except OSError as err:
-        raise _translate(err, pid, tid, "sched_getaffinity") from err
+    from vmpin.linux.affinity import current
+
+    return current(pid if tid is None else tid)
 
 
 def syscall(proc: str, pid: int, tid: int | None = None) -> list[str]:

@@ -25,7 +25,7 @@ change to learn either.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vmpin.core.cpuset import EMPTY, CpuSet
@@ -86,6 +86,8 @@ class VmmObs:
     missing_vcpus: tuple[int, ...] = ()
     layers: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: classified afresh, and found as the store has it already (apply then writes nothing)
+    as_recorded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +152,7 @@ class Observation:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Recorded:
     """What a pass reads from the store, each table read once for the whole node.
 
@@ -162,6 +164,8 @@ class _Recorded:
     threads: Mapping[tuple[str, int, int], dict[int, ThreadRec]]
     missing: Mapping[str, str]
     originals: Mapping[str, str]
+    #: kernel vhost threads by owner, scanned at the pass's first classification only
+    vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
 
     @classmethod
     def read(cls, store: Store) -> _Recorded:
@@ -403,10 +407,19 @@ class Observer:
         from vmpin.runtimes import vmm as vmm_mod
         from vmpin.runtimes.threads import VmmThread, classify
 
-        # The pidfile, then the recorded pid, then (only when neither is the sandbox's QEMU)
-        # a scan of /proc.  (Asking first whether the recorded pid is still the same process
-        # read its stat and cmdline twice: find_vmm checks both, and tries that pid anyway.)
-        vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+        # The QEMU a pass classified before (its threads are remembered under its pid and
+        # start time, taken from a checked command line) is recognised by two small reads:
+        # the pidfile still names it and its start time is unchanged.  Anything else goes
+        # through find_vmm: the pidfile, then the recorded pid, then a scan of /proc.
+        vmm: vmm_mod.Vmm | None = None
+        if rec.vmm_pid and rec.vmm_start is not None:
+            key = (rec.id, rec.vmm_pid, rec.vmm_start)
+            if key in recorded.threads and vmm_mod.still_running(
+                self.paths, rec.id, rec.vmm_pid, rec.vmm_start
+            ):
+                vmm = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)  # (cmdline unread)
+        if vmm is None:
+            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
         if vmm is None:
             if rec.vmm_pid and rec.vmm_start is not None:
                 return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
@@ -424,13 +437,24 @@ class Observer:
             threads = tuple(self._thread(rec.id, vmm.pid, vmm.start, t, originals) for t in roles)
             layers = tuple(sorted({t.layer for t in roles}))
             return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
+        if not vmm.cmdline:
+            # classifying reads the command line (iothread ids, debug-threads)
+            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            if vmm is None:
+                return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
+            remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
+        if recorded.vhost is None:
+            from vmpin.runtimes.threads import find_vhost_kthreads
+
+            recorded.vhost = find_vhost_kthreads(self.paths)
         result = classify(
             self.paths,
             vmm,
             sock if os.path.exists(sock) else None,
             {t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer) for t in remembered.values()},
             qmp_timeout=self.qmp_timeout,
+            vhost_kthreads=recorded.vhost,
         )
         threads = tuple(
             self._thread(
@@ -447,6 +471,11 @@ class Observer:
             tuple(result.missing_vcpus),
             tuple(result.layers),
             tuple(result.notes),
+            as_recorded=(
+                missing_before == ",".join(map(str, result.missing_vcpus))
+                and [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads]
+                == list(remembered.values())
+            ),
         )
         return obs, False, []
 
@@ -472,17 +501,18 @@ class Observer:
         orig_text = originals.get(orig_key(sid, pid, start, t.tid)) or originals.get(
             orig_key(sid, pid, start, pid)
         )
-        original = CpuSet.parse(orig_text) if orig_text else None
-        base = ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
+        original = _parse(orig_text) if orig_text else None
         try:
             actual = procfs.affinity(self.paths.proc, owner, t.tid)
             # a labelled thread is reported by its label: its comm is not read
             name = t.label or procfs.comm(self.paths.proc, owner, t.tid)
         except ProcessGone:
-            return base
+            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
         except HostError as err:
-            return _replace(base, error=str(err))
-        return _replace(base, actual=actual, name=name)
+            return ThreadObs(
+                t.tid, t.role, t.idx, t.label, t.layer, original=original, error=str(err)
+            )
+        return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
 
     def _vmm_threads_plain(
         self, sid: str, pid: int, start: int, originals: Mapping[str, str]
@@ -496,6 +526,20 @@ class Observer:
             self._thread(sid, pid, start, ThreadRec(tid, "emulator", None, None, ""), originals)
             for tid in tids
         )
+
+
+_PARSED: dict[str, CpuSet] = {}
+
+
+def _parse(text: str) -> CpuSet:
+    """CpuSet.parse, remembered: a node's recorded affinities are few distinct texts, and a
+    pass parses one per thread."""
+    cpus = _PARSED.get(text)
+    if cpus is None:
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        cpus = _PARSED[text] = CpuSet.parse(text)
+    return cpus
 
 
 def _replace(t: ThreadObs, **kw: object) -> ThreadObs:
