@@ -163,18 +163,20 @@ class Reconciler:
             applied = Applier(
                 self.paths, self.affinity, publish=self.publish, domains=self.domains
             ).apply(self.store, plan)
+        conflicts: dict[str, list[dict[str, Any]]] = {}
+        for c in plan.conflicts:
+            entry = {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
+            for sid in sorted(c.sandboxes()):
+                conflicts.setdefault(sid, []).append(entry)
+        wanted = None if sandbox_ids is None else set(sandbox_ids)
         reports = []
         for sp in plan.sandboxes:
             if not sp.obs.tracked:
                 continue
-            if sandbox_ids is not None and sp.id not in sandbox_ids:
+            if wanted is not None and sp.id not in wanted:
                 continue
             report = sandbox_report(sp, applied)
-            report.conflicts = [
-                {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
-                for c in plan.conflicts
-                if sp.id in c.sandboxes()
-            ]
+            report.conflicts = [dict(e) for e in conflicts.get(sp.id, ())]
             reports.append(report)
         if sandbox_ids is not None:
             order = {sid: i for i, sid in enumerate(sandbox_ids)}
