@@ -20,9 +20,10 @@ from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
 
 
 def _task_dir(proc: str, pid: int, tid: int | None = None) -> str:
+    # (f-strings: os.path.join was a tenth of an idle pass's procfs time)
     if tid is None or tid == pid:
-        return os.path.join(proc, str(pid))
-    return os.path.join(proc, str(pid), "task", str(tid))
+        return f"{proc}/{pid}"
+    return f"{proc}/{pid}/task/{tid}"
 
 
 def _translate(err: OSError, pid: int, tid: int | None, what: str) -> HostError:
@@ -35,7 +36,7 @@ def _translate(err: OSError, pid: int, tid: int | None, what: str) -> HostError:
 
 
 def read_text(proc: str, pid: int, name: str, tid: int | None = None) -> str:
-    path = os.path.join(_task_dir(proc, pid, tid), name)
+    path = f"{_task_dir(proc, pid, tid)}/{name}"
     try:
         with open(path, "rb") as f:
             return f.read().decode(errors="replace")

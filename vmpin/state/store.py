@@ -167,11 +167,31 @@ _CONTAINER_COLS = list(ContainerRec._fields)
 _SANDBOX_COLS = list(SandboxRec._fields)
 
 
+_CPUS_AT = _CONTAINER_COLS.index("cpus")
+_SANDBOX_AT = _CONTAINER_COLS.index("is_sandbox")
+_PARSED: dict[str, CpuSet] = {}
+
+
+def _cpus(text: str | None) -> CpuSet | None:
+    """A stored CPU list, parsed once per distinct text (a node pass reads every container,
+    and a node's containers hold few distinct sets)."""
+    if text is None:
+        return None
+    cpus = _PARSED.get(text)
+    if cpus is None:
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        cpus = _PARSED[text] = CpuSet.parse(text)
+    return cpus
+
+
 def _container(row: sqlite3.Row) -> ContainerRec:
-    values = dict(zip(_CONTAINER_COLS, row, strict=True))
-    values["is_sandbox"] = bool(values["is_sandbox"])
-    values["cpus"] = None if values["cpus"] is None else CpuSet.parse(values["cpus"])
-    return ContainerRec(**values)
+    if len(row) != len(_CONTAINER_COLS):
+        raise StateError(f"containers row has {len(row)} columns, not {len(_CONTAINER_COLS)}")
+    values = list(row)
+    values[_SANDBOX_AT] = bool(values[_SANDBOX_AT])
+    values[_CPUS_AT] = _cpus(values[_CPUS_AT])
+    return ContainerRec._make(values)
 
 
 def _sandbox(row: sqlite3.Row) -> SandboxRec:
