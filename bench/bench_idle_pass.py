@@ -1,33 +1,41 @@
-"""Benchmark 3: one periodic pass over 500 idle sandboxes -- its CPU time, and no affinity call.
+"""Benchmark 3: a node pass at 50 / 500 / 2,000 idle sandboxes -- start-up, idle, audit, RSS.
 
-Setup: N (default 500) fake QEMU processes (bench/fakevmm.py: ``-name sandbox-<id>``, 2 vCPU
-threads named "CPU n/KVM", an iothread, the main thread; 4 threads each), each registered
-through the store API as a Kata sandbox with a pause container (no CPU set) and one workload
-container (CPU 0 or 1, alternating).  The start-up pass pins every thread; every later pass
-finds nothing to do, and must do nothing.
+Setup per N: N fake QEMU processes (tests/support/fakevmm.py: ``-name sandbox-<id>``, 2 vCPU
+threads named "CPU n/KVM", an iothread, the main thread; 4 threads each), started on every
+online CPU and each registered through the store API as a Kata sandbox with a pause container
+(no CPU set) and one workload container (CPU 0 or 1, alternating).  The start-up pass pins
+every thread; every later pass finds nothing to do, and must do nothing.
 
-Two measurements:
+Per N:
 
-1. *In process*: an :class:`vmpin.service.agent.Agent` whose reconcilers get an ``AffinityBackend``
-   wrapper counting ``set()`` calls.  After the start-up pass the counter is reset, then
-   ``--passes`` periodic passes run; reported: wall and CPU time per pass (process CPU, all
-   threads: ``time.process_time``), and the number of ``set()`` calls (must be 0).
-2. *The real agent* (``vmpin serve`` as a subprocess): after its start-up pass, one pass is
-   requested over the control socket while ``strace -f --seccomp-bpf -e
-   trace=sched_setaffinity`` is attached; reported: the agent's CPU time for that pass (from
-   /proc/<pid>/stat, a pass without strace) and the number of sched_setaffinity calls strace
-   saw (must be 0).
+1. *One node pass, in process* (the primary figure): ``Reconciler.reconcile()`` over the
+   node with an affinity backend counting ``set()`` calls.  Reported: the start-up pass's CPU
+   time (``time.process_time``), the idle pass's CPU time (median of ``--passes``), the
+   affinity sets of the idle passes (must be 0), the store's changes (``total_changes`` of
+   the connection, and state.db + its WAL unchanged in size and mtime: must be 0 / true).
+2. ``vmpin audit --json`` as a new process (median of 3): wall and CPU (its rusage).
+3. *The real agent* (``vmpin serve``) from the same fresh state, the fake VMMs' affinities
+   reset to every CPU: its CPU time until its start-up work is done (queue empty, no pass
+   running), its RSS then (VmRSS / VmHWM of /proc/<pid>/status), one idle pass's CPU time
+   (from /proc/<pid>/stat) and, under ``strace -f -e trace=sched_setaffinity``, the
+   sched_setaffinity calls of one more idle pass (must be 0).  ``--agent-timeout`` bounds
+   the wait for its start-up (an agent that runs a node pass per sandbox is quadratic).
+
+The fake VMMs' own footprint (the sum of their VmRSS) is reported too: 2,000 of them are
+8,000 threads, about 2 GB here.  They are started and killed by pid.
 
 Run (as root)::
 
-    python bench/bench_idle_pass.py [--sandboxes 500] [--passes 5] [--workers 2] [--json OUT]
+    python bench/bench_idle_pass.py [--sandboxes 50,500,2000] [--passes 5] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -35,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +56,6 @@ from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile.reconciler import Reconciler  # noqa: E402
 from vmpin.service import control  # noqa: E402
-from vmpin.service.agent import Agent  # noqa: E402
 from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
 
 
@@ -98,54 +106,6 @@ def setup(root: Path, n: int) -> tuple[HostPaths, list[fakevmm.FakeVmm]]:
     return paths, vmms
 
 
-def wait_pass(agent: Agent, number: int, timeout: float = 600) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = agent.status()
-        if st["passes"] >= number and not st["pass_running"] and st.get("last_pass_cause"):
-            return st
-        time.sleep(0.01)
-    raise TimeoutError("pass did not finish")
-
-
-def in_process(paths: HostPaths, passes: int, workers: int) -> dict[str, object]:
-    counter = CountingAffinity()
-
-    def factory(store: Store) -> Reconciler:
-        return Reconciler(paths, store, affinity=counter)
-
-    agent = Agent(paths, factory, interval=3600, workers=workers, metrics_port=0)
-    t0 = time.monotonic()
-    agent.start()
-    st = wait_pass(agent, 1)
-    startup = {
-        "wall_s": round(time.monotonic() - t0, 3),
-        "sets": counter.sets,
-        "threads_pinned": st["threads_pinned"],
-        "sandboxes": st["sandboxes"],
-    }
-    counter.sets = counter.gets = 0
-    walls, cpus = [], []
-    for k in range(passes):
-        c0, w0 = time.process_time(), time.monotonic()
-        assert agent.full_pass("periodic")
-        st = wait_pass(agent, 2 + k)
-        cpus.append(time.process_time() - c0)
-        walls.append(time.monotonic() - w0)
-    agent.request_stop()
-    agent.shutdown()
-    return {
-        "startup_pass": startup,
-        "idle_passes": passes,
-        "idle_pass_wall_s_median": round(statistics.median(walls), 4),
-        "idle_pass_cpu_s_median": round(statistics.median(cpus), 4),
-        "idle_pass_cpu_s_max": round(max(cpus), 4),
-        "idle_affinity_set_calls": counter.sets,
-        "idle_affinity_get_calls": counter.gets,
-        "repaired_in_last_pass": st.get("last_pass_repaired"),
-    }
-
-
 def proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
@@ -169,53 +129,134 @@ def wait_agent_pass(paths: HostPaths, number: int, timeout: float = 600) -> dict
     raise TimeoutError("agent pass did not finish")
 
 
-def real_agent(paths: HostPaths, workers: int) -> dict[str, object]:
-    cmd = [
-        *vmpin_cmd(),
-        "serve",
-        "--interval",
-        "3600",
-        "--workers",
-        str(workers),
-        "--metrics-port",
-        "0",
-    ]
+def files_of(paths: HostPaths) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name in ("state.db", "state.db-wal"):
+        p = Path(paths.state_dir) / name
+        if p.exists():
+            st = p.stat()
+            out[name] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def node_pass(paths: HostPaths, passes: int) -> dict[str, object]:
+    """The primary figure: one Reconciler, its start-up pass, then idle passes."""
+    counter = CountingAffinity()
+    with Store(paths.state_dir) as store:
+        rec = Reconciler(paths, store, affinity=counter)
+        c0 = time.process_time()
+        reports = rec.reconcile()
+        startup_cpu = time.process_time() - c0
+        startup_sets = counter.sets
+        counter.sets = 0
+        changes, files = store.db.total_changes, files_of(paths)
+        cpus = []
+        for _ in range(passes):
+            c0 = time.process_time()
+            rec.reconcile()
+            cpus.append(time.process_time() - c0)
+        c0 = time.process_time()
+        result = rec.audit()
+        audit_cpu = time.process_time() - c0
+        return {
+            "startup_pass_cpu_s": round(startup_cpu, 3),
+            "startup_affinity_sets": startup_sets,
+            "startup_threads": sum(len(r.threads) for r in reports),
+            "idle_pass_cpu_s_median": round(statistics.median(cpus), 4),
+            "idle_pass_cpu_s_max": round(max(cpus), 4),
+            "idle_passes": passes,
+            "idle_affinity_sets": counter.sets,
+            "idle_store_changes": store.db.total_changes - changes,
+            "idle_db_and_wal_unchanged": files_of(paths) == files,
+            "audit_in_process_cpu_s": round(audit_cpu, 4),
+            "audit_ok": result["ok"],
+        }
+
+
+def audit_process(paths: HostPaths, runs: int = 3) -> dict[str, object]:
+    walls, cpus = [], []
+    for _ in range(runs):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        w0 = time.monotonic()
+        proc = subprocess.run(
+            [*vmpin_cmd(), "audit", "--json"], env=env_for(paths), capture_output=True, check=False
+        )
+        walls.append(time.monotonic() - w0)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+        if proc.returncode not in (0, 1):
+            raise RuntimeError(f"audit failed: {proc.stderr.decode()[-500:]}")
+    return {"audit_wall_s_median": round(statistics.median(walls), 3),
+            "audit_cpu_s_median": round(statistics.median(cpus), 3)}  # fmt: skip
+
+
+def rss_kb(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def wait_quiet(paths: HostPaths, timeout: float) -> dict[str, object] | None:
+    """The agent's status once it has no work queued or running (twice in a row), else None."""
+    deadline = time.monotonic() + timeout
+    calm = 0
+    while time.monotonic() < deadline:
+        reply = control.request(paths, {"op": "status"}, timeout=5)
+        busy = (
+            not reply
+            or reply["passes"] < 1
+            or reply["pass_running"]
+            or reply.get("queue")
+            or reply.get("running")
+        )
+        calm = 0 if busy else calm + 1
+        if calm >= 2:
+            return reply
+        time.sleep(0.1)
+    return None
+
+
+def real_agent_scaled(paths: HostPaths, workers: int, timeout: float) -> dict[str, object]:
+    cmd = [*vmpin_cmd(), "serve", "--interval", "3600", "--workers", str(workers),
+           "--metrics-port", "0"]  # fmt: skip
     agent = subprocess.Popen(cmd, env=env_for(paths), stderr=subprocess.DEVNULL)
     out: dict[str, object] = {}
     try:
-        st = wait_agent_pass(paths, 1)
-        out["startup_pass_cpu_s"] = st.get("last_pass_cpu_s")
-        # one untraced idle pass: its CPU time as the kernel accounts it
+        t0 = time.monotonic()
+        st = wait_quiet(paths, timeout)
+        out["startup_wall_s"] = round(time.monotonic() - t0, 2)
+        out["startup_cpu_s_proc"] = round(proc_cpu(agent.pid), 3)  # imports included
+        out["rss_kb_after_startup"] = rss_kb(agent.pid)
+        if st is None:
+            out["startup_timeout_s"] = timeout
+            return out
+        out["startup_passes"] = st["passes"]
+        out["last_startup_pass_cpu_s"] = st.get("last_pass_cpu_s")
         c0 = proc_cpu(agent.pid)
+        n = int(st["passes"])
         control.request(paths, {"op": "reconcile"})
-        st = wait_agent_pass(paths, 2)
+        st = wait_agent_pass(paths, n + 1)
         out["idle_pass_cpu_s_proc"] = round(proc_cpu(agent.pid) - c0, 3)
         out["idle_pass_cpu_s_reported"] = st.get("last_pass_cpu_s")
-        out["idle_pass_wall_s_reported"] = st.get("last_pass_duration_s")
         if shutil.which("strace"):
             log = Path(paths.state_dir) / "strace.txt"
             tracer = subprocess.Popen(
-                [
-                    "strace",
-                    "-f",
-                    "-qq",
-                    "--seccomp-bpf",
-                    "-e",
-                    "trace=sched_setaffinity",
-                    "-o",
-                    str(log),
-                    "-p",
-                    str(agent.pid),
-                ],
+                ["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=sched_setaffinity",
+                 "-o", str(log), "-p", str(agent.pid)],
                 stderr=subprocess.DEVNULL,
-            )
+            )  # fmt: skip
             time.sleep(1.0)  # let strace attach to every thread
             control.request(paths, {"op": "reconcile"})
-            wait_agent_pass(paths, 3)
+            wait_agent_pass(paths, n + 2)
             tracer.send_signal(signal.SIGINT)
             tracer.wait(timeout=30)
             lines = [ln for ln in log.read_text().splitlines() if "sched_setaffinity" in ln]
             out["strace_sched_setaffinity_calls"] = len(lines)
+        out["rss_kb_end"] = rss_kb(agent.pid)
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
@@ -226,43 +267,82 @@ def real_agent(paths: HostPaths, workers: int) -> dict[str, object]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sandboxes", type=int, default=500)
-    ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--json", help="also write the result here")
-    args = ap.parse_args()
+def reset_affinity(vmms: list[fakevmm.FakeVmm]) -> None:
+    """Every fake VMM thread back on every online CPU, as a VMM starts."""
+    cpus = os.sched_getaffinity(0)
+    for v in vmms:
+        for tid in v.tids():
+            os.sched_setaffinity(tid, cpus)
+
+
+def one_size(n: int, args: argparse.Namespace) -> dict[str, object]:
     root = Path(tempfile.mkdtemp(prefix="vmpin-idle-"))
     vmms: list[fakevmm.FakeVmm] = []
     try:
         t0 = time.monotonic()
-        paths, vmms = setup(root, args.sandboxes)
-        threads = sum(len(v.tids()) for v in vmms)
+        paths, vmms = setup(root, n)
         setup_s = round(time.monotonic() - t0, 1)
-        inproc = in_process(paths, args.passes, args.workers)
-        real = real_agent(paths, args.workers)
+        fresh = root / "fresh-state"
+        shutil.copytree(paths.state_dir, fresh)
+        vmm_rss = sum(rss_kb(v.pid).get("VmRSS", 0) for v in vmms)
         result: dict[str, object] = {
-            "benchmark": "idle_pass",
-            "sandboxes": args.sandboxes,
-            "threads": threads,
-            "workers": args.workers,
-            "cpus": os.cpu_count(),
+            "sandboxes": n,
+            "threads": sum(len(v.tids()) for v in vmms),
             "setup_s": setup_s,
-            "in_process": inproc,
-            "real_agent": real,
+            "fakevmm_rss_mb_total": round(vmm_rss / 1024, 1),
+            "node_pass": node_pass(paths, args.passes),
+            "audit_process": audit_process(paths),
         }
-        print(json.dumps(result, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        ok = inproc["idle_affinity_set_calls"] == 0 and not real.get(
-            "strace_sched_setaffinity_calls", 0
-        )
-        return 0 if ok else 1
+        if args.agent:
+            reset_affinity(vmms)
+            shutil.rmtree(paths.state_dir)
+            shutil.copytree(fresh, paths.state_dir)
+            result["real_agent"] = real_agent_scaled(paths, args.workers, args.agent_timeout)
+        print(json.dumps(result), file=sys.stderr)
+        return result
     finally:
         for v in vmms:
             v.kill()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sandboxes", default="50,500,2000", help="comma-separated sizes")
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--no-agent", dest="agent", action="store_false",
+                    help="skip the real agent (the in-process node pass and audit only)")
+    ap.add_argument("--agent-timeout", type=float, default=600)
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sandboxes.split(",") if x]
+    with widen():
+        results = [one_size(n, args) for n in sizes]
+    out = {"benchmark": "idle_pass", "cpus": os.cpu_count(), "workers": args.workers,
+           "sizes": results}  # fmt: skip
+    print(json.dumps(out, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    ok = all(
+        r["node_pass"]["idle_affinity_sets"] == 0  # type: ignore[index]
+        and r["node_pass"]["idle_store_changes"] == 0  # type: ignore[index]
+        and not r.get("real_agent", {}).get("strace_sched_setaffinity_calls", 0)  # type: ignore[attr-defined]
+        for r in results
+    )
+    return 0 if ok else 1
+
+
+@contextlib.contextmanager
+def widen() -> Iterator[None]:
+    """This process and the fake VMMs it starts on every online CPU (processes here start on
+    CPU 0 alone: the start-up pass would then have little to pin)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 if __name__ == "__main__":

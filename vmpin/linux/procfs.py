@@ -20,9 +20,10 @@ from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
 
 
 def _task_dir(proc: str, pid: int, tid: int | None = None) -> str:
+    # (f-strings: os.path.join was a tenth of an idle pass's procfs time)
     if tid is None or tid == pid:
-        return os.path.join(proc, str(pid))
-    return os.path.join(proc, str(pid), "task", str(tid))
+        return f"{proc}/{pid}"
+    return f"{proc}/{pid}/task/{tid}"
 
 
 def _translate(err: OSError, pid: int, tid: int | None, what: str) -> HostError:
@@ -35,7 +36,7 @@ def _translate(err: OSError, pid: int, tid: int | None, what: str) -> HostError:
 
 
 def read_text(proc: str, pid: int, name: str, tid: int | None = None) -> str:
-    path = os.path.join(_task_dir(proc, pid, tid), name)
+    path = f"{_task_dir(proc, pid, tid)}/{name}"
     try:
         with open(path, "rb") as f:
             return f.read().decode(errors="replace")
@@ -98,6 +99,37 @@ def status(proc: str, pid: int, tid: int | None = None) -> dict[str, str]:
 def cpus_allowed(proc: str, pid: int, tid: int | None = None) -> CpuSet:
     """The task's affinity as the kernel reports it (``Cpus_allowed_list``)."""
     return CpuSet.parse(status(proc, pid, tid)["Cpus_allowed_list"])
+
+
+_OWN: dict[str, bool] = {}
+
+
+def is_own(proc: str) -> bool:
+    """True when ``proc`` is this process's own procfs (its ``self`` is our pid): then its
+    pids and tids are the ones this process's system calls take."""
+    own = _OWN.get(proc)
+    if own is None:
+        try:
+            own = os.readlink(os.path.join(proc, "self")) == str(os.getpid())
+        except OSError:
+            own = False
+        _OWN[proc] = own
+    return own
+
+
+def affinity(proc: str, pid: int, tid: int | None = None) -> CpuSet:
+    """The task's affinity: ``sched_getaffinity(2)`` when ``proc`` is our own procfs (0.3 us),
+    else ``Cpus_allowed_list`` parsed from ``status`` (24 us: 40 % of an idle pass).
+
+    The syscall takes a bare tid, not (pid, tid): callers pass a tid they just listed in the
+    pid's ``task/``, as ``sched_setaffinity`` does when it pins it.  ESRCH = gone
+    (:class:`ProcessGone`, as ENOENT is for the file).
+    """
+    if not is_own(proc):
+        return cpus_allowed(proc, pid, tid)
+    from vmpin.linux.affinity import current
+
+    return current(pid if tid is None else tid)
 
 
 def syscall(proc: str, pid: int, tid: int | None = None) -> list[str]:

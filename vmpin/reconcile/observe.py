@@ -25,7 +25,7 @@ change to learn either.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vmpin.core.cpuset import EMPTY, CpuSet
@@ -38,10 +38,12 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vmpin.linux.cgroups import CgroupRef
+    from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
 
 ORIG_PREFIX = "orig-affinity:"
+MISSING_PREFIX = "missing-vcpus:"
 
 
 def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
@@ -50,7 +52,7 @@ def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
 
 
 def missing_key(sandbox_id: str, pid: int, start: int) -> str:
-    return f"missing-vcpus:{sandbox_id}:{pid}:{start}"
+    return f"{MISSING_PREFIX}{sandbox_id}:{pid}:{start}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class VmmObs:
     missing_vcpus: tuple[int, ...] = ()
     layers: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: classified afresh, and found as the store has it already (apply then writes nothing)
+    as_recorded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +152,34 @@ class Observation:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
 
 
+@dataclass(slots=True)
+class _Recorded:
+    """What a pass reads from the store, each table read once for the whole node.
+
+    (One query per sandbox per table made the store's share of a pass grow with the node,
+    and kept the pass's queries proportional to it; see tests/reconcile/test_scaling.py.)
+    """
+
+    containers: Mapping[str, list[ContainerRec]]
+    threads: Mapping[tuple[str, int, int], dict[int, ThreadRec]]
+    missing: Mapping[str, str]
+    originals: Mapping[str, str]
+    #: kernel vhost threads by owner, scanned at the pass's first classification only
+    vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
+
+    @classmethod
+    def read(cls, store: Store) -> _Recorded:
+        containers: dict[str, list[ContainerRec]] = {}
+        for c in store.containers():
+            containers.setdefault(c.sandbox_id, []).append(c)
+        return cls(
+            containers,
+            store.all_threads(),
+            dict(store.meta_prefix(MISSING_PREFIX)),
+            dict(store.meta_prefix(ORIG_PREFIX)),
+        )
+
+
 def pid_alive(paths: HostPaths, pid: int | None, start: int | None) -> bool | None:
     """True/False when we can tell, None when there is nothing to check."""
     if not pid:
@@ -207,14 +239,20 @@ class Observer:
 
     # -- the node ----------------------------------------------------------------------------
     def observe(self, store: Store) -> Observation:
+        from vmpin.reconcile.podpolicies import PodPolicies
+
         checkpoint, cp_error = self.checkpoint()
-        originals = dict(store.meta_prefix(ORIG_PREFIX))
+        recorded = _Recorded.read(store)
+        originals = recorded.originals
+        policies = PodPolicies(
+            store, self.policy, self.api_annotations, recorded=store.all_policy_annotations()
+        )
         out: list[SandboxObs] = []
         seen: set[str] = set()
         for rec in store.sandboxes():
             seen.add(rec.id)
             try:
-                out.append(self._sandbox(store, rec, checkpoint, originals))
+                out.append(self._sandbox(recorded, policies, rec, checkpoint))
             except Exception as err:  # one sandbox's failure is an error on it, not the node's
                 msg = f"observing it: unexpected {type(err).__name__}: {err}"
                 out.append(
@@ -274,23 +312,23 @@ class Observer:
 
     def _sandbox(
         self,
-        store: Store,
+        recorded: _Recorded,
+        policies: PodPolicies,
         rec: SandboxRec,
         cp: Checkpoint | None,
-        originals: Mapping[str, str],
     ) -> SandboxObs:
         runtime = rec.runtime
         became_kata = False
         if runtime == "runc" and os.path.isdir(os.path.join(self.paths.vm_dir, rec.id)):
             # Recorded before its VM dir existed (hooks ran ahead of the VMM): it is Kata's.
             runtime, became_kata = "kata", True
-        containers = tuple(self._container(c, runtime, cp) for c in store.containers(rec.id))
+        containers = tuple(
+            self._container(c, runtime, cp) for c in recorded.containers.get(rec.id, ())
+        )
         if rec.id in self.policy_for:
             policy, source, problems = self.policy_for[rec.id], "node", tuple[str, ...]()
         else:
-            from vmpin.reconcile.podpolicies import PodPolicies
-
-            r = PodPolicies(store, self.policy, self.api_annotations).resolve(rec.id, rec.pod_uid)
+            r = policies.resolve(rec.id, rec.pod_uid, lookup=False)
             policy, source, problems = r.policy, r.source, tuple(r.problems)
         if runtime != "kata":
             return SandboxObs(
@@ -298,7 +336,7 @@ class Observer:
                 policy_source=source, policy_problems=problems,
             )  # fmt: skip
         try:
-            vmm, gone, notes = self._vmm(store, rec, originals)
+            vmm, gone, notes = self._vmm(recorded, rec)
         except VmpinError as err:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
@@ -353,7 +391,7 @@ class Observer:
             return ThreadObs(
                 tid,
                 "container",
-                actual=procfs.cpus_allowed(self.paths.proc, tid),
+                actual=procfs.affinity(self.paths.proc, tid),
                 name=procfs.comm(self.paths.proc, tid),
                 layer="cgroup",
             )
@@ -364,41 +402,59 @@ class Observer:
 
     # -- VMMs ----------------------------------------------------------------------------------
     def _vmm(
-        self, store: Store, rec: SandboxRec, originals: Mapping[str, str]
+        self, recorded: _Recorded, rec: SandboxRec
     ) -> tuple[VmmObs | None, bool, list[str]]:
         from vmpin.runtimes import vmm as vmm_mod
         from vmpin.runtimes.threads import VmmThread, classify
 
-        vmm = None
+        # The QEMU a pass classified before (its threads are remembered under its pid and
+        # start time, taken from a checked command line) is recognised by two small reads:
+        # the pidfile still names it and its start time is unchanged.  Anything else goes
+        # through find_vmm: the pidfile, then the recorded pid, then a scan of /proc.
+        vmm: vmm_mod.Vmm | None = None
         if rec.vmm_pid and rec.vmm_start is not None:
-            candidate = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)
-            if vmm_mod.is_same(self.paths, candidate, rec.id):
-                vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=False)
+            key = (rec.id, rec.vmm_pid, rec.vmm_start)
+            if key in recorded.threads and vmm_mod.still_running(
+                self.paths, rec.id, rec.vmm_pid, rec.vmm_start
+            ):
+                vmm = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)  # (cmdline unread)
         if vmm is None:
             vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
-            if vmm is None:
-                if rec.vmm_pid and rec.vmm_start is not None:
-                    return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
-                return None, False, ["no VMM found yet for this sandbox"]
-        remembered = store.threads(rec.id, vmm.pid, vmm.start)
+        if vmm is None:
+            if rec.vmm_pid and rec.vmm_start is not None:
+                return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
+            return None, False, ["no VMM found yet for this sandbox"]
+        originals = recorded.originals
+        remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
-        missing_before = store.meta(missing_key(rec.id, vmm.pid, vmm.start))
+        missing_before = recorded.missing.get(missing_key(rec.id, vmm.pid, vmm.start))
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
             threads = tuple(self._thread(rec.id, vmm.pid, vmm.start, t, originals) for t in roles)
             layers = tuple(sorted({t.layer for t in roles}))
             return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
+        if not vmm.cmdline:
+            # classifying reads the command line (iothread ids, debug-threads)
+            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            if vmm is None:
+                return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
+            remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
+        if recorded.vhost is None:
+            from vmpin.runtimes.threads import find_vhost_kthreads
+
+            recorded.vhost = find_vhost_kthreads(self.paths)
         result = classify(
             self.paths,
             vmm,
             sock if os.path.exists(sock) else None,
             {t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer) for t in remembered.values()},
             qmp_timeout=self.qmp_timeout,
+            vhost_kthreads=recorded.vhost,
         )
         threads = tuple(
             self._thread(
@@ -415,6 +471,11 @@ class Observer:
             tuple(result.missing_vcpus),
             tuple(result.layers),
             tuple(result.notes),
+            as_recorded=(
+                missing_before == ",".join(map(str, result.missing_vcpus))
+                and [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads]
+                == list(remembered.values())
+            ),
         )
         return obs, False, []
 
@@ -440,16 +501,18 @@ class Observer:
         orig_text = originals.get(orig_key(sid, pid, start, t.tid)) or originals.get(
             orig_key(sid, pid, start, pid)
         )
-        original = CpuSet.parse(orig_text) if orig_text else None
-        base = ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
+        original = _parse(orig_text) if orig_text else None
         try:
-            actual = procfs.cpus_allowed(self.paths.proc, owner, t.tid)
-            name = procfs.comm(self.paths.proc, owner, t.tid)
+            actual = procfs.affinity(self.paths.proc, owner, t.tid)
+            # a labelled thread is reported by its label: its comm is not read
+            name = t.label or procfs.comm(self.paths.proc, owner, t.tid)
         except ProcessGone:
-            return base
+            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
         except HostError as err:
-            return _replace(base, error=str(err))
-        return _replace(base, actual=actual, name=t.label or name)
+            return ThreadObs(
+                t.tid, t.role, t.idx, t.label, t.layer, original=original, error=str(err)
+            )
+        return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
 
     def _vmm_threads_plain(
         self, sid: str, pid: int, start: int, originals: Mapping[str, str]
@@ -463,6 +526,20 @@ class Observer:
             self._thread(sid, pid, start, ThreadRec(tid, "emulator", None, None, ""), originals)
             for tid in tids
         )
+
+
+_PARSED: dict[str, CpuSet] = {}
+
+
+def _parse(text: str) -> CpuSet:
+    """CpuSet.parse, remembered: a node's recorded affinities are few distinct texts, and a
+    pass parses one per thread."""
+    cpus = _PARSED.get(text)
+    if cpus is None:
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        cpus = _PARSED[text] = CpuSet.parse(text)
+    return cpus
 
 
 def _replace(t: ThreadObs, **kw: object) -> ThreadObs:

@@ -32,19 +32,31 @@ class PodPolicies:
         store: Store,
         default: Policy,
         api_annotations: Callable[[str], Mapping[str, str] | None] | None = None,
+        *,
+        recorded: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.store = store
         self.default = default
         self.api_annotations = api_annotations
+        #: every sandbox's recorded OCI annotations, read once (a node pass resolves every
+        #: sandbox: one store query each made it grow with the node); None = ask the store
+        self.recorded = recorded
 
-    def resolve(self, sandbox_id: str, pod_uid: str | None = None) -> Resolved:
-        if pod_uid is None and self.api_annotations is not None:
+    def resolve(
+        self, sandbox_id: str, pod_uid: str | None = None, *, lookup: bool = True
+    ) -> Resolved:
+        """The sandbox's policy; ``lookup=False``: ``pod_uid`` is already the recorded one."""
+        if pod_uid is None and lookup and self.api_annotations is not None:
             rec = self.store.sandbox(sandbox_id)
             pod_uid = rec.pod_uid if rec is not None else None
         ann = self.api_annotations(pod_uid) if self.api_annotations and pod_uid else None
         source = "api"
         if ann is None:
-            ann, source = self.store.policy_annotations(sandbox_id), "oci"
+            source = "oci"
+            if self.recorded is not None:
+                ann = self.recorded.get(sandbox_id) or {}
+            else:
+                ann = self.store.policy_annotations(sandbox_id)
         if not ann:
             return Resolved(self.default, "node", [])
         policy, problems = policy_for(ann, self.default)

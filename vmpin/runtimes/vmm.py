@@ -232,6 +232,22 @@ def _scan(paths: HostPaths, sandbox_id: str) -> Vmm | None:
     return max(found, key=lambda v: v.start) if found else None
 
 
+def still_running(paths: HostPaths, sandbox_id: str, pid: int, start: int) -> bool:
+    """True while the pidfile of ``sandbox_id`` names ``pid`` and ``pid`` runs (not a zombie)
+    with the start time ``start``.
+
+    For a VMM found before by :func:`find_vmm` (its command line checked then): (pid, start
+    time) is a process's identity, so two small reads re-find it, where find_vmm reads four.
+    """
+    if read_pidfile(os.path.join(paths.vm_dir, sandbox_id, "pid")) != pid:
+        return False
+    try:
+        fields = procfs.stat_fields(paths.proc, pid)
+        return fields[2] not in ("Z", "X") and int(fields[21]) == start
+    except (HostError, ValueError, IndexError):
+        return False
+
+
 def is_vmm_of(paths: HostPaths, pid: int, sandbox_id: str) -> bool:
     """True when ``pid`` is, right now, the QEMU of ``sandbox_id`` (e.g. an OCI state pid)."""
     return _read_vmm(paths, pid, sandbox_id) is not None

@@ -167,11 +167,31 @@ _CONTAINER_COLS = list(ContainerRec._fields)
 _SANDBOX_COLS = list(SandboxRec._fields)
 
 
+_CPUS_AT = _CONTAINER_COLS.index("cpus")
+_SANDBOX_AT = _CONTAINER_COLS.index("is_sandbox")
+_PARSED: dict[str, CpuSet] = {}
+
+
+def _cpus(text: str | None) -> CpuSet | None:
+    """A stored CPU list, parsed once per distinct text (a node pass reads every container,
+    and a node's containers hold few distinct sets)."""
+    if text is None:
+        return None
+    cpus = _PARSED.get(text)
+    if cpus is None:
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        cpus = _PARSED[text] = CpuSet.parse(text)
+    return cpus
+
+
 def _container(row: sqlite3.Row) -> ContainerRec:
-    values = dict(zip(_CONTAINER_COLS, row, strict=True))
-    values["is_sandbox"] = bool(values["is_sandbox"])
-    values["cpus"] = None if values["cpus"] is None else CpuSet.parse(values["cpus"])
-    return ContainerRec(**values)
+    if len(row) != len(_CONTAINER_COLS):
+        raise StateError(f"containers row has {len(row)} columns, not {len(_CONTAINER_COLS)}")
+    values = list(row)
+    values[_SANDBOX_AT] = bool(values[_SANDBOX_AT])
+    values[_CPUS_AT] = _cpus(values[_CPUS_AT])
+    return ContainerRec._make(values)
 
 
 def _sandbox(row: sqlite3.Row) -> SandboxRec:
@@ -454,6 +474,14 @@ class Store:
         """The per-pod policy annotations recorded from the sandbox's OCI specs (may be {})."""
         raw = self.meta(POLICY_META + sandbox_id)
         return dict(json.loads(raw)) if raw else {}
+
+    def all_policy_annotations(self) -> dict[str, dict[str, str]]:
+        """:meth:`policy_annotations` of every sandbox that has some, in one query."""
+        return {
+            key.removeprefix(POLICY_META): dict(json.loads(raw))
+            for key, raw in self.meta_prefix(POLICY_META)
+            if raw
+        }
 
     def _forget(self, ev: dict[str, Any]) -> str | None:
         """poststop: forget the container the event is about (see :meth:`_resolve`)."""
@@ -797,10 +825,22 @@ class Store:
     def threads(self, sandbox_id: str, vmm_pid: int, vmm_start: int) -> dict[int, ThreadRec]:
         rows = self.db.execute(
             "SELECT tid, role, idx, label, layer FROM threads"
-            " WHERE sandbox_id=? AND vmm_pid=? AND vmm_start=?",
+            " WHERE sandbox_id=? AND vmm_pid=? AND vmm_start=? ORDER BY tid",
             (sandbox_id, vmm_pid, vmm_start),
         ).fetchall()
         return {r[0]: ThreadRec(*r) for r in rows}
+
+    def all_threads(self) -> dict[tuple[str, int, int], dict[int, ThreadRec]]:
+        """:meth:`threads` of every (sandbox, VMM pid, VMM start), in one query (a node pass
+        reads them all: one query per sandbox made the pass's store time grow with them)."""
+        out: dict[tuple[str, int, int], dict[int, ThreadRec]] = {}
+        rows = self.db.execute(
+            "SELECT sandbox_id, vmm_pid, vmm_start, tid, role, idx, label, layer FROM threads"
+            " ORDER BY sandbox_id, tid"
+        )
+        for sid, pid, start, *rest in rows.fetchall():
+            out.setdefault((sid, pid, start), {})[rest[0]] = ThreadRec(*rest)
+        return out
 
     def save_threads(
         self, sandbox_id: str, vmm_pid: int, vmm_start: int, threads: Iterable[ThreadRec]
