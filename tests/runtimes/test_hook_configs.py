@@ -150,3 +150,16 @@ def test_annotation_passthrough_snippets_cover_the_vocabulary() -> None:
         for key in VOCABULARY:
             assert any(fnmatch.fnmatchcase(key, g) for g in globs), (name, key)
             assert key in allowed, (name, key)
+
+
+def test_hooks_run_the_lean_launcher() -> None:
+    """The `vmpin` the configs name is bin/vmpin (pip writes its `#!python` line), the program
+    bench/bench_hook.py times: not a [project.scripts] wrapper, which imports re first."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = HOOKS.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["script-files"] == ["bin/vmpin"]
+    assert "vmpin" not in project["project"].get("scripts", {})
+    launcher = (root / "bin" / "vmpin").read_text()
+    assert launcher.startswith("#!python\n") and "import re" not in launcher
+    assert os.stat(root / "bin" / "vmpin").st_mode & 0o111

@@ -24,6 +24,7 @@ GUEST_MODULES = (
     "vmpin/linux/affinity.py",
     "vmpin/wire/__init__.py",
     "vmpin/wire/guestmap.py",
+    "vmpin/wire/jsonio.py",
     "vmpin/guest/__init__.py",
     "vmpin/guest/program.py",
 )

@@ -14,18 +14,19 @@ every such read goes through :func:`read_bytes`, which
 - reads at most ``limit`` bytes (a regular file can still be huge, or grow while read);
 
 and :func:`load_json` parses untrusted JSON with a nesting limit (the C decoder raises
-``RecursionError`` at ~1000 levels; a document that deep is not one vmpin reads).
+``RecursionError`` at ~1000 levels; a document that deep is not one vmpin reads), through
+:mod:`vmpin.wire.jsonio` (json's C decoder without importing json and re).
 
 Stdlib only, no ``typing`` import: the hook and the guest program use it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 
 from vmpin.core.errors import SpecError, UnsafeFile
+from vmpin.wire.jsonio import loads
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def load_json(
     undecodable or nested deeper than ``max_depth``. ``object_pairs_hook`` as for
     :func:`json.loads` (vmpin.core.gojson keeps repeated keys as Go's decoder sees them)."""
     try:
-        doc = json.loads(data, object_pairs_hook=object_pairs_hook)
+        doc = loads(data, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise SpecError(f"{where}: JSON nested too deeply (limit {max_depth})") from None
     except (ValueError, UnicodeDecodeError) as err:

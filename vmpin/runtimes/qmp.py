@@ -21,7 +21,6 @@ message is one JSON object followed by CRLF.  Replies are ``{"return": ...}`` or
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import time
@@ -29,6 +28,7 @@ from collections.abc import Mapping
 from types import TracebackType
 
 from vmpin.core.errors import QmpError
+from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:

@@ -18,10 +18,10 @@ itself, so a hung agent slows a container start by at most that, and a dead one 
 
 from __future__ import annotations
 
-import json
 import os
 
 from vmpin.linux.paths import HostPaths
+from vmpin.wire.jsonio import dumps, loads
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -35,20 +35,25 @@ def request(
     path = paths.control_socket
     if not os.path.exists(path):
         return None
-    import socket
+    # _socket, not socket: socket.py imports enum, selectors and functools (~2 ms of a hook)
+    # for features a one-line exchange does not use.  _socket's sockets are close-on-exec.
+    import _socket
 
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
             sock.settimeout(timeout)
             sock.connect(path)
-            sock.sendall(json.dumps(message).encode() + b"\n")
+            sock.sendall(dumps(message).encode() + b"\n")
             buf = b""
             while not buf.endswith(b"\n"):
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 buf += chunk
-        reply = json.loads(buf) if buf else None
+        finally:
+            sock.close()
+        reply = loads(buf) if buf else None
     except (OSError, ValueError):
         return None
     return reply if isinstance(reply, dict) else None

@@ -32,8 +32,6 @@ what concurrent hooks are writing; the agent, the CLI and Kata hooks apply it to
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 
@@ -41,6 +39,7 @@ from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
+from vmpin.wire.jsonio import dumps
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -164,7 +163,7 @@ def build(paths: HostPaths, stage: str, state: State) -> dict[str, Any]:
 def encode(event: dict[str, Any]) -> bytes:
     """The event as journal bytes; SpecError when it is not storable (bad text, too big)."""
     try:
-        data = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        data = dumps(event, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except (UnicodeEncodeError, ValueError, TypeError) as err:
         raise SpecError(f"hook event for {event.get('id')!r} cannot be stored: {err}") from None
     if len(data) > MAX_EVENT:
@@ -274,8 +273,10 @@ def append(state_dir: str, event: dict[str, Any]) -> str:
             os.close(dfd)
     except BaseException as err:
         # whatever failed (ENOSPC, EIO, anything), no temp file is left in the state dir
-        with contextlib.suppress(OSError):
+        try:  # noqa: SIM105 (contextlib would cost every hook its import)
             os.unlink(tmp)
+        except OSError:
+            pass
         if not isinstance(err, OSError):
             raise
         raise StateError(

@@ -18,7 +18,6 @@ Why SQLite, and how it is used:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 import sys
@@ -34,6 +33,7 @@ from vmpin.core.ids import check_id
 from vmpin.linux.files import load_json, read_bytes
 from vmpin.runtimes.oci import Identity, identify
 from vmpin.state import journal
+from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 #: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
 POLICY_META = "podpolicy:"

@@ -24,10 +24,9 @@ inside a small guest image, and the host hook path imports it too.
 
 from __future__ import annotations
 
-import json
-
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, WireError
+from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:

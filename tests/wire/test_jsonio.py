@@ -1,0 +1,98 @@
+"""vmpin.wire.jsonio is json, minus the import: same values, same text, same errors.
+
+Compared with :mod:`json` itself on generated documents (hypothesis) and on the malformed,
+BOM-prefixed, UTF-16, deep and trailing-garbage inputs a hostile writer would try; and a fresh
+interpreter shows that reading and writing well-formed JSON imports neither json nor re.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vmpin.core.gojson import Obj
+from vmpin.wire import jsonio
+
+ROOT = Path(__file__).resolve().parents[2]
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values, st.booleans(), st.booleans(), st.sampled_from([None, (",", ":"), (", ", ": ")]))
+def test_same_text_and_values_as_json(
+    value: object, ascii_: bool, sort: bool, seps: tuple[str, str] | None
+) -> None:
+    text = jsonio.dumps(value, ensure_ascii=ascii_, sort_keys=sort, separators=seps)
+    assert text == json.dumps(value, ensure_ascii=ascii_, sort_keys=sort, separators=seps)
+    assert jsonio.loads(text) == json.loads(text)
+    assert jsonio.loads(f" \n{text}\t\r ".encode("utf-8", "surrogatepass")) == json.loads(text)
+    if isinstance(value, dict):
+        pairs = jsonio.loads(text, object_pairs_hook=Obj)
+        assert pairs.pairs == json.loads(text, object_pairs_hook=Obj).pairs
+
+
+@given(st.text(max_size=30) | st.binary(max_size=30))
+def test_same_outcome_on_any_input(data: str | bytes) -> None:
+    try:
+        expected: object = ("ok", json.loads(data))
+    except (ValueError, TypeError) as err:
+        expected = (type(err), str(err))
+    try:
+        got: object = ("ok", jsonio.loads(data))
+    except (ValueError, TypeError) as err:
+        got = (type(err), str(err))
+    if expected[0] == "ok" and isinstance(expected[1], float) and math.isnan(expected[1]):
+        assert got[0] == "ok" and math.isnan(got[1])  # type: ignore[index,arg-type]
+    else:
+        assert got == expected
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"  ", b"{", b'{"a": 1} x', b'{"a": 1}{}', b"\xef\xbb\xbf{}", "\ufeff{}",
+     '{"a": 1}'.encode("utf-16"), '{"a": 1}'.encode("utf-16-le"), '{"a": 1}'.encode("utf-32"),
+     b'{"a": "\xff"}', b'["\\ud800"]', b"[NaN, Infinity, -Infinity]", b'{"a":1,}', b"01",
+     b'"\x01"', b"[" * 5000],
+)  # fmt: skip
+def test_hostile_inputs_behave_as_json(data: bytes | str) -> None:
+    def outcome(f: object) -> object:
+        try:
+            return ("ok", repr(f(data)))  # type: ignore[operator]
+        except (ValueError, TypeError, RecursionError) as err:
+            return (type(err), str(err))
+
+    assert outcome(jsonio.loads) == outcome(json.loads)
+
+
+def test_unserializable_is_jsons_type_error() -> None:
+    with pytest.raises(TypeError, match="Object of type set is not JSON serializable"):
+        jsonio.dumps({"a": {1}})
+    with pytest.raises(ValueError, match="Circular reference"):
+        loop: list[object] = []
+        loop.append(loop)
+        jsonio.dumps(loop)
+    assert jsonio.dumps({"b": 1, "a": [1]}, indent=1) == json.dumps({"b": 1, "a": [1]}, indent=1)
+
+
+def test_no_json_or_re_imported() -> None:
+    code = (
+        "import sys; from vmpin.wire import jsonio; "
+        "v = jsonio.loads(b' {\"a\": [1, 2.5, null, \"\\\\u00e9\"]} '); "
+        "t = jsonio.dumps(v, ensure_ascii=False); "
+        "print(t, sorted(m for m in sys.modules if m in ('json', 're', 'json.decoder')))"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONPATH": str(ROOT)}).stdout  # fmt: skip
+    assert out.strip() == '{"a": [1, 2.5, null, "é"]} []'
