@@ -20,7 +20,13 @@ already loaded by then (``re`` imports it, and the console script imports ``re``
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, TypeVar
+
+    _T = TypeVar("_T")
 
 _NOT_COPIED = frozenset(
     {"__annotations__", "__module__", "__qualname__", "__dict__", "__weakref__", "__doc__"}
@@ -49,3 +55,129 @@ class _NamedTupleMeta(type):
 
 class NamedTuple(metaclass=_NamedTupleMeta):
     """Subclass like ``typing.NamedTuple``; the subclass *is* a ``collections.namedtuple``."""
+
+
+# -- dataclass ---------------------------------------------------------------------------------
+# ``dataclasses`` imports ``inspect`` (with ``dis``, ``ast``, ``tokenize``, ``re``, ``copy``):
+# ~4 ms, and ~1 ms more to process the reconcile pass's records, on a Kata hook that pins
+# in-process.  Modules on that path write::
+#
+#     if TYPE_CHECKING:
+#         from dataclasses import dataclass, field, replace
+#     else:
+#         from vmpin.core._lean import dataclass, field, replace
+#
+# mypy checks against the real dataclasses.  What is supported is what vmpin uses:
+# ``@dataclass(frozen=..., slots=True)`` with plain defaults and ``field(default_factory=)``;
+# the class gets the same ``__init__``, ``__repr__``, ``__eq__``, ``__hash__`` (frozen: of the
+# fields; else unhashable), ``__match_args__``, ``__slots__`` and frozen-ness as from
+# dataclasses, and pickles/copies like it.
+
+
+class FrozenInstanceError(AttributeError):
+    """Assigning to a field of a frozen record (as ``dataclasses.FrozenInstanceError``)."""
+
+
+class _Factory:
+    __slots__ = ("factory",)
+
+    def __init__(self, factory: Callable[[], object]) -> None:
+        self.factory = factory
+
+
+_MISSING = object()
+
+
+def field(*, default_factory: Callable[[], Any]) -> Any:
+    return _Factory(default_factory)
+
+
+class _LazyFields:
+    """``cls.__dataclass_fields__``, made of real ``dataclasses.Field`` s when first asked for."""
+
+    def __get__(self, obj: object, cls: type) -> dict[str, Any]:
+        import dataclasses
+
+        fields: dict[str, Any] = {}
+        for n, default in cls.__dict__["_lean_defaults"].items():
+            f: Any
+            if isinstance(default, _Factory):
+                f = dataclasses.field(default_factory=default.factory)
+            else:
+                f = dataclasses.field(default=default) if default is not _MISSING else (
+                    dataclasses.field())  # fmt: skip
+            f.name, f.type = n, cls.__annotations__[n]
+            f._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+            fields[n] = f
+        return fields
+
+
+def dataclass(*, frozen: bool = False, slots: bool = True) -> Callable[[type], type]:
+    if not slots:
+        raise TypeError("vmpin.core._lean.dataclass makes slotted classes only")
+    return lambda cls: _record(cls, frozen)
+
+
+def _record(cls: type, frozen: bool) -> type:
+    names = tuple(cls.__dict__.get("__annotations__", {}))  # noqa: RUF063 (inspect is slow)
+    ns = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    scope: dict[str, object] = {"_MISSING": _MISSING, "_set": object.__setattr__}
+    params, body = [], []
+    defaults = {n: ns.get(n, _MISSING) for n in names}
+    for n in names:
+        value = n
+        if n not in ns:
+            params.append(n)
+        elif isinstance(ns[n], _Factory):
+            scope[f"_f_{n}"] = ns.pop(n).factory
+            params.append(f"{n}=_MISSING")
+            value = f"_f_{n}() if {n} is _MISSING else {n}"
+        else:
+            scope[f"_d_{n}"] = ns.pop(n)
+            params.append(f"{n}=_d_{n}")
+        body.append(f"_set(self, {n!r}, {value})" if frozen else f"self.{n} = {value}")
+    src = f"def __init__(self, {', '.join(params)}):\n    " + "\n    ".join(body or ["pass"])
+    exec(src, scope)
+    init: Any = scope["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+
+    def values(self: Any) -> tuple[Any, ...]:
+        return tuple([getattr(self, n) for n in names])
+
+    def __repr__(self: Any) -> str:
+        inner = ", ".join([f"{n}={getattr(self, n)!r}" for n in names])
+        return f"{type(self).__qualname__}({inner})"
+
+    def __eq__(self: Any, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return values(self) == values(other)
+
+    def __setstate__(self: Any, state: tuple[Any, ...]) -> None:
+        for n, v in zip(names, state, strict=True):
+            object.__setattr__(self, n, v)
+
+    ns.update(__slots__=names, __match_args__=names, __init__=init, _lean_defaults=defaults,
+              __dataclass_fields__=_LazyFields(),
+              __repr__=__repr__, __eq__=__eq__, __getstate__=values,
+              __setstate__=__setstate__)  # fmt: skip
+    if "__hash__" not in cls.__dict__ or cls.__dict__["__hash__"] is None:
+        ns["__hash__"] = (lambda self: hash(values(self))) if frozen else None
+    if frozen:
+
+        def __setattr__(self: Any, name: str, value: object) -> None:
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+        def __delattr__(self: Any, name: str) -> None:
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+        ns.update(__setattr__=__setattr__, __delattr__=__delattr__)
+    ns["__qualname__"] = cls.__qualname__
+    return type(cls.__name__, cls.__bases__, ns)
+
+
+def replace(obj: _T, /, **changes: Any) -> _T:
+    """``dataclasses.replace`` for records made by :func:`dataclass`."""
+    kw = {n: getattr(obj, n) for n in obj.__match_args__}  # type: ignore[attr-defined]
+    kw.update(changes)
+    return obj.__class__(**kw)

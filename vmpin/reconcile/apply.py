@@ -17,7 +17,6 @@ the guest map is published for the sandboxes whose plan has one.
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass, field
 from functools import partial
 
 from vmpin.core.cpuset import CpuSet
@@ -30,10 +29,13 @@ from vmpin.state.store import Store, ThreadRec
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from dataclasses import dataclass, field
     from typing import Any
 
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.sources import DomainSource
+else:  # dataclasses imports inspect and re: a stand-in on the hook's path
+    from vmpin.core._lean import dataclass, field
 
 
 @dataclass(slots=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
@@ -37,10 +36,14 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from dataclasses import dataclass, field
+
     from vmpin.linux.cgroups import CgroupRef
     from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
+else:  # dataclasses imports inspect and re: a stand-in on the hook's path
+    from vmpin.core._lean import dataclass, field
 
 ORIG_PREFIX = "orig-affinity:"
 MISSING_PREFIX = "missing-vcpus:"
@@ -543,7 +546,10 @@ def _parse(text: str) -> CpuSet:
 
 
 def _replace(t: ThreadObs, **kw: object) -> ThreadObs:
-    from dataclasses import replace
+    if TYPE_CHECKING:
+        from dataclasses import replace
+    else:
+        from vmpin.core._lean import replace
 
     return replace(t, **kw)  # type: ignore[arg-type]
 

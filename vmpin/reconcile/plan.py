@@ -25,7 +25,6 @@ vmpin last saw it there (:func:`adopt`); the adoption is part of the plan, and a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
@@ -36,7 +35,10 @@ from vmpin.state.store import ContainerRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from dataclasses import dataclass, field
     from typing import Any
+else:  # dataclasses imports inspect and re: a stand-in on the hook's path
+    from vmpin.core._lean import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,7 +504,10 @@ def _undo_or_none(t: ThreadObs, pool: CpuSet | None) -> ThreadPlan:
 
 
 def _replace(p: SandboxPlan, **kw: object) -> SandboxPlan:
-    from dataclasses import replace
+    if TYPE_CHECKING:
+        from dataclasses import replace
+    else:
+        from vmpin.core._lean import replace
 
     return replace(p, **kw)  # type: ignore[arg-type]
 

@@ -31,9 +31,11 @@ Kata's quirks (FACTS.md), and how each is handled:
   runc: it is stored as the container's pid only for plain containers, and for Kata only
   used as a hint when looking for the VMM.
 
-Lean by rule (see the import-linter contract in pyproject.toml and tests/test_hook_imports.py):
-json and the project's small modules; no typer, pydantic, psutil, kubernetes, dataclasses or
-typing, and sqlite3 only on the Kata path.
+Lean by rule (see the import-linter contract in pyproject.toml and
+tests/service/test_hook_imports.py, which checks every path in a fresh interpreter): the
+project's small modules and vmpin.wire.jsonio; no json or re (bin/vmpin is not pip's wrapper,
+which imports re), no typer, pydantic, psutil, kubernetes, dataclasses or typing; sqlite3 only
+when this process must reconcile (Kata or VMs running, and no agent answered).
 """
 
 from __future__ import annotations
@@ -45,10 +47,6 @@ from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES, parse_state
 from vmpin.service.settings import Settings
 from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog, build
-
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
-if TYPE_CHECKING:
-    from vmpin.state.store import Store
 
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
 
@@ -83,11 +81,20 @@ def _vms_present(paths: HostPaths) -> bool:
         return False
 
 
+#: seconds a hook waits for the agent's pass (the blocking ``dirty``, vmpin.service.control):
+#: a pass takes milliseconds; past this the hook reconciles in-process (Kata's shipped hook
+#: timeout is 10 s, and a hook must never be the reason a start times out).
+AGENT_WAIT = 5.0
+
+
 def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = None) -> str | None:
     """Handle one hook invocation; returns the sandbox id it touched (None when nothing).
 
-    The event is journaled (see vmpin.state.journal) and, for a Kata sandbox, applied and reconciled
-    right here; a plain container's event waits for the agent or the next vmpin command.
+    The event is journaled (see vmpin.state.journal).  A Kata sandbox (or a plain container
+    while VMs run) is then brought into line before the hook returns: by the agent when one
+    answers the blocking notify (its pass applies the journal and plans the node; the hook
+    never opens the store), else right here.  A plain container's event on a node without VMs
+    waits for the agent or the next vmpin command.
     """
     state = parse_state(data, f"hook {stage}: state")
     event = build(paths, stage, state)
@@ -99,16 +106,13 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         or (sandbox is None and stage == "poststop")
         or _vms_present(paths)
     ):
-        from vmpin.state.store import Store
+        from vmpin.service.control import notify
 
-        # Not closed on purpose: the last connection to close checkpoints the WAL into the
-        # database, a synchronous write on a container start.  The console script leaves
-        # with os._exit(); what was committed is in the WAL for the next connection.
-        store = Store(paths.state_dir, ingest=False)
-        # another process may have applied our event already: then re-pin our sandbox anyway
-        touched = store.ingest(budget=INGEST_BUDGET) or ([sandbox] if sandbox else [])
-        # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
-        sync(settings or Settings.from_env(), store, touched, paths)
+        # The invariant is to hold when the hook returns: the agent replies "done" only after
+        # a node pass that started after this request (so it ingested our event) has ended.
+        if notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT):
+            return sandbox
+        reconcile_here(settings or Settings.from_env(), paths, sandbox)
         return sandbox
     if sandbox is not None:
         from vmpin.service.control import notify
@@ -123,29 +127,19 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     return sandbox
 
 
-def _wait_done(store: Store, gens: dict[str, int], timeout: float) -> bool:
-    """Until every sandbox was planned from its generation or later (or is gone)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all((r := store.sandbox(sid)) is None or r.done_gen >= gen for sid, gen in gens.items()):
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def sync(settings: Settings, store: Store, sandbox_ids: list[str], paths: HostPaths) -> None:
-    """Hand the sandboxes to the agent, or re-plan the node here when no agent answers."""
-    from vmpin.service.control import notify
+def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) -> None:
+    """No agent answered: apply the journal and re-plan the sandbox in this process."""
     from vmpin.service.settings import build_reconciler
+    from vmpin.state.store import Store
 
-    live = {sid: sb.gen for sid in sandbox_ids if (sb := store.sandbox(sid)) is not None}
-    # The invariant is to hold when the hook returns: wait for the agent's pass.
-    told = live and len(live) == len(sandbox_ids) and notify(paths, sandbox_ids)
-    if told and _wait_done(store, live, 5.0):
-        return
+    # Not closed on purpose: the last connection to close checkpoints the WAL into the
+    # database, a synchronous write on a container start.  The console script leaves with
+    # os._exit(); what was committed is in the WAL for the next connection.
+    store = Store(paths.state_dir, ingest=False)
+    # another process may have applied our event already: then re-pin our sandbox anyway
+    touched = store.ingest(budget=INGEST_BUDGET) or ([sandbox] if sandbox else [])
+    # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
     rec = build_reconciler(settings._replace(paths=paths), store, qmp_timeout=0.1)
-    for report in rec.reconcile(sandbox_ids):
+    for report in rec.reconcile(touched):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)
