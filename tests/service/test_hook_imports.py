@@ -1,58 +1,248 @@
-"""The hook path stays lean: what `vmpin hook` actually loads, checked at run time (a plain
-container's hook journals its event and loads neither sqlite3 nor typing).
+"""Every hook path stays lean: what `vmpin hook` actually loads, checked at run time.
 
 import-linter checks the static imports of vmpin.service.hook and vmpin.guest.program; this
-checks the whole
-dispatch (vmpin.entry -> hook -> in-process reconcile of a plain container) in a fresh
-interpreter, where a lazy import in the wrong place would show.
+runs the real launcher (bin/vmpin, what pip installs as the `vmpin` command) in a fresh
+interpreter without site (``-S``: nothing is loaded before it but the interpreter's own
+start), on every path a hook can take, and lists every module it loaded:
+
+- runc, no agent: journals only;
+- runc, agent answering: journals and notifies (socket, no sqlite3);
+- Kata, agent answering the blocking notify: journals and waits for the agent's pass; never
+  opens the store (no sqlite3), never plans here;
+- Kata, no agent: reconciles a real QEMU in-process (sqlite3, but still no json, typing or
+  dataclasses);
+- a plain container while a VM runs, no agent: re-plans the node in-process.
+
+The agent is a small real socket server here, speaking the control protocol
+(vmpin.service.control): the point is what the *hook* loads, whatever the agent replies.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
-             "prometheus_client", "dataclasses", "typing", "sqlite3", "vmpin.cli",
-             "vmpin.service.agent", "vmpin.reconcile.reconciler")
+import pytest
 
+from tests.support.qemu_util import QemuHandle, qemu_factory
+from tests.support.session import new_id
+from vmpin.linux.paths import HostPaths
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "bin" / "vmpin"
+CRI = "io.kubernetes.cri."
+
+#: never on any hook path (json and dataclasses pull in re and inspect: vmpin.wire.jsonio and
+#: vmpin.core._lean stand in for them)
+FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
+             "prometheus_client", "vmpin.cli", "vmpin.service.agent", "vmpin.service.watch",
+             "json", "typing", "dataclasses", "inspect")  # fmt: skip
+#: not where the hook only journals and notifies (the agent socket through _socket)
+LEAN = ("re", "enum", "functools", "contextlib", "socket", "selectors")
+#: only where this process re-plans (no agent answered and VMs are involved); there QMP's
+#: socket, the store's contextlib and the thread classifier's regexes come along
+RECONCILE = ("sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")
+
+# Runs the launcher as the kernel would (its code as __main__), with os._exit (which the
+# launcher calls after a hook) reporting the modules first; imports nothing itself.
 PROBE = """
-import io, json, sys
-before = set(sys.modules)  # what site loaded here (an editable install may load typing)
-sys.stdin = io.TextIOWrapper(io.BytesIO(sys.argv[1].encode()))
-sys.argv = ["vmpin"] + sys.argv[2:]
-from vmpin.entry import main
-code = main()
-print(json.dumps({"code": code, "modules": sorted(set(sys.modules) - before)}))
+import sys, os
+before = set(sys.modules)
+path, state = sys.argv[1], sys.argv[2]
+sys.argv = [path] + sys.argv[3:]
+r, w = os.pipe()
+os.write(w, state.encode())
+os.close(w)
+os.dup2(r, 0)
+sys.stdin = open(0, "r", closefd=False)
+real_exit = os._exit
+def report(code):
+    loaded = sorted(set(sys.modules) - before)
+    sys.stdout.write("MODULES " + str(code) + " " + " ".join(loaded) + "\\n")
+    sys.stdout.flush()
+    real_exit(code)
+os._exit = report
+with open(path) as f:
+    code = compile(f.read(), path, "exec")
+exec(code, {"__name__": "__main__", "__file__": path})
 """
 
 
-def test_hook_imports_nothing_heavy(tmp_path: Path) -> None:
-    bundle = tmp_path / "b"
-    bundle.mkdir()
-    (bundle / "config.json").write_text(json.dumps(
-        {"linux": {"resources": {"cpu": {"cpus": "0"}}}}))
-    state = json.dumps({"id": "lean1", "pid": 1, "bundle": str(bundle)})
+def hook(env: dict[str, str], stage: str, state: dict[str, object]) -> tuple[set[str], str]:
+    """Run the launcher's hook in a fresh `python -S`; the modules it loaded, and stderr."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, state, "--state-dir", str(tmp_path / "s"),
-         "--runc-root", str(tmp_path / "runc"), "hook", "--strict", "prestart"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["code"] == 0, proc.stderr
-    loaded = set(out["modules"])
-    assert "vmpin.state.journal" in loaded
+        [sys.executable, "-S", "-c", PROBE, str(LAUNCHER), json.dumps(state), "hook",
+         "--strict", stage],
+        capture_output=True, text=True, timeout=60, env={**env, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MODULES ")]
+    assert lines, (proc.returncode, proc.stdout, proc.stderr)
+    _, code, *mods = lines[-1].split(" ")
+    assert code == "0", proc.stderr
+    return set(mods), proc.stderr
+
+
+def bundle(tmp: Path, cid: str, sandbox: str, cpus: str | None) -> tuple[Path, dict[str, str]]:
+    b = tmp / "bundles" / cid
+    b.mkdir(parents=True)
+    ann = {CRI + "container-type": "sandbox" if cid == sandbox else "container",
+           CRI + "sandbox-id": sandbox, CRI + "container-name": "app"}  # fmt: skip
+    spec: dict[str, object] = {"annotations": ann}
+    if cpus is not None:
+        spec["linux"] = {"resources": {"cpu": {"cpus": cpus}}}
+    (b / "config.json").write_text(json.dumps(spec))
+    return b, ann
+
+
+def state(cid: str, b: Path, ann: dict[str, str], pid: int | None) -> dict[str, object]:
+    doc: dict[str, object] = {"id": cid, "bundle": str(b), "annotations": ann}
+    if pid is not None:
+        doc["pid"] = pid
+    return doc
+
+
+def assert_lean(loaded: set[str], reconciled: bool) -> None:
+    assert "vmpin.state.journal" in loaded and "vmpin.wire.jsonio" in loaded
     assert not [m for m in FORBIDDEN if m in loaded]
+    here = [m for m in RECONCILE if m in loaded]
+    assert here == (list(RECONCILE) if reconciled else [])
+    if not reconciled:
+        assert not [m for m in LEAN if m in loaded]
+
+
+class FakeAgent:
+    """A real unix socket at the agent's place, answering the control protocol like the agent:
+    ``dirty`` with ``wait`` -> done (as after its pass), without -> queued."""
+
+    def __init__(self, paths: HostPaths) -> None:
+        os.makedirs(paths.state_dir, exist_ok=True)
+        self.requests: list[dict[str, object]] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(paths.control_socket)
+        self.sock.listen(8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while not buf.endswith(b"\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                msg = json.loads(buf)
+                self.requests.append(msg)
+                reply: dict[str, object] = {"ok": True, "queued": len(msg["sandboxes"])}
+                if "wait" in msg:
+                    reply["done"] = True
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def agent(paths: HostPaths) -> Iterator[FakeAgent]:
+    a = FakeAgent(paths)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def qemu(vm_dir: Path) -> Iterator[Callable[..., QemuHandle]]:
+    with qemu_factory(vm_dir) as start:
+        yield start
+
+
+def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) -> None:
+    b, ann = bundle(tmp_path, "lean1", "lean1", "0")
+    loaded, _ = hook(env, "prestart", state("lean1", b, ann, os.getpid()))
+    assert_lean(loaded, reconciled=False)
+    assert "socket" not in loaded  # no socket file: not even imported
     # ...and the event it journaled is in the store for the next reader
     listed = subprocess.run(
-        [sys.executable, "-m", "vmpin", "--state-dir", str(tmp_path / "s"), "containers",
-         "--json"], capture_output=True, text=True, timeout=60, check=True)
+        [sys.executable, "-m", "vmpin", "--state-dir", paths.state_dir, "containers", "--json"],
+        capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
     assert [(c["id"], c["cpus"]) for c in json.loads(listed.stdout)] == [("lean1", "0")]
+
+
+def test_runc_agent_answering(
+    env: dict[str, str], tmp_path: Path, agent: FakeAgent
+) -> None:
+    b, ann = bundle(tmp_path, "lean2", "lean2", "0")
+    loaded, _ = hook(env, "prestart", state("lean2", b, ann, os.getpid()))
+    assert_lean(loaded, reconciled=False)
+    assert agent.requests == [{"op": "dirty", "sandboxes": ["lean2"]}]
+
+
+@pytest.mark.qemu
+def test_kata_agent_answering_never_opens_the_store(
+    env: dict[str, str], tmp_path: Path, agent: FakeAgent,
+    qemu: Callable[..., QemuHandle], paths: HostPaths,
+) -> None:  # fmt: skip
+    q = qemu(new_id("leank"), smp=2)
+    b, ann = bundle(tmp_path, "c1", q.sandbox_id, "1")
+    loaded, _ = hook(env, "prestart", state("c1", b, ann, q.pid))
+    assert_lean(loaded, reconciled=False)
+    assert [r.get("sandboxes") for r in agent.requests] == [[q.sandbox_id]]
+    assert all(isinstance(r.get("wait"), float) for r in agent.requests)
+    assert not os.path.exists(os.path.join(paths.state_dir, "vmpin.db"))
+    assert len(os.listdir(os.path.join(paths.state_dir, "journal"))) == 1
+
+
+@pytest.mark.qemu
+@pytest.mark.multi_cpu
+def test_kata_no_agent_reconciles_in_process(
+    env: dict[str, str], tmp_path: Path, qemu: Callable[..., QemuHandle]
+) -> None:
+    q = qemu(new_id("leank"), smp=2, debug_threads=True)
+    b, ann = bundle(tmp_path, "c1", q.sandbox_id, "1")
+    loaded, err = hook(env, "prestart", state("c1", b, ann, q.pid))
+    assert err == ""
+    assert_lean(loaded, reconciled=True)
+    # the real work was done here: every QEMU thread is on CPU 1
+    for tid in os.listdir(f"/proc/{q.pid}/task"):
+        assert os.sched_getaffinity(int(tid)) == {1}, tid
+
+
+@pytest.mark.qemu
+def test_plain_container_while_vms_run(
+    env: dict[str, str], tmp_path: Path, qemu: Callable[..., QemuHandle]
+) -> None:
+    qemu(new_id("leank"), smp=2)
+    b, ann = bundle(tmp_path, "plain1", "plain1", "0")
+    loaded, err = hook(env, "prestart", state("plain1", b, ann, os.getpid()))
+    assert err == ""
+    assert_lean(loaded, reconciled=True)
 
 
 def test_cli_commands_still_reach_typer(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "vmpin", "hook", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "Fail-open" in proc.stdout
+
+
+def test_installed_command_is_the_launcher() -> None:
+    """The `vmpin` beside this interpreter is bin/vmpin with its shebang set by pip (not pip's
+    console-script wrapper, which imports re)."""
+    installed = Path(sys.executable).with_name("vmpin")
+    if not installed.exists():
+        pytest.skip("vmpin is not installed beside this interpreter")
+    first, rest = installed.read_text().split("\n", 1)
+    assert first.startswith("#!") and "python" in first and "import re" not in rest
+    assert rest == LAUNCHER.read_text().split("\n", 1)[1]
