@@ -13,8 +13,8 @@ cost on top of a bare interpreter.  Modules on the hook path therefore write::
 mypy takes any name ``TYPE_CHECKING`` as true and checks against the real ``typing``; at run
 time the class below builds the same ``collections.namedtuple`` that ``typing.NamedTuple``
 builds (fields from the annotations, in order; defaults from the class body; methods,
-properties and the docstring copied over), without importing ``typing``.  ``collections`` is
-already loaded by then (``re`` imports it, and the console script imports ``re``).
+properties and the docstring copied over), without importing ``typing`` (``collections``
+costs the hook ~0.5 ms of its own: the one stand-in left that is not free).
 """
 
 from __future__ import annotations

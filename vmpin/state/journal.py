@@ -1,14 +1,15 @@
 """Hook events: built in the hook, journaled as files, applied to the store exactly once.
 
 Why a journal in front of SQLite: the hook delays every container start, and on this kind of
-node ``python3 -c pass`` takes 13 ms while merely importing ``re`` (which pip's console-script
-wrapper does), ``json`` and ``sqlite3`` takes 28 ms.  A hook that opened the database could
-not stay within 2.5x of a bare interpreter.  So the hook does everything that needs the
+node importing ``sqlite3`` alone costs a third of a bare interpreter's start, and opening
+the database, with its durable commits, more (the hook's budget is 1.5x a bare interpreter;
+it reads and writes JSON through :mod:`vmpin.wire.jsonio`, without ``json`` and ``re``).  So
+the hook does everything that needs the
 *moment* -- read the bundle (it may be gone later), read the pid's start time (the pid may be
 reused later), detect the runtime, validate -- and appends the result as one small JSON file
 (every write checked, fsync, rename, fsync the directory: all or nothing).  Whoever opens the
-store next (the agent, the CLI, a
-Kata hook) applies pending events in order (:meth:`vmpin.state.store.Store.ingest`), inside a
+store next (the agent, the CLI, a Kata hook without an agent) applies pending events in order
+(:meth:`vmpin.state.store.Store.ingest`), inside a
 transaction that also records each event's name, so an event is applied exactly once even
 when two processes ingest at once. This module owns the event's format and the journal's
 files; it never imports the store.
@@ -16,7 +17,8 @@ files; it never imports the store.
 For a plain runc container nothing is lost by applying later: at create runc has already
 written the spec's cpuset into the container's cgroup, which is exactly vmpin's plan for it,
 and a plain container's poststop changes no other container's placement.  A Kata sandbox is
-different (its QEMU floats until pinned), so its hooks ingest and reconcile in-process.
+different (its QEMU floats until pinned): its hooks wait for the agent's pass (which ingests),
+or ingest and reconcile in-process when no agent answers.
 
 Hostile input stops here, not in the store: :func:`build` refuses what could not be stored
 (a pid beyond ``PID_MAX``, text that is not valid UTF-8, oversized documents: see
