@@ -44,7 +44,7 @@ FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
              "prometheus_client", "vmpin.cli", "vmpin.service.agent", "vmpin.service.watch",
              "json", "typing", "dataclasses", "inspect")  # fmt: skip
 #: not where the hook only journals and notifies (the agent socket through _socket)
-LEAN = ("re", "enum", "functools", "contextlib", "socket", "selectors")
+LEAN = ("re", "enum", "functools", "contextlib", "socket", "selectors", "collections")
 #: only where this process re-plans (no agent answered and VMs are involved); there QMP's
 #: socket, the store's contextlib and the thread classifier's regexes come along
 RECONCILE = ("sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")

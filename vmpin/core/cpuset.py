@@ -27,9 +27,11 @@ Every set is written back in the one normal form, :meth:`CpuSet.to_list`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 from vmpin.core.errors import CpuSetError
+
+TYPE_CHECKING = False  # collections.abc imports collections (~1 ms of a hook): types only
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
 
 #: The kernel's CONFIG_NR_CPUS maximum is 8192; anything above cannot be a CPU.
 MAX_CPUS = 8192

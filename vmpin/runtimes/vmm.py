@@ -20,7 +20,6 @@ so a pass that stored a VMM notices when the pid now belongs to someone else, or
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 from vmpin.core.errors import HostError, VmpinError
 from vmpin.core.ids import check_id
@@ -30,6 +29,7 @@ from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import NamedTuple
 else:
     from vmpin.core._lean import NamedTuple

@@ -15,7 +15,6 @@ planner's Policy is only built when a pass needs it.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.linux.paths import ENVVARS as PATH_ENVVARS
@@ -24,6 +23,7 @@ from vmpin.linux.paths import HostPaths
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import NamedTuple
 
     from vmpin.core.planner import Policy
