@@ -39,14 +39,14 @@ LAUNCHER = ROOT / "bin" / "vmpin"
 CRI = "io.kubernetes.cri."
 
 #: never on any hook path (json and dataclasses pull in re and inspect: vmpin.wire.jsonio and
-#: vmpin.core._lean stand in for them)
+#: vmpin.core._lean stand in for them; the agent's socket and QMP's use _socket)
 FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
              "prometheus_client", "vmpin.cli", "vmpin.service.agent", "vmpin.service.watch",
-             "json", "typing", "dataclasses", "inspect")  # fmt: skip
-#: not where the hook only journals and notifies (the agent socket through _socket)
-LEAN = ("re", "enum", "functools", "contextlib", "socket", "selectors", "collections")
-#: only where this process re-plans (no agent answered and VMs are involved); there QMP's
-#: socket, the store's contextlib and the thread classifier's regexes come along
+             "json", "typing", "dataclasses", "inspect", "socket", "selectors")  # fmt: skip
+#: not where the hook only journals and notifies
+LEAN = ("re", "enum", "functools", "contextlib", "collections")
+#: only where this process re-plans (no agent answered and VMs are involved); there the
+#: store's contextlib and the thread classifier's regexes come along
 RECONCILE = ("sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")
 
 # Runs the launcher as the kernel would (its code as __main__), with os._exit (which the
