@@ -445,3 +445,17 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
         per_sandbox = WRITERS // SANDBOXES
         expected_gen = per_sandbox * (1 + 1 + UPDATES)
         assert s.dirty() == [(f"sb{j}", expected_gen) for j in range(SANDBOXES)]
+
+
+@pytest.mark.parametrize("name", ["a b", "q?x#y", "p%41", "é", "tab\tnl"])
+def test_read_only_open_of_an_awkward_path(tmp_path: Path, name: str) -> None:
+    """The read-only open names the file as an SQLite URI: ?, #, % and the rest are escaped
+    (a path read as a query or a fragment would open another file, or none)."""
+    state = tmp_path / name
+    with Store(str(state)) as s:
+        s.put_sandbox(SandboxRec("sb1", "kata"))
+    ro = Store.open_readonly(str(state))
+    try:
+        assert [r.id for r in ro.sandboxes()] == ["sb1"]
+    finally:
+        ro.close()

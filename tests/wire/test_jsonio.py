@@ -43,6 +43,31 @@ def test_same_text_and_values_as_json(
         assert pairs.pairs == json.loads(text, object_pairs_hook=Obj).pairs
 
 
+indented_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.lists(inner, max_size=3).map(tuple)
+    | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(indented_values, st.booleans(), st.sampled_from([0, 1, 2, 4]))
+def test_indented_text_is_jsons(value: object, ascii_: bool, indent: int) -> None:
+    """The read commands' --json views are printed indented without json (and its re)."""
+    text = jsonio.dumps(value, ensure_ascii=ascii_, indent=indent)
+    assert text == json.dumps(value, ensure_ascii=ascii_, indent=indent)
+
+
+def test_indented_cycle_and_odd_keys_are_jsons() -> None:
+    loop: list[object] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular reference"):
+        jsonio.dumps(loop, indent=2)
+    assert jsonio.dumps({1: [2], None: 3}, indent=2) == json.dumps({1: [2], None: 3}, indent=2)
+
+
 @given(st.text(max_size=30) | st.binary(max_size=30))
 def test_same_outcome_on_any_input(data: str | bytes) -> None:
     try:

@@ -23,11 +23,9 @@ never imports libvirt.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
@@ -37,12 +35,22 @@ from vmpin.reconcile.apply import Outcome
 from vmpin.reconcile.observe import ContainerObs, SandboxObs, ThreadObs, VmmObs
 from vmpin.state.store import ContainerRec, SandboxRec
 
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (read commands)
 if TYPE_CHECKING:
+    import logging
+    from typing import Any
+
     from vmpin.core.planner import Policy
     from vmpin.reconcile.plan import SandboxPlan
     from vmpin.runtimes import libvirt as lv
 
-log = logging.getLogger("vmpin.libvirt")
+
+
+def _log() -> logging.Logger:
+    """The libvirt logger; logging (~4 ms) is imported only when there is something to say."""
+    import logging
+
+    return logging.getLogger("vmpin.libvirt")
 
 DEFAULT_URIS = ("qemu:///system",)
 #: where qemu:///system answers (monolithic libvirtd, or modular virtqemud)
@@ -57,7 +65,9 @@ def adapter() -> Any:
     except ImportError as err:
         if not _warned:
             _warned.append(True)
-            log.warning("libvirt domains are not handled: %s (pip install 'vmpin[libvirt]')", err)
+            _log().warning(
+                "libvirt domains are not handled: %s (pip install 'vmpin[libvirt]')", err
+            )
         return None
     return lv_mod
 
@@ -233,7 +243,7 @@ class LibvirtDomains:
             try:
                 conn.publish_guest_map(d.uuid, sp.guest_map)
             except VmpinError as err:
-                log.warning("guest map not published", extra={"fields": {"error": str(err)}})
+                _log().warning("guest map not published", extra={"fields": {"error": str(err)}})
         return out
 
 

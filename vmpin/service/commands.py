@@ -15,7 +15,6 @@ because importing pydantic would cost a read command four bare interpreters.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import sys
@@ -24,6 +23,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
 from vmpin.state.store import ContainerRec, Store
+from vmpin.wire import jsonio
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
@@ -108,7 +108,7 @@ def emit(data: Any, view: str) -> None:
         from vmpin.reconcile.views import check
 
         check(view, data)
-    echo(json.dumps(data, indent=2, sort_keys=False))
+    echo(jsonio.dumps(data, indent=2))
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -294,8 +294,6 @@ class Store:
         pending = journal.pending(state_dir) if os.path.isdir(state_dir) else []
         if not os.path.isfile(path) and not pending:
             raise StateError(f"no vmpin state at {state_dir}")
-        from urllib.parse import quote  # (imports re: off the hook path, read-only commands only)
-
         self = cls.__new__(cls)
         self.state_dir, self.path, self._depth = state_dir, path, 0
         self._masks = MappingProxyType({})
@@ -303,7 +301,7 @@ class Store:
         try:
             if os.path.isfile(path):
                 self.db = sqlite3.connect(
-                    f"file:{quote(path)}?mode=ro", uri=True, timeout=timeout, isolation_level=None
+                    f"file:{_uri_path(path)}?mode=ro", uri=True, timeout=timeout, isolation_level=None
                 )
                 self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
                 version = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -874,3 +872,13 @@ class Store:
     def set_meta(self, key: str, value: str) -> None:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
+
+
+_URI_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/_.-~")
+
+
+def _uri_path(path: str) -> str:
+    """``path`` as an SQLite URI filename: every byte but the unreserved ones as %HH (what
+    urllib.parse.quote does, without its import of re on every read command)."""
+    raw = os.fsencode(path)
+    return "".join(chr(b) if b in _URI_SAFE else f"%{b:02X}" for b in raw)

@@ -118,6 +118,16 @@ def dumps(
     indent: int | None = None,
 ) -> str:
     """``json.dumps`` with these arguments (and json's defaults for the others), same text."""
+    if _c is not None and indent is not None and separators is None and not sort_keys:
+        # json has no C encoder for indented output; its Python one imports re.  The read
+        # commands print their --json views indented, so that shape is written here.
+        try:
+            quote_ = _c.encode_basestring_ascii if ensure_ascii else _c.encode_basestring
+            out: list[str] = []
+            _indented(obj, quote_, " " * indent, "\n", out, set())
+            return "".join(out)
+        except _Unusual:
+            pass  # json does it (keys that are not strings, subclasses, ...)
     if _c is None or indent is not None:
         import json
 
@@ -131,3 +141,67 @@ def dumps(
         return str(quote(obj))
     encode = _c.make_encoder({}, _default, quote, None, key_sep, item_sep, sort_keys, False, True)
     return "".join(encode(obj, 0))
+
+
+class _Unusual(Exception):
+    """A value the indented writer leaves to json (its text would differ otherwise)."""
+
+
+def _indented(
+    o: object, quote: Callable[[str], str], step: str, nl: str, out: list[str], seen: set[int]
+) -> None:
+    """json.dumps(o, indent=...)'s text, for the plain types json's own writer takes; a cycle
+    is left to json (its ValueError)."""
+    t = type(o)
+    if t is list or t is tuple or t is dict:
+        if id(o) in seen:
+            raise _Unusual
+        seen.add(id(o))
+    if t is str:
+        out.append(quote(o))  # type: ignore[arg-type]
+    elif o is None:
+        out.append("null")
+    elif o is True:
+        out.append("true")
+    elif o is False:
+        out.append("false")
+    elif t is int:
+        out.append(int.__repr__(o))
+    elif t is float:
+        f: float = o  # type: ignore[assignment]
+        if f != f:
+            out.append("NaN")
+        elif f in (float("inf"), float("-inf")):
+            out.append("Infinity" if f > 0 else "-Infinity")
+        else:
+            out.append(float.__repr__(f))
+    elif t is list or t is tuple:
+        seq: list[object] = o  # type: ignore[assignment]
+        if not seq:
+            out.append("[]")
+            return
+        inner = nl + step
+        out.append("[")
+        for i, v in enumerate(seq):
+            out.append(inner if i == 0 else "," + inner)
+            _indented(v, quote, step, inner, out, seen)
+        out.append(nl + "]")
+        seen.discard(id(o))
+    elif t is dict:
+        d: dict[object, object] = o  # type: ignore[assignment]
+        if not d:
+            out.append("{}")
+            return
+        inner = nl + step
+        out.append("{")
+        for i, (k, v) in enumerate(d.items()):
+            if type(k) is not str:
+                raise _Unusual
+            out.append(inner if i == 0 else "," + inner)
+            out.append(quote(k))
+            out.append(": ")
+            _indented(v, quote, step, inner, out, seen)
+        out.append(nl + "}")
+        seen.discard(id(o))
+    else:
+        raise _Unusual
