@@ -40,8 +40,9 @@ MAX_CPUS = 8192
 class CpuSet:
     """An immutable, hashable set of CPU numbers; every operation returns a new set."""
 
-    __slots__ = ("_cpus",)
+    __slots__ = ("_cpus", "_text")
     _cpus: frozenset[int]
+    _text: str  # to_list()'s answer, kept once asked: a pass prints the same sets many times
 
     def __init__(self, cpus: Iterable[int] = ()) -> None:
         frozen = frozenset(cpus)
@@ -186,6 +187,10 @@ class CpuSet:
     # -- formatting ----------------------------------------------------------------------
     def to_list(self) -> str:
         """The Linux list format, ranges collapsed: {0,1,2,3,8} -> "0-3,8"."""
+        try:
+            return self._text
+        except AttributeError:
+            pass
         parts: list[str] = []
         cpus = sorted(self._cpus)
         i = 0
@@ -195,7 +200,9 @@ class CpuSet:
                 j += 1
             parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
             i = j + 1
-        return ",".join(parts)
+        text = ",".join(parts)
+        object.__setattr__(self, "_text", text)
+        return text
 
     def to_int(self) -> int:
         value = 0

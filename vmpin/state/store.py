@@ -300,9 +300,8 @@ class Store:
         self._masks_key = None
         try:
             if os.path.isfile(path):
-                self.db = sqlite3.connect(
-                    f"file:{_uri_path(path)}?mode=ro", uri=True, timeout=timeout, isolation_level=None
-                )
+                uri = f"file:{_uri_path(path)}?mode=ro"
+                self.db = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
                 self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
                 version = self.db.execute("PRAGMA user_version").fetchone()[0]
                 if version not in (0, SCHEMA_VERSION):
