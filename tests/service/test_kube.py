@@ -139,3 +139,25 @@ def test_configured_without_importing_the_client(tmp_path: Path) -> None:
     assert not configured(None, {"KUBECONFIG": str(tmp_path / "none")})
     assert configured(None, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"})
     assert configured(str(tmp_path / "given"), {})
+
+
+def test_agent_without_the_kube_extra_warns_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`pip install vmpin` has no Kubernetes client (it is the `kube` extra): `vmpin serve`
+    must run without it, saying why there are no Events, not die on an ImportError."""
+    import sys
+    from types import SimpleNamespace
+
+    from vmpin.service.agent import attach_kube
+
+    for name in ("vmpin.service.kube", "vmpin.runtimes.kubeapi"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "urllib3", None)
+    agent = SimpleNamespace(kube=None)
+    with caplog.at_level("INFO", logger="vmpin"):
+        attach_kube(agent, "/etc/kubernetes/kubelet.conf", None, {})  # type: ignore[arg-type]
+    assert agent.kube is None
+    warned = [r for r in caplog.records if "no Kubernetes client installed" in r.getMessage()]
+    assert warned and warned[0].levelname == "WARNING"

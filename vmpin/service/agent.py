@@ -896,8 +896,19 @@ def attach_kube(
     """Connect the agent to the Kubernetes API when it is configured; say once when not.
 
     The client is imported only here, only when credentials are in sight (it costs 335 ms).
+    It is an extra (``vmpin[kube]``): without it the agent runs as without an API, and says so.
     """
-    from vmpin.service.kube import configured
+    try:
+        from vmpin.service.kube import configured
+    except ImportError as err:
+        in_sight = bool(kubeconfig or env.get("KUBECONFIG") or env.get("KUBERNETES_SERVICE_HOST"))
+        log_event(
+            logging.WARNING if in_sight else logging.INFO,
+            "no Kubernetes client installed (pip install 'vmpin[kube]'): per-pod policy from OCI"
+            " annotations only; no Events, no NodePinning report",
+            error=str(err),
+        )
+        return
 
     if not configured(kubeconfig, env):
         log_event(logging.INFO, "no Kubernetes API configured: per-pod policy from OCI annotations"
