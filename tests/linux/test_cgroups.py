@@ -7,6 +7,7 @@ and their own ``sleep`` processes, and remove both afterwards.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -423,3 +424,26 @@ def test_ref_from_rel(tree: Tree) -> None:
     assert ref_from_rel(tree.paths, "/a") == CgroupRef(1, str(d1), "/a")
     assert ref_from_rel(tree.paths, "/b") == CgroupRef(2, str(d2), "/b")
     assert ref_from_rel(tree.paths, "/c") is None
+
+
+def test_glob_star_is_glob_for_every_candidate_layout(tmp_path: Path) -> None:
+    """The hand-written stand-in for glob (kept off the hook's path) finds what glob finds."""
+    import glob
+
+    from vmpin.linux.cgroups import _glob_star
+
+    root = str(tmp_path / "cpuset[x]")  # magic characters in the root are literal
+    for rel in candidate_paths(CID):
+        if "*" not in rel:
+            continue
+        for uid in ("aaaa-1", "bbbb_2", ""):
+            real = os.path.join(root + rel.replace("*", uid))
+            os.makedirs(real, exist_ok=True)
+        hidden = root + rel.replace("*", "x").replace("/pod", "/.pod").replace("-pod", "-.pod")
+        os.makedirs(hidden, exist_ok=True)
+    os.makedirs(root + "/kubepods/podzz", exist_ok=True)  # no container inside: no match
+    for rel in candidate_paths(CID):
+        if "*" in rel:
+            want = sorted(glob.glob(glob.escape(root) + rel))
+            assert _glob_star(root, rel) == want and want, rel
+    assert _glob_star(str(tmp_path / "none"), candidate_paths(CID)[2]) == []

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pytest_mock import MockerFixture
 
 from tests.support.capabilities import HOST_LACKS
@@ -719,3 +721,28 @@ def test_vhost_kthreads_from_a_fixture_tree(
         (302, "vhost", "names"),
     ]
     assert any("cannot list" in n for n in c.notes)  # no fd table in the fixture
+
+
+# -- the name parsers stand in for re (kept off the Kata hook): the same answers as the regexes
+_CPU_NAME_RE = r"CPU (\d+)/(\w+)"
+
+
+def _names_sample() -> list[str]:
+    return ["CPU 0/KVM", "CPU 12/TCG", "CPU 1/", "CPU /KVM", "CPU 1/KVM x", "CPU 1/KV-M",
+            "CPU ٣/KVM", "CPU 1/ßé_9", "CPU 01/KVM", "cpu 0/KVM", "CPU 0/KVM/x", "CPU 0",
+            "vhost-123", "vhost-", "vhost-12a", "vhost-٣", "vhost-1\n", "CPU 1/KVM\n",
+            "anon_inode:kvm-vcpu:3", "anon_inode:kvm-vcpu:", "anon_inode:kvm-vcpu:3 "]  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(_names_sample()) | st.text(alphabet="CPU /vhost-0123٣_aéK\n", max_size=14))
+def test_name_parsers_agree_with_the_regexes(text: str) -> None:
+    import re
+
+    from vmpin.runtimes.threads import _cpu_name, _number_after
+
+    m = re.fullmatch(_CPU_NAME_RE, text)
+    assert _cpu_name(text) == (int(m.group(1)) if m else None)
+    for prefix in ("vhost-", "anon_inode:kvm-vcpu:"):
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)", text)
+        assert _number_after(prefix, text) == (int(m.group(1)) if m else None)

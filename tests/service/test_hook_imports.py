@@ -45,9 +45,13 @@ FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
              "json", "typing", "dataclasses", "inspect", "socket", "selectors")  # fmt: skip
 #: not where the hook only journals and notifies
 LEAN = ("re", "enum", "functools", "contextlib", "collections")
-#: only where this process re-plans (no agent answered and VMs are involved); there the
-#: store's contextlib and the thread classifier's regexes come along
-RECONCILE = ("sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")
+#: only where this process re-plans (no agent answered and VMs are involved)
+RECONCILE = ("_sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")
+#: not even there: the sqlite3 package (its dbapi2 imports datetime; the store uses the C
+#: module _sqlite3 directly), re (thread names are parsed with str methods), contextlib,
+#: struct (QMP's peer credentials are read by hand)
+NOT_EVEN_TO_RECONCILE = ("sqlite3", "sqlite3.dbapi2", "datetime", "re", "enum", "contextlib",
+                         "struct")  # fmt: skip
 
 # Runs the launcher as the kernel would (its code as __main__), with os._exit (which the
 # launcher calls after a hook) reporting the modules first; imports nothing itself.
@@ -110,6 +114,7 @@ def state(cid: str, b: Path, ann: dict[str, str], pid: int | None) -> dict[str, 
 def assert_lean(loaded: set[str], reconciled: bool) -> None:
     assert "vmpin.state.journal" in loaded and "vmpin.wire.jsonio" in loaded
     assert not [m for m in FORBIDDEN if m in loaded]
+    assert not [m for m in NOT_EVEN_TO_RECONCILE if m in loaded]
     here = [m for m in RECONCILE if m in loaded]
     assert here == (list(RECONCILE) if reconciled else [])
     if not reconciled:

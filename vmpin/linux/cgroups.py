@@ -41,7 +41,6 @@ the kernel meant something else (see :func:`write_cpus`); every refusal of a CPU
 from __future__ import annotations
 
 import errno
-import glob
 import os
 
 from vmpin.core.cpuset import CpuSet
@@ -174,6 +173,33 @@ def candidate_paths(container_id: str, pod_uid: str | None = None) -> list[str]:
     return out
 
 
+def _glob_star(root: str, rel: str) -> list[str]:
+    """``sorted(glob.glob(glob.escape(root) + rel))`` for a ``rel`` whose one ``*`` stands for
+    the pod uid inside one path component (:func:`candidate_paths`).
+
+    By hand: glob imports re, fnmatch and contextlib (~3 ms of a hook that re-plans the node
+    in-process).  As glob: the ``*`` matches any run of characters within the component but
+    not a hidden name (the fixed part before it never starts with a dot here), and each match
+    must exist (``lexists``)."""
+    parts = rel.split("/")
+    at = next(i for i, p in enumerate(parts) if "*" in p)
+    head, _, tail = parts[at].partition("*")
+    parent = root + "/".join(parts[:at])
+    rest = "/".join(parts[at + 1 :])
+    try:
+        names = os.listdir(parent or "/")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if (name.startswith(head) and name.endswith(tail) and len(name) >= len(head) + len(tail)
+                and not name.startswith(".")):  # fmt: skip
+            path = f"{parent}/{name}/{rest}" if rest else f"{parent}/{name}"
+            if os.path.lexists(path):
+                out.append(path)
+    return sorted(out)
+
+
 def find_container_cgroup(
     paths: HostPaths,
     container_id: str,
@@ -198,7 +224,7 @@ def find_container_cgroup(
     for rel in candidate_paths(container_id, pod_uid):
         for version, root in roots:
             if "*" in rel:
-                matches = sorted(glob.glob(glob.escape(root) + rel))
+                matches = _glob_star(root, rel)
                 found = (_ref(version, root, m[len(root) :]) for m in matches)
                 ref = next((r for r in found if r is not None), None)
             else:

@@ -16,8 +16,7 @@ the guest map is published for the sandboxes whose plan has one.
 
 from __future__ import annotations
 
-import sqlite3
-from functools import partial
+from functools import partial  # (loaded with _sqlite3 anyway: it imports functools)
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
@@ -28,6 +27,7 @@ from vmpin.state.store import Store, ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import sqlite3
     from collections.abc import Callable
     from dataclasses import dataclass, field
     from typing import Any
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.sources import DomainSource
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
+    import _sqlite3 as sqlite3  # the same Error class, without sqlite3's imports (see Store)
+
     from vmpin.core._lean import dataclass, field
 
 
