@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
     _T = TypeVar("_T")
 
+_function: Any = type(lambda: None)  # types.FunctionType, without importing types
+#: the code of ``__new__`` by number of fields (see :func:`_namedtuple`)
+_NEW_CODE: dict[int, Any] = {}
+
 _NOT_COPIED = frozenset(
     {"__annotations__", "__module__", "__qualname__", "__dict__", "__weakref__", "__doc__"}
 )
@@ -39,7 +43,17 @@ def _namedtuple(name: str, fields: tuple[str, ...], defaults: tuple[Any, ...], m
     args = ", ".join(fields)
     scope: dict[str, Any] = {"_tuple_new": tuple.__new__, "__builtins__": {},
                              "__name__": f"namedtuple_{name}"}  # fmt: skip
-    new = eval(f"lambda _cls, {args}: _tuple_new(_cls, ({args}{',' if fields else ''}))", scope)
+    # collections.namedtuple's __new__, compiled once per arity and renamed per class (its
+    # parameters are locals: only their names differ); a compile per class was ~0.5 ms of a
+    # Kata hook that pins in-process.
+    code = _NEW_CODE.get(len(fields))
+    if code is None:
+        params = ", ".join(f"_{i}" for i in range(len(fields)))
+        code = _NEW_CODE[len(fields)] = eval(
+            f"lambda _cls, {params}: _tuple_new(_cls, ({params}{',' if fields else ''}))",
+            {"__builtins__": {}},
+        ).__code__
+    new = _function(code.replace(co_varnames=("_cls", *fields)), scope)
     new.__name__, new.__defaults__ = "__new__", defaults or None
     new.__doc__ = f"Create new instance of {name}({args})"
     n = len(fields)
