@@ -62,3 +62,51 @@ def test_wrong_arguments_are_refused_like_typing(
         Real(*args, **kw)
     with pytest.raises(TypeError):
         Lean(*args, **kw)
+
+
+def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
+    """Records of one shape share __init__'s code, renamed: each still sets its own fields."""
+    import dataclasses
+
+    from vmpin.core._lean import FrozenInstanceError, dataclass, field, replace
+
+    @dataclass(frozen=True)
+    class F:
+        x: int
+        y: str = "a"
+        z: tuple[int, ...] = field(default_factory=tuple)
+
+    @dataclass(frozen=True)
+    class G:  # the same shape as F
+        p: int
+        q: str = "b"
+        r: tuple[int, ...] = field(default_factory=lambda: (1,))
+
+    @dataclass()
+    class M:
+        x: int
+        y: dict[str, int] = field(default_factory=dict)
+
+    @dataclasses.dataclass(frozen=True)
+    class RealF:
+        x: int
+        y: str = "a"
+        z: tuple[int, ...] = ()
+
+    for args, kw in [((1,), {}), ((2, "q", (3,)), {}), ((), {"x": 3, "z": (4,)})]:
+        lean, real = F(*args, **kw), RealF(*args, **kw)
+        assert (lean.x, lean.y, lean.z) == (real.x, real.y, real.z)
+        assert repr(lean) == repr(real).replace("RealF", "F")
+    assert G(5) == G(p=5, q="b", r=(1,)) and G(5).q == "b" and F(1) != G(1)
+    assert hash(F(1)) == hash(F(1)) and replace(F(1), y="r") == F(1, "r")
+    with pytest.raises(FrozenInstanceError):
+        F(1).x = 2
+    m = M(1)
+    m.x = 7
+    assert m == M(7) and M(1).y is not M(1).y and M(1, {"a": 1}).y == {"a": 1}
+    assert [f.name for f in dataclasses.fields(F)] == ["x", "y", "z"]
+    for bad in [(), (1, "a", (), 4)]:
+        with pytest.raises(TypeError):
+            F(*bad)
+    with pytest.raises(TypeError):
+        F(1, w=2)

@@ -21,7 +21,6 @@ message is one JSON object followed by CRLF.  Replies are ``{"return": ...}`` or
 
 from __future__ import annotations
 
-import _socket as socket  # socket.py imports enum, selectors (~2 ms of a Kata hook); unused here
 import sys
 import time
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from vmpin.wire import jsonio as json  # json without re: the hook reaches this 
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    import _socket as socket
     from typing import Any
 
 #: connect + greeting, together.  A held socket answers nothing: this is how long we wait.
@@ -77,6 +77,10 @@ class QmpClient:
     def connect(self) -> dict[str, Any]:
         """Connect and read the greeting within ``timeout`` seconds in total; return it."""
         self.close()  # a second connect() starts a new session, never leaks the old one
+        # _socket, not socket: socket.py imports enum and selectors (~2 ms); and only when a
+        # session starts: a Kata hook classifying the VMM by thread names needs none (~0.4 ms)
+        import _socket as socket
+
         deadline = time.monotonic() + self.timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = sock
@@ -244,6 +248,8 @@ def _as_list(value: Any, what: str) -> list[dict[str, Any]]:
 
 def _peer_pid(sock: socket.socket) -> int | None:
     """The pid that created the listening socket: tells whose QMP this really is."""
+    import _socket as socket
+
     try:
         # struct ucred {pid_t pid; uid_t uid; gid_t gid}: three native 32-bit ints (read
         # by hand: struct is ~0.4 ms of a Kata hook that pins in-process)
