@@ -21,13 +21,25 @@ from vmpin.core.topology import CpuInfo, Topology
 
 
 def _read(path: str) -> str | None:
+    """The file's text, stripped; None when it does not exist.
+
+    os.open/os.read rather than open(): no buffered text wrapper for a few bytes (~5 us of
+    ~12 per file, and a pass that re-plans reads a few files per CPU)."""
     try:
-        with open(path) as f:
-            return f.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as err:
         raise TopologyError(f"{path}: {err.strerror}") from err
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError as err:
+        raise TopologyError(f"{path}: {err.strerror}") from err
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode().strip()
 
 
 def _cpus(path: str, default: CpuSet | None = None) -> CpuSet:
