@@ -48,10 +48,12 @@ LEAN = ("re", "enum", "functools", "contextlib", "collections")
 #: only where this process re-plans (no agent answered and VMs are involved)
 RECONCILE = ("_sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")
 #: not even there: the sqlite3 package (its dbapi2 imports datetime; the store uses the C
-#: module _sqlite3 directly), re (thread names are parsed with str methods), contextlib,
+#: module _sqlite3 directly), functools and what it pulls in (_sqlite3 loads without it:
+#: vmpin.state.sqlite), re (thread names are parsed with str methods), contextlib,
 #: struct (QMP's peer credentials are read by hand)
 NOT_EVEN_TO_RECONCILE = ("sqlite3", "sqlite3.dbapi2", "datetime", "re", "enum", "contextlib",
-                         "struct")  # fmt: skip
+                         "struct", "functools", "collections", "collections.abc", "types",
+                         "operator", "reprlib")  # fmt: skip
 
 # Runs the launcher as the kernel would (its code as __main__), with os._exit (which the
 # launcher calls after a hook) reporting the modules first; imports nothing itself.

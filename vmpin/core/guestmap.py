@@ -10,14 +10,13 @@ share: the container's fraction of the mask, as a contiguous block of vCPUs in m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import Plan
 from vmpin.core.topology import Topology
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import NamedTuple
 else:
     from vmpin.core._lean import NamedTuple

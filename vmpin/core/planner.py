@@ -25,14 +25,13 @@ The rules, and the failure each one prevents:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import PlanError
 from vmpin.core.topology import Topology
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
     from typing import NamedTuple
 else:
     from vmpin.core._lean import NamedTuple

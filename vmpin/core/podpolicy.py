@@ -28,12 +28,11 @@ problem (their meaning is unknown); Crane's key is versioned by Crane and still 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from vmpin.core.planner import CPUSET_MODES, HELPER_POLICIES, VCPU_POLICIES, Policy
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import NamedTuple
 else:
     from vmpin.core._lean import NamedTuple

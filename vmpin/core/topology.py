@@ -23,13 +23,12 @@ vCPU, see docs/design.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import TopologyError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
     from typing import Any, NamedTuple
 else:
     from vmpin.core._lean import NamedTuple

@@ -25,7 +25,6 @@ change to learn either.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
@@ -36,6 +35,7 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
     from dataclasses import dataclass, field
 
     from vmpin.linux.cgroups import CgroupRef

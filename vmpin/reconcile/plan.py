@@ -24,8 +24,6 @@ vmpin last saw it there (:func:`adopt`); the adoption is part of the plan, and a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
@@ -35,6 +33,7 @@ from vmpin.state.store import ContainerRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from dataclasses import dataclass, field
     from typing import Any
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path

@@ -9,11 +9,13 @@ planned with the node's policy.  Reading only: the store is not written here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
 from vmpin.core.planner import Policy
 from vmpin.core.podpolicy import policy_for
 from vmpin.state.store import Store
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 
 class Resolved:

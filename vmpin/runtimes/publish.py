@@ -45,7 +45,6 @@ import errno
 import fcntl
 import os
 import time
-from collections.abc import Mapping
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
@@ -56,6 +55,7 @@ from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any, NamedTuple
 else:
     from vmpin.core._lean import NamedTuple

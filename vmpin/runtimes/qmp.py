@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
-from types import TracebackType
 
 from vmpin.core.errors import QmpError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
@@ -32,6 +30,8 @@ from vmpin.wire import jsonio as json  # json without re: the hook reaches this 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
     import _socket as socket
+    from collections.abc import Mapping
+    from types import TracebackType
     from typing import Any
 
 #: connect + greeting, together.  A held socket answers nothing: this is how long we wait.

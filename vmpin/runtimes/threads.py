@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
 
 from vmpin.core.errors import HostError, PermissionDenied, ProcessGone, QmpError
 from vmpin.linux import procfs
@@ -72,6 +71,7 @@ from vmpin.runtimes.vmm import Vmm, iothread_ids
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
     from typing import NamedTuple, Protocol
 
     class ThreadLike(Protocol):

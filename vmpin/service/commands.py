@@ -16,12 +16,12 @@ because importing pydantic would cost a read command four bare interpreters.
 from __future__ import annotations
 
 import os
-import sqlite3
 import sys
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
+from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
 from vmpin.state.store import ContainerRec, Store
 from vmpin.wire import jsonio
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
 from stat import S_ISREG
-from types import MappingProxyType
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
@@ -35,19 +33,20 @@ from vmpin.wire import jsonio as json  # json without re: the hook reaches this 
 #: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
 POLICY_META = "podpolicy:"
 
+#: types.MappingProxyType, without importing types (vmpin.state.sqlite: a hook that opens the
+#: store loads neither functools nor the modules it pulls in)
+MappingProxyType = type(type.__dict__)
+
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
     import sqlite3
+    from collections.abc import Iterable, Mapping
     from types import TracebackType
     from typing import Any, NamedTuple
 else:
-    # The C module the sqlite3 package wraps: the very same connect(), Connection, Row and
-    # exception classes (sqlite3.Error is _sqlite3.Error), without sqlite3.dbapi2's imports
-    # of datetime and collections.abc (~1.5 ms of a Kata hook that pins in-process).  Only
-    # the default date/datetime adapters are not registered by it; vmpin stores no dates.
-    import _sqlite3 as sqlite3
-
+    # the C module _sqlite3, without the sqlite3 package's imports nor functools' (see there)
     from vmpin.core._lean import NamedTuple
+    from vmpin.state.sqlite import sqlite3
 
 
 SCHEMA_VERSION = 2
