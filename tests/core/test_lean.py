@@ -110,3 +110,91 @@ def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
             F(*bad)
     with pytest.raises(TypeError):
         F(1, w=2)
+
+
+def test_shapes_module_is_generated_and_current() -> None:
+    """vmpin/core/_shapes.py is what _lean writes (``python -m vmpin.core._lean``), and each
+    template in it is the code _lean would compile for that shape."""
+    from pathlib import Path
+
+    from vmpin.core import _lean, _shapes
+
+    assert Path(_shapes.__file__).read_text() == _lean.shapes_source()
+    assert len(_shapes.CODE) == 3 * (_lean.SHAPES_UP_TO + 1) + len(_lean.FACTORY_SHAPES)
+    for key, code in _shapes.CODE.items():
+        scope: dict[str, object] = {}
+        exec(_lean._source(key), scope)
+        fresh = scope[_lean._name(key)].__code__  # type: ignore[attr-defined]
+        assert (fresh.co_code, fresh.co_consts, fresh.co_names, fresh.co_varnames) == (
+            code.co_code, code.co_consts, code.co_names, code.co_varnames)  # fmt: skip
+
+
+def test_records_compile_nothing_for_known_shapes_and_the_rest_on_first_use() -> None:
+    """In a fresh interpreter: defining records compiles nothing; the first instance of a
+    shape with a factory compiles its template once, and the class then has the real
+    method (later instances do not go through the stand-in)."""
+    import subprocess
+    import sys
+
+    probe = """
+import builtins
+from vmpin.core import _lean
+compiles = []
+real_exec = builtins.exec
+def counting_exec(src, *a):
+    compiles.append(src)
+    return real_exec(src, *a)
+_lean.exec = counting_exec
+from vmpin.core._lean import NamedTuple, dataclass, field
+class P(NamedTuple):
+    a: int
+    b: str = "x"
+@dataclass(frozen=True, slots=True)
+class F:
+    a: int
+    b: int = 2
+@dataclass(slots=True)
+class M:
+    a: int
+    b: list = field(default_factory=list)
+defined = len(compiles)
+p, f, m = P(1), F(a=1), M(3)
+assert (p, f.b, m.b) == ((1, "x"), 2, []), (p, f, m)
+stand_ins = (P.__new__.__name__, F.__init__.__code__.co_varnames, M.__init__.__code__.co_varnames)
+M(4, [1]); F(5, 6); P(7, "y")
+print(defined, len(compiles), stand_ins)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split(" ", 2)[:2] == ["0", "1"], out.stdout  # only M's factory shape
+    assert "('self', 'a', 'b')" in out.stdout
+
+
+def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
+    """A new record whose shape _shapes lacks would compile its method in every process that
+    makes one (~0.1-0.3 ms): add its shape to FACTORY_SHAPES (or raise SHAPES_UP_TO) and run
+    ``python -m vmpin.core._lean``."""
+    import importlib
+    import pkgutil
+
+    import vmpin
+    from vmpin.core import _lean, _shapes
+
+    missing = []
+    for info in pkgutil.walk_packages(vmpin.__path__, "vmpin."):
+        if info.name.endswith("__main__"):
+            continue
+        mod = importlib.import_module(info.name)
+        for cls in vars(mod).values():
+            if not isinstance(cls, type) or cls.__module__ != mod.__name__:
+                continue
+            if "_lean_defaults" in cls.__dict__:
+                kinds = tuple("f" if isinstance(d, _lean._Factory) else "="
+                              for d in cls.__dict__["_lean_defaults"].values())  # fmt: skip
+                key: tuple[object, ...] = ("init", "__delattr__" in cls.__dict__, kinds)
+            elif issubclass(cls, tuple) and "_field_defaults" in cls.__dict__:
+                key = ("new", len(cls._fields))  # type: ignore[attr-defined]
+            else:
+                continue
+            if key not in _shapes.CODE:
+                missing.append((info.name, cls.__name__, key))
+    assert not missing

@@ -15,6 +15,13 @@ time the class below builds the same ``collections.namedtuple`` that ``typing.Na
 builds (fields from the annotations, in order; defaults from the class body; methods,
 properties and the docstring copied over), without importing ``typing`` -- nor
 ``collections``, which :func:`_namedtuple` replaces (~1 ms of a hook).
+
+Compiled on first use: a record's ``__new__`` (NamedTuple) or ``__init__`` (dataclass) is
+generated code, and compiling it cost 0.1-0.15 ms per class, ~2.8 ms for the 23 classes a Kata
+hook's modules define (issue 14), most of which that process never instantiates.  So a class
+starts with a stand-in that compiles the real method on the first instance and puts it on the
+class; every later instance runs the compiled one, exactly as before.  Compiled code is shared
+by shape (number of fields; for ``__init__``, frozen-ness and which fields have factories).
 """
 
 from __future__ import annotations
@@ -29,8 +36,6 @@ if TYPE_CHECKING:
     _T = TypeVar("_T")
 
 _function: Any = type(lambda: None)  # types.FunctionType, without importing types
-#: the code of ``__new__`` by number of fields (see :func:`_namedtuple`)
-_NEW_CODE: dict[int, Any] = {}
 
 _NOT_COPIED = frozenset(
     {"__annotations__", "__module__", "__qualname__", "__dict__", "__weakref__", "__doc__"}
@@ -43,20 +48,23 @@ def _namedtuple(name: str, fields: tuple[str, ...], defaults: tuple[Any, ...], m
     args = ", ".join(fields)
     scope: dict[str, Any] = {"_tuple_new": tuple.__new__, "__builtins__": {},
                              "__name__": f"namedtuple_{name}"}  # fmt: skip
-    # collections.namedtuple's __new__, compiled once per arity and renamed per class (its
-    # parameters are locals: only their names differ); a compile per class was ~0.5 ms of a
-    # Kata hook that pins in-process.
-    code = _NEW_CODE.get(len(fields))
-    if code is None:
-        params = ", ".join(f"_{i}" for i in range(len(fields)))
-        code = _NEW_CODE[len(fields)] = eval(
-            f"lambda _cls, {params}: _tuple_new(_cls, ({params}{',' if fields else ''}))",
-            {"__builtins__": {}},
-        ).__code__
-    new = _function(code.replace(co_varnames=("_cls", *fields)), scope)
-    new.__name__, new.__defaults__ = "__new__", defaults or None
-    new.__doc__ = f"Create new instance of {name}({args})"
     n = len(fields)
+
+    def compiled() -> Any:
+        # collections.namedtuple's __new__: one template per arity, renamed per class (its
+        # parameters are locals: only their names differ)
+        code = _template(("new", n))
+        new = _function(code.replace(co_varnames=("_cls", *fields)), scope)
+        new.__name__, new.__defaults__, new.__qualname__ = "__new__", defaults or None, (
+            f"{cls.__qualname__}.__new__")  # fmt: skip
+        new.__doc__ = f"Create new instance of {name}({args})"
+        return new
+
+    def __new__(_cls: type, *values: Any, **named: Any) -> Any:
+        # The first instance compiles the real __new__ (module docstring: compiled on first use).
+        new = compiled()
+        cls.__new__ = staticmethod(new)  # type: ignore[method-assign]
+        return new(_cls, *values, **named)
 
     def _make(cls: type, iterable: Any) -> Any:
         result: Any = tuple.__new__(cls, iterable)
@@ -83,7 +91,7 @@ def _namedtuple(name: str, fields: tuple[str, ...], defaults: tuple[Any, ...], m
     ns: dict[str, Any] = {
         "__doc__": f"{name}({args})", "__slots__": (), "_fields": fields,
         "_field_defaults": dict(zip(fields[n - len(defaults):], defaults, strict=True)),
-        "__new__": new, "_make": classmethod(_make), "_replace": _replace,
+        "__new__": __new__, "_make": classmethod(_make), "_replace": _replace,
         "__repr__": __repr__, "_asdict": _asdict, "__getnewargs__": __getnewargs__,
         "__match_args__": fields,
     }  # fmt: skip
@@ -196,9 +204,19 @@ def _record(cls: type, frozen: bool) -> type:
         else:
             kinds.append("d")
             argdefs.append(ns.pop(n))
-    init: Any = _function(_init_code(frozen, tuple(kinds), names), scope, "__init__",
-                          tuple(argdefs) or None)  # fmt: skip
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    made: list[type] = []
+
+    def compiled() -> Any:
+        init: Any = _function(_init_code(frozen, tuple(kinds), names), scope, "__init__",
+                              tuple(argdefs) or None)  # fmt: skip
+        init.__qualname__ = f"{cls.__qualname__}.__init__"
+        return init
+
+    def __init__(self: Any, *values: Any, **named: Any) -> None:
+        # The first instance compiles the real __init__ (module docstring: compiled on first use).
+        init = compiled()
+        made[0].__init__ = init  # type: ignore[misc]
+        init(self, *values, **named)
 
     def values(self: Any) -> tuple[Any, ...]:
         return tuple([getattr(self, n) for n in names])
@@ -216,7 +234,7 @@ def _record(cls: type, frozen: bool) -> type:
         for n, v in zip(names, state, strict=True):
             object.__setattr__(self, n, v)
 
-    ns.update(__slots__=names, __match_args__=names, __init__=init, _lean_defaults=defaults,
+    ns.update(__slots__=names, __match_args__=names, __init__=__init__, _lean_defaults=defaults,
               __dataclass_fields__=_LazyFields(),
               __repr__=__repr__, __eq__=__eq__, __getstate__=values,
               __setstate__=__setstate__)  # fmt: skip
@@ -232,12 +250,8 @@ def _record(cls: type, frozen: bool) -> type:
 
         ns.update(__setattr__=__setattr__, __delattr__=__delattr__)
     ns["__qualname__"] = cls.__qualname__
-    return type(cls.__name__, cls.__bases__, ns)
-
-
-#: __init__'s code by (frozen, kind of each field): compiled once per shape with placeholder
-#: names, then renamed per class (a compile per class was ~0.4 ms of a Kata hook)
-_INIT_CODE: dict[tuple[bool, tuple[str, ...]], Any] = {}
+    made.append(type(cls.__name__, cls.__bases__, ns))
+    return made[0]
 
 
 def _init_code(frozen: bool, kinds: tuple[str, ...], names: tuple[str, ...]) -> Any:
@@ -245,18 +259,10 @@ def _init_code(frozen: bool, kinds: tuple[str, ...], names: tuple[str, ...]) -> 
     (kind ``=``), a default (``d``: in ``__defaults__``) or a factory (``f``: ``_f<i>()``,
     called when the parameter is left at ``_MISSING``); through ``object.__setattr__`` when
     ``frozen``.  Only parameter (local) and attribute names differ between classes of one
-    shape: they are placeholders ``_p<i>``/``_a<i>`` in the compiled template."""
-    template = _INIT_CODE.get((frozen, kinds))
-    if template is None:
-        params, body = [], []
-        for i, kind in enumerate(kinds):
-            params.append(f"_p{i}" if kind == "=" else f"_p{i}=_MISSING")
-            value = f"_f{i}() if _p{i} is _MISSING else _p{i}" if kind == "f" else f"_p{i}"
-            body.append(f"_set(self, '_a{i}', {value})" if frozen else f"self._a{i} = {value}")
-        src = f"def __init__(self, {', '.join(params)}):\n    " + "\n    ".join(body or ["pass"])
-        scope: dict[str, Any] = {"_MISSING": _MISSING}
-        exec(src, scope)
-        template = _INIT_CODE[(frozen, kinds)] = scope["__init__"].__code__
+    shape: they are placeholders ``_p<i>``/``_a<i>`` in the template."""
+    # A parameter's default lives on the function (__defaults__), not in its code: required
+    # and defaulted fields compile alike, so only factories make a shape of their own.
+    template = _template(("init", frozen, tuple("f" if k == "f" else "=" for k in kinds)))
     rename = {f"_a{i}": n for i, n in enumerate(names)}
     if frozen:
         consts = tuple(rename.get(c, c) if isinstance(c, str) else c for c in template.co_consts)
@@ -264,6 +270,92 @@ def _init_code(frozen: bool, kinds: tuple[str, ...], names: tuple[str, ...]) -> 
     return template.replace(
         co_varnames=("self", *names), co_names=tuple(rename.get(n, n) for n in template.co_names)
     )
+
+
+# -- templates -------------------------------------------------------------------------------
+#: A template is the code of a record method for one shape, with placeholder names:
+#: ``("new", n)`` a NamedTuple's ``__new__`` with n fields; ``("init", frozen, kinds)`` a
+#: dataclass's ``__init__`` (kinds: ``=`` a parameter, ``f`` a factory's).  Those of the
+#: shapes vmpin has (up to SHAPES_UP_TO fields, no factory) come compiled, with the .pyc of
+#: :mod:`vmpin.core._shapes` (generated from :func:`_source` by ``python -m vmpin.core._lean``);
+#: any other is compiled here, once per process.  The guest program's zipapp does not ship
+#: _shapes: zipimport compiles a module's source on every run, which would cost more than the
+#: few shapes the guest program instantiates.
+_TEMPLATES: dict[tuple[Any, ...], Any] = {}
+SHAPES_UP_TO = 20
+#: the dataclass shapes with factories that vmpin's records have (tests/core/test_lean.py
+#: checks that every record of vmpin finds its template in _shapes)
+FACTORY_SHAPES = (
+    (True, ("=", "=", "=", "f")),
+    (True, ("=", "=", "=", "=", "=", "f", "=", "=")),
+    (False, ("f", "f", "f")),
+)
+
+
+def _template(key: tuple[Any, ...]) -> Any:
+    code = _TEMPLATES.get(key)
+    if code is None:
+        if not _TEMPLATES:
+            _TEMPLATES.update(_precompiled())
+            code = _TEMPLATES.get(key)
+        if code is None:
+            scope: dict[str, Any] = {}
+            exec(_source(key), scope)
+            code = _TEMPLATES[key] = scope[_name(key)].__code__
+    return code
+
+
+def _precompiled() -> dict[tuple[Any, ...], Any]:
+    try:
+        from vmpin.core._shapes import CODE
+    except ImportError:  # the guest's zipapp ships none (its modules compile anyway)
+        return {("none",): None}  # (not empty: looked for once)
+    return dict(CODE)
+
+
+def _name(key: tuple[Any, ...]) -> str:
+    return "__new__" if key[0] == "new" else "__init__"
+
+
+def _source(key: tuple[Any, ...]) -> str:
+    """The Python source of one template (see _TEMPLATES)."""
+    if key[0] == "new":
+        n = key[1]
+        params = "".join(f", _{i}" for i in range(n))
+        packed = ", ".join(f"_{i}" for i in range(n)) + ("," if n == 1 else "")
+        return f"def __new__(_cls{params}):\n    return _tuple_new(_cls, ({packed}))\n"
+    _, frozen, kinds = key
+    body = []
+    for i, kind in enumerate(kinds):
+        value = f"_f{i}() if _p{i} is _MISSING else _p{i}" if kind == "f" else f"_p{i}"
+        body.append(f'_set(self, "_a{i}", {value})' if frozen else f"self._a{i} = {value}")
+    params = "".join(f", _p{i}" for i in range(len(kinds)))
+    return f"def __init__(self{params}):\n    " + "\n    ".join(body or ["pass"]) + "\n"
+
+
+def shapes_source() -> str:
+    """The text of :mod:`vmpin.core._shapes`: every template of up to SHAPES_UP_TO fields."""
+    keys: list[tuple[Any, ...]] = [("new", n) for n in range(SHAPES_UP_TO + 1)]
+    keys += [("init", f, ("=",) * n) for f in (True, False) for n in range(SHAPES_UP_TO + 1)]
+    keys += [("init", frozen, kinds) for frozen, kinds in FACTORY_SHAPES]
+    parts = [
+        '"""vmpin.core._lean\'s record templates, compiled with this module\'s .pyc (issue 14).\n\n'
+        "Generated by ``python -m vmpin.core._lean``: do not edit; tests/core/test_lean.py checks\n"
+        "that it is what vmpin.core._lean.shapes_source() writes.  Each function is never called\n"
+        "as such: its code, renamed per class, becomes a record's ``__new__`` or ``__init__``\n"
+        "(free names ``_tuple_new``, ``_set``: that class's globals).\n"
+        '"""\n\n# ruff: noqa\n# mypy: ignore-errors\n\nCODE = {}\n'
+    ]
+    for key in keys:
+        parts.append(f"\n\n{_source(key)}\n\nCODE[{key!r}] = {_name(key)}.__code__\n")
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    import os
+
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shapes.py"), "w") as f:
+        f.write(shapes_source())
 
 
 def replace(obj: _T, /, **changes: Any) -> _T:
