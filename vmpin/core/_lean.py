@@ -42,9 +42,51 @@ _NOT_COPIED = frozenset(
 )
 
 
-def _namedtuple(name: str, fields: tuple[str, ...], defaults: tuple[Any, ...], module: str) -> type:
+# collections.namedtuple's methods, written once for every class (they read ``_fields``):
+# closures per class made a record's class ~0.1 ms dearer to create, on every hook.
+def _make(cls: type, iterable: Any) -> Any:
+    result: Any = tuple.__new__(cls, iterable)
+    n = len(cls._fields)  # type: ignore[attr-defined]
+    if len(result) != n:
+        raise TypeError(f"Expected {n} arguments, got {len(result)}")
+    return result
+
+
+def _replace(self: Any, /, **kwds: Any) -> Any:
+    result = self._make(map(kwds.pop, self._fields, self))
+    if kwds:
+        raise ValueError(f"Got unexpected field names: {list(kwds)!r}")
+    return result
+
+
+def _repr(self: Any) -> str:
+    inner = ", ".join([f"{f}={v!r}" for f, v in zip(self._fields, self, strict=True)])
+    return f"{self.__class__.__name__}({inner})"
+
+
+def _asdict(self: Any) -> dict[str, Any]:
+    return dict(zip(self._fields, self, strict=True))
+
+
+def _getnewargs(self: Any) -> tuple[Any, ...]:
+    return tuple(self)
+
+
+_repr.__name__, _getnewargs.__name__ = "__repr__", "__getnewargs__"
+_MAKE: Any = classmethod(_make)
+
+
+def _namedtuple(
+    name: str,
+    fields: tuple[str, ...],
+    defaults: tuple[Any, ...],
+    module: str,
+    body: dict[str, Any] | None = None,
+) -> type:
     """``collections.namedtuple(name, fields, defaults=, module=)``, the same class, without
-    importing ``collections`` (~1 ms of a hook: Counter, OrderedDict, ChainMap, UserDict...)."""
+    importing ``collections`` (~1 ms of a hook: Counter, OrderedDict, ChainMap, UserDict...);
+    ``body``: the class body's own entries (methods, properties, ``__qualname__``, docstring),
+    in the class from its creation (setting them after cost a slot update each)."""
     args = ", ".join(fields)
     scope: dict[str, Any] = {"_tuple_new": tuple.__new__, "__builtins__": {},
                              "__name__": f"namedtuple_{name}"}  # fmt: skip
@@ -66,39 +108,18 @@ def _namedtuple(name: str, fields: tuple[str, ...], defaults: tuple[Any, ...], m
         cls.__new__ = staticmethod(new)  # type: ignore[method-assign]
         return new(_cls, *values, **named)
 
-    def _make(cls: type, iterable: Any) -> Any:
-        result: Any = tuple.__new__(cls, iterable)
-        if len(result) != n:
-            raise TypeError(f"Expected {n} arguments, got {len(result)}")
-        return result
-
-    def _replace(self: Any, /, **kwds: Any) -> Any:
-        result = self._make(map(kwds.pop, fields, self))
-        if kwds:
-            raise ValueError(f"Got unexpected field names: {list(kwds)!r}")
-        return result
-
-    def __repr__(self: Any) -> str:
-        inner = ", ".join([f"{f}={v!r}" for f, v in zip(fields, self, strict=True)])
-        return f"{self.__class__.__name__}({inner})"
-
-    def _asdict(self: Any) -> dict[str, Any]:
-        return dict(zip(self._fields, self, strict=True))
-
-    def __getnewargs__(self: Any) -> tuple[Any, ...]:
-        return tuple(self)
-
     ns: dict[str, Any] = {
         "__doc__": f"{name}({args})", "__slots__": (), "_fields": fields,
         "_field_defaults": dict(zip(fields[n - len(defaults):], defaults, strict=True)),
-        "__new__": __new__, "_make": classmethod(_make), "_replace": _replace,
-        "__repr__": __repr__, "_asdict": _asdict, "__getnewargs__": __getnewargs__,
-        "__match_args__": fields,
+        "__new__": __new__, "_make": _MAKE, "_replace": _replace,
+        "__repr__": _repr, "_asdict": _asdict, "__getnewargs__": _getnewargs,
+        "__match_args__": fields, "__module__": module,
     }  # fmt: skip
     for index, field_name in enumerate(fields):
         ns[field_name] = _tuplegetter(index, f"Alias for field number {index}")
+    if body:
+        ns.update(body)
     cls = type(name, (tuple,), ns)
-    cls.__module__ = module
     return cls
 
 
@@ -110,14 +131,11 @@ class _NamedTupleMeta(type):
             raise TypeError(f"{name}: super() is not supported in NamedTuple methods")
         fields = list(ns.get("__annotations__", {}))  # type: ignore[call-overload]
         defaults = [ns[f] for f in fields if f in ns]
-        cls = _namedtuple(name, tuple(fields), tuple(defaults), str(ns.get("__module__")))
-        cls.__qualname__ = str(ns.get("__qualname__", name))
+        body = {k: v for k, v in ns.items() if k not in _NOT_COPIED and k not in fields}
+        body["__qualname__"] = str(ns.get("__qualname__", name))
         if ns.get("__doc__"):
-            cls.__doc__ = str(ns["__doc__"])
-        for key, value in ns.items():
-            if key not in _NOT_COPIED and key not in fields:
-                setattr(cls, key, value)
-        return cls
+            body["__doc__"] = str(ns["__doc__"])
+        return _namedtuple(name, tuple(fields), tuple(defaults), str(ns.get("__module__")), body)
 
 
 class NamedTuple(metaclass=_NamedTupleMeta):
@@ -185,6 +203,45 @@ def dataclass(*, frozen: bool = False, slots: bool = True) -> Callable[[type], t
     return lambda cls: _record(cls, frozen)
 
 
+# The records' methods, written once for every class (they read the field names from
+# ``__match_args__``): see _make above.
+def _dc_values(self: Any) -> tuple[Any, ...]:
+    return tuple([getattr(self, n) for n in self.__match_args__])
+
+
+def _dc_repr(self: Any) -> str:
+    inner = ", ".join([f"{n}={getattr(self, n)!r}" for n in self.__match_args__])
+    return f"{type(self).__qualname__}({inner})"
+
+
+def _dc_eq(self: Any, other: object) -> Any:
+    if other.__class__ is not self.__class__:
+        return NotImplemented
+    return _dc_values(self) == _dc_values(other)
+
+
+def _dc_hash(self: Any) -> int:
+    return hash(_dc_values(self))
+
+
+def _dc_setstate(self: Any, state: tuple[Any, ...]) -> None:
+    for n, v in zip(self.__match_args__, state, strict=True):
+        object.__setattr__(self, n, v)
+
+
+def _frozen_setattr(self: Any, name: str, value: object) -> None:
+    raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+
+def _frozen_delattr(self: Any, name: str) -> None:
+    raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+_dc_repr.__name__, _dc_eq.__name__, _dc_hash.__name__ = "__repr__", "__eq__", "__hash__"
+_dc_values.__name__, _dc_setstate.__name__ = "__getstate__", "__setstate__"
+_frozen_setattr.__name__, _frozen_delattr.__name__ = "__setattr__", "__delattr__"
+
+
 def _record(cls: type, frozen: bool) -> type:
     names = tuple(cls.__dict__.get("__annotations__", {}))  # noqa: RUF063 (inspect is slow)
     ns = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
@@ -218,37 +275,14 @@ def _record(cls: type, frozen: bool) -> type:
         made[0].__init__ = init  # type: ignore[misc]
         init(self, *values, **named)
 
-    def values(self: Any) -> tuple[Any, ...]:
-        return tuple([getattr(self, n) for n in names])
-
-    def __repr__(self: Any) -> str:
-        inner = ", ".join([f"{n}={getattr(self, n)!r}" for n in names])
-        return f"{type(self).__qualname__}({inner})"
-
-    def __eq__(self: Any, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return values(self) == values(other)
-
-    def __setstate__(self: Any, state: tuple[Any, ...]) -> None:
-        for n, v in zip(names, state, strict=True):
-            object.__setattr__(self, n, v)
-
     ns.update(__slots__=names, __match_args__=names, __init__=__init__, _lean_defaults=defaults,
               __dataclass_fields__=_LazyFields(),
-              __repr__=__repr__, __eq__=__eq__, __getstate__=values,
-              __setstate__=__setstate__)  # fmt: skip
+              __repr__=_dc_repr, __eq__=_dc_eq, __getstate__=_dc_values,
+              __setstate__=_dc_setstate)  # fmt: skip
     if "__hash__" not in cls.__dict__ or cls.__dict__["__hash__"] is None:
-        ns["__hash__"] = (lambda self: hash(values(self))) if frozen else None
+        ns["__hash__"] = _dc_hash if frozen else None
     if frozen:
-
-        def __setattr__(self: Any, name: str, value: object) -> None:
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-        def __delattr__(self: Any, name: str) -> None:
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-        ns.update(__setattr__=__setattr__, __delattr__=__delattr__)
+        ns.update(__setattr__=_frozen_setattr, __delattr__=_frozen_delattr)
     ns["__qualname__"] = cls.__qualname__
     made.append(type(cls.__name__, cls.__bases__, ns))
     return made[0]

@@ -66,7 +66,6 @@ import time
 from vmpin.core.errors import HostError, PermissionDenied, ProcessGone, QmpError
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.qmp import DEFAULT_CONNECT_TIMEOUT, query_vmm
 from vmpin.runtimes.vmm import Vmm, iothread_ids
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -240,7 +239,7 @@ def classify(
     vmm: Vmm,
     qmp_socket: str | None,
     remembered: Mapping[int, ThreadLike] | None = None,
-    qmp_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    qmp_timeout: float | None = None,
     *,
     kvm_retries: int = 5,
     kvm_retry_delay: float = 0.01,
@@ -299,12 +298,18 @@ def classify(
 
 
 # -- layer (a): QMP --------------------------------------------------------------------------
-def _layer_qmp(st: _Pass, qmp_socket: str | None, timeout: float) -> bool:
+def _layer_qmp(st: _Pass, qmp_socket: str | None, timeout: float | None) -> bool:
     """True when QMP answered (then it listed every vCPU: nothing left for the KVM layer)."""
     if qmp_socket is None:
         return False
+    # Imported here: a pass that reuses remembered roles (every pass but a VMM's first) opens
+    # no QMP session, and a Kata hook that pins in-process should not load the client.
+    from vmpin.runtimes.qmp import DEFAULT_CONNECT_TIMEOUT, query_vmm
+
     try:
-        peer, cpus, iothreads = query_vmm(qmp_socket, timeout=timeout)
+        peer, cpus, iothreads = query_vmm(
+            qmp_socket, timeout=DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
+        )
     except QmpError as err:
         st.notes.append(f"qmp unavailable: {err}")
         return False
