@@ -110,3 +110,59 @@ def test_policy_annotations_are_kept_per_sandbox_until_it_goes(
             "vmpin.io/vcpus": "float", "qos.gocrane.io/cpu-manager": "share"}
         store.delete_sandbox("pod")
         assert store.policy_annotations("pod") == {}
+
+
+def test_non_durable_ingest_keeps_files_until_settled(paths: HostPaths, tmp_path: Path) -> None:
+    """ingest(durable=False) applies at once and keeps each file (recorded as applied) until
+    settle_journal has the events in the database file; nothing is applied twice."""
+    b = bundle(tmp_path, "c1")
+    append(paths.state_dir, event(paths, "prestart", "c1", b))
+    with Store(paths.state_dir, ingest=False) as store:
+        assert store.ingest(durable=False) == ["pod"]
+        assert [c.id for c in store.containers()] == ["c1"]
+        assert len(pending(paths.state_dir)) == 1  # kept: its commit was not synced
+        # (synchronous is back to FULL for every later commit)
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+        store.delete_container("c1")
+        assert store.ingest(durable=False) == []  # recorded as applied: not again
+        assert store.containers() == []
+        assert store.settle_journal() == 1
+        assert pending(paths.state_dir) == []
+        assert store.settle_journal() == 0
+
+
+def test_an_event_whose_commit_was_lost_is_applied_again_from_its_file(
+    paths: HostPaths, tmp_path: Path
+) -> None:
+    """What settle_journal guards: the database file without the WAL that held a non-durable
+    commit (a power loss before any sync) still gets the event, from the file that stayed."""
+    import shutil
+
+    with Store(paths.state_dir):
+        pass  # the database exists, checkpointed
+    saved = tmp_path / "db-before"
+    shutil.copy(paths.db, saved)
+    b = bundle(tmp_path, "c1")
+    append(paths.state_dir, event(paths, "prestart", "c1", b))
+    with Store(paths.state_dir, ingest=False) as store:
+        store.ingest(durable=False)
+        assert [c.id for c in store.containers()] == ["c1"]
+    # the commit never reached the disk: the database file as it was, no WAL
+    for suffix in ("-wal", "-shm"):
+        Path(paths.db + suffix).unlink(missing_ok=True)
+    shutil.copy(saved, paths.db)
+    with Store(paths.state_dir) as store:  # opening ingests (durably) what is pending
+        assert [c.id for c in store.containers()] == ["c1"]
+    assert pending(paths.state_dir) == []
+
+
+def test_non_durable_ingest_settles_past_its_bound(paths: HostPaths, tmp_path: Path) -> None:
+    from vmpin.state.store import SETTLE_AFTER
+
+    for i in range(SETTLE_AFTER + 1):
+        b = bundle(tmp_path, f"c{i}")
+        append(paths.state_dir, event(paths, "prestart", f"c{i}", b))
+    with Store(paths.state_dir, ingest=False) as store:
+        store.ingest(durable=False)
+        assert len(store.containers()) == SETTLE_AFTER + 1
+    assert pending(paths.state_dir) == []  # more than the bound: settled by the ingest itself

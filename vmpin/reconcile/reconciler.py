@@ -98,6 +98,9 @@ class Reconciler:
         self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
         #: the last pass's plan (the agent's metrics and logs read its conflicts)
         self.last_plan: NodePlan | None = None
+        #: False: a pass applies the journal without waiting for the disk
+        #: (:meth:`vmpin.state.store.Store.ingest`); the agent settles it after answering
+        self.durable_ingest = True
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -154,7 +157,8 @@ class Reconciler:
         from vmpin.reconcile.report import sandbox_report
 
         if apply:
-            self.store.ingest()  # events the hooks journaled since this store was opened
+            # events the hooks journaled since this store was opened
+            self.store.ingest(durable=self.durable_ingest)
         plan = self.plan()
         applied = None
         if apply:

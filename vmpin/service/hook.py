@@ -152,10 +152,13 @@ def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) ->
     # database, a synchronous write on a container start.  The console script leaves with
     # os._exit(); what was committed is in the WAL for the next connection.
     store = Store(paths.state_dir, ingest=False)
-    # another process may have applied our event already: then re-pin our sandbox anyway
-    touched = store.ingest(budget=INGEST_BUDGET) or ([sandbox] if sandbox else [])
+    # Another process may have applied our event already: then re-pin our sandbox anyway.
+    # Not durable (no sync, the journal file stays): the pass's own commit syncs it, and
+    # the next agent or command settles the file (Store.ingest).
+    touched = store.ingest(budget=INGEST_BUDGET, durable=False) or ([sandbox] if sandbox else [])
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
     rec = build_reconciler(settings._replace(paths=paths), store, qmp_timeout=0.1)
+    rec.durable_ingest = False
     for report in rec.reconcile(touched):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

@@ -53,6 +53,8 @@ SCHEMA_VERSION = 2
 #: journal events applied per transaction (one fsync each): 10,000 pending events cost
 #: 20 commits, and a hook's time budget is checked between them.
 INGEST_BATCH = 500
+#: applied journal files a non-durable ingest leaves before it settles them itself
+SETTLE_AFTER = 64
 
 
 def state_error(path: str, err: BaseException) -> StateError:
@@ -489,7 +491,12 @@ class Store:
         return None if rec.is_sandbox else rec.sandbox_id
 
     def ingest(
-        self, *, budget: float | None = None, batch: int = INGEST_BATCH, consume: bool = True
+        self,
+        *,
+        budget: float | None = None,
+        batch: int = INGEST_BATCH,
+        consume: bool = True,
+        durable: bool = True,
     ) -> list[str]:
         """Apply pending events once each, in order, in transactions of ``batch`` events; the
         sandboxes they touched.
@@ -504,6 +511,13 @@ class Store:
 
         ``consume=False`` (an in-memory copy for a read-only command) moves and removes no
         journal file: they stay for the next writer.
+
+        ``durable=False`` does not wait for the disk: the events are committed without a sync
+        and their files stay (recorded as applied) until :meth:`settle_journal`, which the
+        agent runs after answering the hook that waits for its pass, and which this does
+        itself past :data:`SETTLE_AFTER` such files.  Nothing can be lost that way: a file goes
+        only once a checkpoint has its event in the database file, and an event whose commit
+        did not reach the disk is applied again from its file.
         """
         if consume:
             journal.sweep_tmp(self.state_dir)
@@ -512,17 +526,58 @@ class Store:
             return []
         deadline = None if budget is None else time.monotonic() + budget
         touched: list[str] = []
-        for start in range(0, len(names), max(1, batch)):
-            chunk = names[start : start + batch]
-            try:
-                self._ingest_batch(chunk, touched, consume)
-            except sqlite3.Error as err:
-                raise state_error(self.path, err) from None
-            if deadline is not None and time.monotonic() >= deadline:
-                break
+        relaxed = not durable and not self.db.in_transaction
+        try:
+            if relaxed:
+                self.db.execute("PRAGMA synchronous=NORMAL")  # (WAL: no sync at commit)
+            for start in range(0, len(names), max(1, batch)):
+                chunk = names[start : start + batch]
+                self._ingest_batch(chunk, touched, consume, settle=durable)
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+            if relaxed:
+                self.db.execute("PRAGMA synchronous=FULL")
+                relaxed = False
+            if consume and not durable and len(names) > SETTLE_AFTER:
+                self.settle_journal()
+        except sqlite3.Error as err:
+            raise state_error(self.path, err) from None
+        finally:
+            if relaxed:
+                self.db.execute("PRAGMA synchronous=FULL")
         return touched
 
-    def _ingest_batch(self, names: list[str], touched: list[str], consume: bool) -> None:
+    def settle_journal(self) -> int:
+        """Remove the journal files whose events are applied, once a checkpoint has them in
+        the database file (see :meth:`ingest`); how many were removed."""
+        names = journal.pending(self.state_dir)
+        if not names:
+            return 0
+        try:
+            applied = {
+                r[0]
+                for r in self.db.execute(
+                    "SELECT name FROM journal WHERE name BETWEEN ? AND ?", (names[0], names[-1])
+                )
+            }
+            if not applied or not self._checkpointed():
+                return 0
+        except sqlite3.Error as err:
+            raise state_error(self.path, err) from None
+        d = journal.journal_dir(self.state_dir)
+        removed = 0
+        for name in names:
+            if name in applied:
+                try:
+                    os.unlink(os.path.join(d, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def _ingest_batch(
+        self, names: list[str], touched: list[str], consume: bool, settle: bool = True
+    ) -> None:
         d = journal.journal_dir(self.state_dir)
         bad: list[tuple[str, str]] = []
         with self.transaction() as db:
@@ -570,7 +625,7 @@ class Store:
             return
         for name, reason in bad:
             self._quarantine(name, reason)
-        if not self._checkpointed():
+        if not settle or not self._checkpointed():
             return  # files stay until a checkpoint has them in the database file
         quarantined = {n for n, _ in bad}
         for name in names:
