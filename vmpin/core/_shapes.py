@@ -12,20 +12,6 @@ as such: its code, renamed per class, becomes a record's ``__new__`` or ``__init
 CODE = {}
 
 
-def __new__(_cls):
-    return _tuple_new(_cls, ())
-
-
-CODE[('new', 0)] = __new__.__code__
-
-
-def __new__(_cls, _0):
-    return _tuple_new(_cls, (_0,))
-
-
-CODE[('new', 1)] = __new__.__code__
-
-
 def __new__(_cls, _0, _1):
     return _tuple_new(_cls, (_0, _1))
 
@@ -82,13 +68,6 @@ def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8):
 CODE[('new', 9)] = __new__.__code__
 
 
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9))
-
-
-CODE[('new', 10)] = __new__.__code__
-
-
 def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10):
     return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10))
 
@@ -96,89 +75,11 @@ def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10):
 CODE[('new', 11)] = __new__.__code__
 
 
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11))
-
-
-CODE[('new', 12)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12))
-
-
-CODE[('new', 13)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13))
-
-
-CODE[('new', 14)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14))
-
-
-CODE[('new', 15)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15))
-
-
-CODE[('new', 16)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16))
-
-
-CODE[('new', 17)] = __new__.__code__
-
-
 def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17):
     return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17))
 
 
 CODE[('new', 18)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18))
-
-
-CODE[('new', 19)] = __new__.__code__
-
-
-def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19):
-    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19))
-
-
-CODE[('new', 20)] = __new__.__code__
-
-
-def __init__(self):
-    pass
-
-
-CODE[('init', True, ())] = __init__.__code__
-
-
-def __init__(self, _p0):
-    _set(self, "_a0", _p0)
-
-
-CODE[('init', True, ('=',))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-
-
-CODE[('init', True, ('=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2):
@@ -200,17 +101,6 @@ def __init__(self, _p0, _p1, _p2, _p3):
 CODE[('init', True, ('=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '='))] = __init__.__code__
-
-
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
@@ -221,19 +111,6 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):
 
 
 CODE[('init', True, ('=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7):
@@ -263,22 +140,6 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8):
 
 
 CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10):
@@ -316,25 +177,6 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11)
 CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
@@ -355,169 +197,6 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11,
 CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-    _set(self, "_a13", _p13)
-    _set(self, "_a14", _p14)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-    _set(self, "_a13", _p13)
-    _set(self, "_a14", _p14)
-    _set(self, "_a15", _p15)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-    _set(self, "_a13", _p13)
-    _set(self, "_a14", _p14)
-    _set(self, "_a15", _p15)
-    _set(self, "_a16", _p16)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16, _p17):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-    _set(self, "_a13", _p13)
-    _set(self, "_a14", _p14)
-    _set(self, "_a15", _p15)
-    _set(self, "_a16", _p16)
-    _set(self, "_a17", _p17)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16, _p17, _p18):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-    _set(self, "_a13", _p13)
-    _set(self, "_a14", _p14)
-    _set(self, "_a15", _p15)
-    _set(self, "_a16", _p16)
-    _set(self, "_a17", _p17)
-    _set(self, "_a18", _p18)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16, _p17, _p18, _p19):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-    _set(self, "_a11", _p11)
-    _set(self, "_a12", _p12)
-    _set(self, "_a13", _p13)
-    _set(self, "_a14", _p14)
-    _set(self, "_a15", _p15)
-    _set(self, "_a16", _p16)
-    _set(self, "_a17", _p17)
-    _set(self, "_a18", _p18)
-    _set(self, "_a19", _p19)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self):
-    pass
-
-
-CODE[('init', False, ())] = __init__.__code__
-
-
-def __init__(self, _p0):
-    self._a0 = _p0
-
-
-CODE[('init', False, ('=',))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1):
-    self._a0 = _p0
-    self._a1 = _p1
-
-
-CODE[('init', False, ('=', '='))] = __init__.__code__
-
-
 def __init__(self, _p0, _p1, _p2):
     self._a0 = _p0
     self._a1 = _p1
@@ -525,16 +204,6 @@ def __init__(self, _p0, _p1, _p2):
 
 
 CODE[('init', False, ('=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-
-
-CODE[('init', False, ('=', '=', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3, _p4):
@@ -546,291 +215,6 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4):
 
 
 CODE[('init', False, ('=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-    self._a14 = _p14
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-    self._a14 = _p14
-    self._a15 = _p15
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-    self._a14 = _p14
-    self._a15 = _p15
-    self._a16 = _p16
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16, _p17):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-    self._a14 = _p14
-    self._a15 = _p15
-    self._a16 = _p16
-    self._a17 = _p17
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16, _p17, _p18):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-    self._a14 = _p14
-    self._a15 = _p15
-    self._a16 = _p16
-    self._a17 = _p17
-    self._a18 = _p18
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14, _p15, _p16, _p17, _p18, _p19):
-    self._a0 = _p0
-    self._a1 = _p1
-    self._a2 = _p2
-    self._a3 = _p3
-    self._a4 = _p4
-    self._a5 = _p5
-    self._a6 = _p6
-    self._a7 = _p7
-    self._a8 = _p8
-    self._a9 = _p9
-    self._a10 = _p10
-    self._a11 = _p11
-    self._a12 = _p12
-    self._a13 = _p13
-    self._a14 = _p14
-    self._a15 = _p15
-    self._a16 = _p16
-    self._a17 = _p17
-    self._a18 = _p18
-    self._a19 = _p19
-
-
-CODE[('init', False, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3):
