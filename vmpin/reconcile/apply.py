@@ -19,7 +19,7 @@ from __future__ import annotations
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.observe import ORIG_PREFIX, missing_key, orig_key
+from vmpin.reconcile.observe import FULL, ORIG_PREFIX, missing_key, orig_key
 from vmpin.reconcile.plan import Adoption, NodePlan, SandboxPlan, ThreadPlan
 from vmpin.state.store import Store, ThreadRec
 
@@ -82,6 +82,8 @@ class Applier:
 
     def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
         """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
+        if plan.scope != FULL:  # a view's plan leaves threads out: applying it would undo them
+            raise ValueError("a plan observed for a read-only view is never applied")
         out = Applied()
         self._remember_originals(
             store,

@@ -136,12 +136,44 @@ class SandboxObs:
 
 
 @dataclass(frozen=True, slots=True)
+class Scope:
+    """How much of the node a read-only view observes and plans: less than a pass does, but
+    each value it does read is read fresh from the host (issue 14: read commands at 500
+    sandboxes spent ~55 ms reading and planning threads most of them never print).
+
+    ``FULL`` (the default everywhere) is what a pass, ``audit`` and apply need.  A narrower
+    scope leaves values *out* (a VMM without threads, a thread without its actual affinity,
+    a sandbox without a plan), never puts other values in; so only a view that prints none
+    of what is left out may use one, and apply refuses its plan.
+    """
+
+    #: find each sandbox's VMM (pid, start time): a VM's footprint, which other sandboxes'
+    #: plans depend on, is its mask only while it runs
+    vmms: bool = True
+    #: the sandboxes whose VMM threads are read and planned (None: every one)
+    threads: frozenset[str] | None = None
+    #: each thread's actual affinity and name (roles and vCPU indexes are read regardless)
+    affinity: bool = True
+    #: each planned sandbox's guest map
+    guest_maps: bool = True
+
+    def reads_threads(self, sandbox_id: str) -> bool:
+        return self.vmms and (self.threads is None or sandbox_id in self.threads)
+
+
+#: everything: what a pass, ``audit`` and apply need
+FULL = Scope()
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     sandboxes: tuple[SandboxObs, ...]
     checkpoint: Checkpoint | None = None
     checkpoint_error: str | None = None
     #: what vmpin recorded before its first pins, by (sandbox, vmm pid, vmm start, tid)
     originals: Mapping[str, str] = field(default_factory=dict)
+    #: what was observed (a view's narrower scope, or everything)
+    scope: Scope = FULL
 
     @property
     def shared_pool(self) -> CpuSet | None:
@@ -171,10 +203,13 @@ class _Recorded:
     vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
 
     @classmethod
-    def read(cls, store: Store) -> _Recorded:
+    def read(cls, store: Store, vmms: bool = True) -> _Recorded:
+        """The store's tables; without ``vmms`` (no VMM is looked at) only the containers."""
         containers: dict[str, list[ContainerRec]] = {}
         for c in store.containers():
             containers.setdefault(c.sandbox_id, []).append(c)
+        if not vmms:
+            return cls(containers, {}, {}, {})
         return cls(
             containers,
             store.all_threads(),
@@ -241,11 +276,12 @@ class Observer:
             return None, f"kubelet checkpoint {self.paths.kubelet_state}: {err}"
 
     # -- the node ----------------------------------------------------------------------------
-    def observe(self, store: Store) -> Observation:
+    def observe(self, store: Store, scope: Scope = FULL) -> Observation:
+        """The node as the host and the store show it now (``scope``: see :class:`Scope`)."""
         from vmpin.reconcile.podpolicies import PodPolicies
 
         checkpoint, cp_error = self.checkpoint()
-        recorded = _Recorded.read(store)
+        recorded = _Recorded.read(store, scope.vmms)
         originals = recorded.originals
         policies = PodPolicies(
             store, self.policy, self.api_annotations, recorded=store.all_policy_annotations()
@@ -255,22 +291,22 @@ class Observer:
         for rec in store.sandboxes():
             seen.add(rec.id)
             try:
-                out.append(self._sandbox(recorded, policies, rec, checkpoint))
+                out.append(self._sandbox(recorded, policies, rec, checkpoint, scope))
             except Exception as err:  # one sandbox's failure is an error on it, not the node's
                 msg = f"observing it: unexpected {type(err).__name__}: {err}"
                 out.append(
                     SandboxObs(rec.id, rec.runtime, self._policy(rec.id), rec, errors=(msg,))
                 )
-        for sid in self._vm_dir_ids():
+        for sid in self._vm_dir_ids() if scope.vmms else ():
             if sid not in seen:
-                out.append(self._untracked(sid, originals))
+                out.append(self._untracked(sid, originals, scope))
         if self.domains is not None:
             try:
                 out.extend(self.domains.sandboxes(self._policy))
             except Exception as err:  # libvirt's failure is an error on it, not the node's
                 msg = f"observing libvirt domains: unexpected {type(err).__name__}: {err}"
                 out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
-        return Observation(tuple(out), checkpoint, cp_error, originals)
+        return Observation(tuple(out), checkpoint, cp_error, originals, scope)
 
     def _vm_dir_ids(self) -> list[str]:
         from vmpin.core.errors import IdError
@@ -293,7 +329,7 @@ class Observer:
     def _policy(self, sandbox_id: str) -> Policy:
         return self.policy_for.get(sandbox_id, self.policy)
 
-    def _untracked(self, sid: str, originals: Mapping[str, str]) -> SandboxObs:
+    def _untracked(self, sid: str, originals: Mapping[str, str], scope: Scope) -> SandboxObs:
         """A VMM in the VM dir that vmpin does not manage: it floats, and it may need undo."""
         from vmpin.runtimes import vmm as vmm_mod
 
@@ -303,7 +339,11 @@ class Observer:
             return SandboxObs(sid, "kata", self._policy(sid), None, errors=(str(err),))
         if vmm is None:
             return SandboxObs(sid, "kata", self._policy(sid), None, notes=("no VMM running",))
-        threads = self._vmm_threads_plain(sid, vmm.pid, vmm.start, originals)
+        threads = (
+            self._vmm_threads_plain(sid, vmm.pid, vmm.start, originals, scope.affinity)
+            if scope.reads_threads(sid)
+            else ()
+        )
         return SandboxObs(
             sid,
             "kata",
@@ -319,6 +359,7 @@ class Observer:
         policies: PodPolicies,
         rec: SandboxRec,
         cp: Checkpoint | None,
+        scope: Scope = FULL,
     ) -> SandboxObs:
         runtime = rec.runtime
         became_kata = False
@@ -333,13 +374,13 @@ class Observer:
         else:
             r = policies.resolve(rec.id, rec.pod_uid, lookup=False)
             policy, source, problems = r.policy, r.source, tuple(r.problems)
-        if runtime != "kata":
+        if runtime != "kata" or not scope.vmms:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
                 policy_source=source, policy_problems=problems,
             )  # fmt: skip
         try:
-            vmm, gone, notes = self._vmm(recorded, rec)
+            vmm, gone, notes = self._vmm(recorded, rec, scope)
         except VmpinError as err:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
@@ -405,7 +446,7 @@ class Observer:
 
     # -- VMMs ----------------------------------------------------------------------------------
     def _vmm(
-        self, recorded: _Recorded, rec: SandboxRec
+        self, recorded: _Recorded, rec: SandboxRec, scope: Scope = FULL
     ) -> tuple[VmmObs | None, bool, list[str]]:
         from vmpin.runtimes import vmm as vmm_mod
         from vmpin.runtimes.threads import VmmThread, classify
@@ -427,7 +468,10 @@ class Observer:
             if rec.vmm_pid and rec.vmm_start is not None:
                 return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
             return None, False, ["no VMM found yet for this sandbox"]
+        if not scope.reads_threads(rec.id):
+            return VmmObs(vmm.pid, vmm.start), False, []  # located, its threads not read
         originals = recorded.originals
+        affinity = scope.affinity
         remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
@@ -437,7 +481,9 @@ class Observer:
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
-            threads = tuple(self._thread(rec.id, vmm.pid, vmm.start, t, originals) for t in roles)
+            threads = tuple(
+                self._thread(rec.id, vmm.pid, vmm.start, t, originals, affinity) for t in roles
+            )
             layers = tuple(sorted({t.layer for t in roles}))
             return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
         if not vmm.cmdline:
@@ -462,7 +508,7 @@ class Observer:
         threads = tuple(
             self._thread(
                 rec.id, vmm.pid, vmm.start, ThreadRec(t.tid, t.role, t.index, t.label, t.layer),
-                originals,
+                originals, affinity,
             )
             for t in result.threads
         )  # fmt: skip
@@ -495,8 +541,17 @@ class Observer:
         )
 
     def _thread(
-        self, sid: str, pid: int, start: int, t: ThreadRec, originals: Mapping[str, str]
+        self,
+        sid: str,
+        pid: int,
+        start: int,
+        t: ThreadRec,
+        originals: Mapping[str, str],
+        affinity: bool = True,
     ) -> ThreadObs:
+        """One VMM thread as it is now (``affinity`` False: its role only, nothing read)."""
+        if not affinity:
+            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
         # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
         owner = pid if t.role != "vhost" or procfs.exists(self.paths.proc, pid, t.tid) else t.tid
         # a thread created after vmpin's first pin inherited the pin: what the VMM had before
@@ -518,7 +573,7 @@ class Observer:
         return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
 
     def _vmm_threads_plain(
-        self, sid: str, pid: int, start: int, originals: Mapping[str, str]
+        self, sid: str, pid: int, start: int, originals: Mapping[str, str], affinity: bool = True
     ) -> tuple[ThreadObs, ...]:
         """An untracked VMM's threads, unclassified (vmpin plans nothing for them but undo)."""
         try:
@@ -526,7 +581,9 @@ class Observer:
         except ProcessGone:
             return ()
         return tuple(
-            self._thread(sid, pid, start, ThreadRec(tid, "emulator", None, None, ""), originals)
+            self._thread(
+                sid, pid, start, ThreadRec(tid, "emulator", None, None, ""), originals, affinity
+            )
             for tid in tids
         )
 
@@ -556,10 +613,12 @@ def _replace(t: ThreadObs, **kw: object) -> ThreadObs:
 
 __all__ = [
     "EMPTY",
+    "FULL",
     "ContainerObs",
     "Observation",
     "Observer",
     "SandboxObs",
+    "Scope",
     "ThreadObs",
     "VmmObs",
     "orig_key",

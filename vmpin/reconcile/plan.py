@@ -28,7 +28,7 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
-from vmpin.reconcile.observe import ContainerObs, Observation, SandboxObs, ThreadObs
+from vmpin.reconcile.observe import FULL, ContainerObs, Observation, SandboxObs, Scope, ThreadObs
 from vmpin.state.store import ContainerRec
 
 TYPE_CHECKING = False
@@ -148,6 +148,8 @@ class NodePlan:
     shared_pool: CpuSet | None = None
     #: store keys of every original affinity vmpin had recorded when observing
     originals: tuple[str, ...] = ()
+    #: what its observation covered: a view's plan (narrower than FULL) is never applied
+    scope: Scope = FULL
 
     def sandbox(self, sandbox_id: str) -> SandboxPlan | None:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
@@ -305,6 +307,7 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
                 pool,
                 float_policy,
                 conflicted,
+                obs.scope,
             )
         )
     plans = [
@@ -323,6 +326,7 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
         exclusive,
         pool,
         tuple(obs.originals),
+        obs.scope,
     )
 
 
@@ -408,6 +412,7 @@ def _plan_sandbox(
     pool: CpuSet | None,
     float_policy: str,
     conflicted: set[str],
+    scope: Scope = FULL,
 ) -> SandboxPlan:
     base = SandboxPlan(
         s.id, s.runtime, s, mask, footprint=footprint,
@@ -424,8 +429,8 @@ def _plan_sandbox(
             for t in c.obs.tasks
         )
         return _replace(base, mode="cgroup", threads=threads)
-    if s.vmm is None:
-        return base
+    if s.vmm is None or not scope.reads_threads(s.id):
+        return base  # nothing runs, or a view that did not read this VMM's threads
     vthreads = s.vmm.threads
     if not s.tracked:
         # Present in the VM dir, not vmpin's: it floats; give back whatever vmpin pinned.
@@ -467,13 +472,14 @@ def _plan_sandbox(
     notes = list(base.notes) + list(plan.notes)
     if s.id in conflicted:
         notes.append("claims an exclusive CPU another pod claims too: see the conflicts")
-    from vmpin.core.guestmap import map_sandbox
-
-    ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
-    guest_map: dict[str, Any] | None = map_sandbox(plan, ctrs, topology, float_policy)
+    guest_map: dict[str, Any] | None = None
     if s.policy.guest == "off":  # vmpin.io/guest-pinning: off -- nothing for the guest
-        guest_map = None
         notes.append("guest pinning off: no guest map published")
+    elif scope.guest_maps:
+        from vmpin.core.guestmap import map_sandbox
+
+        ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
+        guest_map = map_sandbox(plan, ctrs, topology, float_policy)
     return _replace(
         base,
         mask=plan.mask,

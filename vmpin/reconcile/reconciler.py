@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vmpin.core.planner import Policy
     from vmpin.core.topology import Topology
     from vmpin.linux.affinity import AffinityBackend
-    from vmpin.reconcile.observe import Observation, Observer
+    from vmpin.reconcile.observe import Observation, Observer, Scope
     from vmpin.reconcile.plan import NodePlan
     from vmpin.reconcile.sources import DomainSource
 
@@ -130,36 +130,50 @@ class Reconciler:
         return self._observer
 
     # -- the pass ------------------------------------------------------------------------
-    def observe(self) -> Observation:
+    def observe(self, scope: Scope | None = None) -> Observation:
+        """The node now; a read-only view may narrow it (``scope``, see observe.Scope)."""
         self.observer.api_annotations = self.api_annotations
-        return self.observer.observe(self.store)
+        if scope is None:
+            return self.observer.observe(self.store)
+        return self.observer.observe(self.store, scope)
 
-    def plan(self, obs: Observation | None = None) -> NodePlan:
+    def plan(self, obs: Observation | None = None, scope: Scope | None = None) -> NodePlan:
+        """The node's plan (of ``obs``, or of a fresh observation within ``scope``)."""
         from vmpin.reconcile.plan import plan_node
 
-        obs = obs if obs is not None else self.observe()
-        plan = plan_node(obs, self.topology, float_policy=self.float_policy)
+        with _GcPaused():
+            obs = obs if obs is not None else self.observe(scope)
+            plan = plan_node(obs, self.topology, float_policy=self.float_policy)
         self.last_plan = plan
         return plan
 
     def reconcile(
-        self, sandbox_ids: list[str] | None = None, *, apply: bool = True
+        self,
+        sandbox_ids: list[str] | None = None,
+        *,
+        apply: bool = True,
+        scope: Scope | None = None,
     ) -> list[SandboxReport]:
         """One node-wide pass; the reports of ``sandbox_ids`` (default: every tracked one).
 
         With ``apply``, pending journal events are applied first and the whole node is
-        brought into line, whichever sandboxes are asked about.
+        brought into line, whichever sandboxes are asked about.  Without, a view may narrow
+        what is observed (``scope``, e.g. only the threads of the sandboxes it reports).
         """
+        if apply and scope is not None:
+            raise ValueError("a pass that applies observes the whole node")
         with _GcPaused():
-            return self._reconcile(sandbox_ids, apply)
+            return self._reconcile(sandbox_ids, apply, scope)
 
-    def _reconcile(self, sandbox_ids: list[str] | None, apply: bool) -> list[SandboxReport]:
+    def _reconcile(
+        self, sandbox_ids: list[str] | None, apply: bool, scope: Scope | None = None
+    ) -> list[SandboxReport]:
         from vmpin.reconcile.report import sandbox_report
 
         if apply:
             # events the hooks journaled since this store was opened
             self.store.ingest(durable=self.durable_ingest)
-        plan = self.plan()
+        plan = self.plan(scope=scope)
         applied = None
         if apply:
             from vmpin.reconcile.apply import Applier
@@ -187,9 +201,11 @@ class Reconciler:
             reports.sort(key=lambda r: order[r.id])
         return reports
 
-    def reconcile_sandbox(self, rec: SandboxRec, *, apply: bool = True) -> SandboxReport:
+    def reconcile_sandbox(
+        self, rec: SandboxRec, *, apply: bool = True, scope: Scope | None = None
+    ) -> SandboxReport:
         """A node-wide pass, reporting one sandbox (level-triggered: the node is re-planned)."""
-        found = self.reconcile([rec.id], apply=apply)
+        found = self.reconcile([rec.id], apply=apply, scope=scope)
         if found:
             return found[0]
         report = SandboxReport(rec.id, rec.runtime)

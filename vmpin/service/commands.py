@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vmpin.reconcile.domains import LibvirtDomains
+    from vmpin.reconcile.observe import Scope
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 
@@ -197,10 +198,32 @@ def _update_domain(
 
 
 # -- read commands: observe and plan, nothing written ---------------------------------------
-def node_plan(c: Ctx, store: Store) -> NodePlan:
-    """The node as the host shows it now (pure: observe and plan, nothing written)."""
-    plan: NodePlan = c.reconciler(store).plan()
+def node_plan(c: Ctx, store: Store, scope: Scope | None = None) -> NodePlan:
+    """The node as the host shows it now (pure: observe and plan, nothing written), within
+    ``scope``: what the view prints, read fresh, and nothing it does not (observe.Scope)."""
+    plan: NodePlan = c.reconciler(store).plan(scope=scope)
     return plan
+
+
+def view_scope(view: str, sandbox: str | None = None) -> Scope:
+    """What each read view observes of the node (observe.Scope): what it prints, read fresh
+    from the host, and not what it does not print (``tests/service/test_view_scopes.py``
+    checks each view against the same view of a full observation).
+
+    ``containers``: containers and their CPU sets' sources; no VMM, thread or guest map.
+    ``sandboxes``: each VMM and its plan's mode, mask and vanishing, which need thread roles
+    but not affinities or guest maps.  ``show``: only ``sandbox``'s threads, since the others'
+    share in its plan is their masks and whether their VMMs run.  ``audit``: everything.
+    """
+    from vmpin.reconcile.observe import FULL, Scope
+
+    if view == "containers":
+        return Scope(vmms=False, guest_maps=False)
+    if view == "sandboxes":
+        return Scope(affinity=False, guest_maps=False)
+    if view == "show" and sandbox is not None:
+        return Scope(threads=frozenset((sandbox,)))
+    return FULL
 
 
 def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
@@ -224,7 +247,7 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
 
 def containers(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
-        rows = fresh_containers(node_plan(c, store))
+        rows = fresh_containers(node_plan(c, store, view_scope("containers")))
     if as_json:
         emit(rows, "containers")
         return 0
@@ -251,9 +274,8 @@ def _mask(sp: SandboxPlan) -> str:
     return CpuSet.union_all(c.rec.cpus for c in sp.containers if c.rec.cpus is not None).to_list()
 
 
-def sandboxes(c: Ctx, as_json: bool) -> int:
-    with c.reader() as store:
-        plan = node_plan(c, store)
+def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
+    """The ``sandboxes`` view of a plan: each tracked sandbox, its VMM, mask and mode."""
     out: list[dict[str, Any]] = []
     for sp in plan.sandboxes:
         s = sp.obs.record
@@ -288,6 +310,12 @@ def sandboxes(c: Ctx, as_json: bool) -> int:
                 "vanished": sp.vanished,
             }
         )
+    return out
+
+
+def sandboxes(c: Ctx, as_json: bool) -> int:
+    with c.reader() as store:
+        out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
     if as_json:
         emit(out, "sandboxes")
         return 0
@@ -344,7 +372,9 @@ def _one(c: Ctx, sandbox: str) -> SandboxReport:
             if domain is not None:
                 return domain
             raise StateError(f"unknown sandbox {sandbox!r} (see `vmpin sandboxes`)")
-        report: SandboxReport = c.reconciler(store).reconcile_sandbox(rec, apply=False)
+        report: SandboxReport = c.reconciler(store).reconcile_sandbox(
+            rec, apply=False, scope=view_scope("show", rec.id)
+        )
         return report
 
 
