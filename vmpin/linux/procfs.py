@@ -18,6 +18,10 @@ import os
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
 
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 
 def _task_dir(proc: str, pid: int, tid: int | None = None) -> str:
     # (f-strings: os.path.join was a tenth of an idle pass's procfs time)
@@ -38,10 +42,27 @@ def _translate(err: OSError, pid: int, tid: int | None, what: str) -> HostError:
 def read_text(proc: str, pid: int, name: str, tid: int | None = None) -> str:
     path = f"{_task_dir(proc, pid, tid)}/{name}"
     try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
+        return _read(path).decode(errors="replace")
     except OSError as err:
         raise _translate(err, pid, tid, name) from err
+
+
+def _read(path: str) -> bytes:
+    """The whole file, by ``os.read`` until end of file.
+
+    procfs generates a file on each read; an ``open()`` file object (its buffer, its fstat,
+    its context manager) cost half again as much as the kernel's part of reading ``stat``,
+    which a read command does once per VMM (issue 14)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 4096)
+        while True:
+            more = os.read(fd, 65536)
+            if not more:
+                return data
+            data += more
+    finally:
+        os.close(fd)
 
 
 def exists(proc: str, pid: int, tid: int | None = None) -> bool:
@@ -127,9 +148,14 @@ def affinity(proc: str, pid: int, tid: int | None = None) -> CpuSet:
     """
     if not is_own(proc):
         return cpus_allowed(proc, pid, tid)
-    from vmpin.linux.affinity import current
+    if not _CURRENT:  # imported on first use (a hook that reads no affinity needs none of it)
+        from vmpin.linux.affinity import current
 
-    return current(pid if tid is None else tid)
+        _CURRENT.append(current)
+    return _CURRENT[0](pid if tid is None else tid)
+
+
+_CURRENT: list[Callable[[int], CpuSet]] = []
 
 
 def syscall(proc: str, pid: int, tid: int | None = None) -> list[str]:

@@ -35,7 +35,7 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Container, Mapping, Sequence
     from dataclasses import dataclass, field
 
     from vmpin.linux.cgroups import CgroupRef
@@ -51,7 +51,12 @@ MISSING_PREFIX = "missing-vcpus:"
 
 def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
     """Store meta key of a thread's affinity before vmpin first pinned it (invariant 4)."""
-    return f"{ORIG_PREFIX}{sandbox_id}:{vmm_pid}:{vmm_start}:{tid}"
+    return f"{orig_prefix(sandbox_id, vmm_pid, vmm_start)}{tid}"
+
+
+def orig_prefix(sandbox_id: str, vmm_pid: int, vmm_start: int) -> str:
+    """:func:`orig_key` without the tid: the keys of one VMM's threads (built once per VMM)."""
+    return f"{ORIG_PREFIX}{sandbox_id}:{vmm_pid}:{vmm_start}:"
 
 
 def missing_key(sandbox_id: str, pid: int, start: int) -> str:
@@ -203,18 +208,19 @@ class _Recorded:
     vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
 
     @classmethod
-    def read(cls, store: Store, vmms: bool = True) -> _Recorded:
-        """The store's tables; without ``vmms`` (no VMM is looked at) only the containers."""
+    def read(cls, store: Store, scope: Scope = FULL) -> _Recorded:
+        """The store's tables, those ``scope`` needs: no VMM looked at, only the containers;
+        no affinity read, no original affinities (a thread's is read beside its actual)."""
         containers: dict[str, list[ContainerRec]] = {}
         for c in store.containers():
             containers.setdefault(c.sandbox_id, []).append(c)
-        if not vmms:
+        if not scope.vmms:
             return cls(containers, {}, {}, {})
         return cls(
             containers,
             store.all_threads(),
             dict(store.meta_prefix(MISSING_PREFIX)),
-            dict(store.meta_prefix(ORIG_PREFIX)),
+            dict(store.meta_prefix(ORIG_PREFIX)) if scope.affinity else {},
         )
 
 
@@ -281,7 +287,7 @@ class Observer:
         from vmpin.reconcile.podpolicies import PodPolicies
 
         checkpoint, cp_error = self.checkpoint()
-        recorded = _Recorded.read(store, scope.vmms)
+        recorded = _Recorded.read(store, scope)
         originals = recorded.originals
         policies = PodPolicies(
             store, self.policy, self.api_annotations, recorded=store.all_policy_annotations()
@@ -297,9 +303,8 @@ class Observer:
                 out.append(
                     SandboxObs(rec.id, rec.runtime, self._policy(rec.id), rec, errors=(msg,))
                 )
-        for sid in self._vm_dir_ids() if scope.vmms else ():
-            if sid not in seen:
-                out.append(self._untracked(sid, originals, scope))
+        for sid in self._vm_dir_ids(seen) if scope.vmms else ():
+            out.append(self._untracked(sid, originals, scope))
         if self.domains is not None:
             try:
                 out.extend(self.domains.sandboxes(self._policy))
@@ -308,7 +313,9 @@ class Observer:
                 out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
         return Observation(tuple(out), checkpoint, cp_error, originals, scope)
 
-    def _vm_dir_ids(self) -> list[str]:
+    def _vm_dir_ids(self, tracked: Container[str] = ()) -> list[str]:
+        """The sandbox dirs in the VM dir, but for ``tracked`` ones (observed from the store:
+        not checked here, one stat per sandbox saved)."""
         from vmpin.core.errors import IdError
         from vmpin.core.ids import check_id
 
@@ -318,6 +325,8 @@ class Observer:
             return []
         out = []
         for n in names:
+            if n in tracked:
+                continue
             try:
                 check_id(n, "VM dir entry")
             except IdError:
@@ -331,10 +340,10 @@ class Observer:
 
     def _untracked(self, sid: str, originals: Mapping[str, str], scope: Scope) -> SandboxObs:
         """A VMM in the VM dir that vmpin does not manage: it floats, and it may need undo."""
-        from vmpin.runtimes import vmm as vmm_mod
+        from vmpin.runtimes.vmm import find_vmm
 
         try:
-            vmm = vmm_mod.find_vmm(self.paths, sid, scan=False)
+            vmm = find_vmm(self.paths, sid, scan=False)
         except VmpinError as err:
             return SandboxObs(sid, "kata", self._policy(sid), None, errors=(str(err),))
         if vmm is None:
@@ -448,22 +457,24 @@ class Observer:
     def _vmm(
         self, recorded: _Recorded, rec: SandboxRec, scope: Scope = FULL
     ) -> tuple[VmmObs | None, bool, list[str]]:
-        from vmpin.runtimes import vmm as vmm_mod
-        from vmpin.runtimes.threads import VmmThread, classify
+        # (imported here, not with the module: a pass over runc containers needs none of it;
+        # "from <module> import" names, since "from <package> import <module>" costs a
+        # Python-level importlib call on every sandbox)
+        from vmpin.runtimes.vmm import Vmm, find_vmm, still_running
 
         # The QEMU a pass classified before (its threads are remembered under its pid and
         # start time, taken from a checked command line) is recognised by two small reads:
         # the pidfile still names it and its start time is unchanged.  Anything else goes
         # through find_vmm: the pidfile, then the recorded pid, then a scan of /proc.
-        vmm: vmm_mod.Vmm | None = None
+        vmm: Vmm | None = None
         if rec.vmm_pid and rec.vmm_start is not None:
             key = (rec.id, rec.vmm_pid, rec.vmm_start)
-            if key in recorded.threads and vmm_mod.still_running(
+            if key in recorded.threads and still_running(
                 self.paths, rec.id, rec.vmm_pid, rec.vmm_start
             ):
-                vmm = vmm_mod.Vmm(rec.vmm_pid, rec.vmm_start, (), False)  # (cmdline unread)
+                vmm = Vmm(rec.vmm_pid, rec.vmm_start, (), False)  # (cmdline unread)
         if vmm is None:
-            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            vmm = find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
         if vmm is None:
             if rec.vmm_pid and rec.vmm_start is not None:
                 return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
@@ -472,6 +483,7 @@ class Observer:
             return VmmObs(vmm.pid, vmm.start), False, []  # located, its threads not read
         originals = recorded.originals
         affinity = scope.affinity
+        at = orig_prefix(rec.id, vmm.pid, vmm.start)
         remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
@@ -481,16 +493,17 @@ class Observer:
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
-            threads = tuple(
-                self._thread(rec.id, vmm.pid, vmm.start, t, originals, affinity) for t in roles
-            )
+            threads = tuple(self._thread(vmm.pid, at, t, originals, affinity) for t in roles)
             layers = tuple(sorted({t.layer for t in roles}))
             return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
+        from vmpin.runtimes.threads import VmmThread, classify
+
         if not vmm.cmdline:
             # classifying reads the command line (iothread ids, debug-threads)
-            vmm = vmm_mod.find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            vmm = find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
             if vmm is None:
                 return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
+            at = orig_prefix(rec.id, vmm.pid, vmm.start)
             remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
         if recorded.vhost is None:
@@ -507,8 +520,8 @@ class Observer:
         )
         threads = tuple(
             self._thread(
-                rec.id, vmm.pid, vmm.start, ThreadRec(t.tid, t.role, t.index, t.label, t.layer),
-                originals, affinity,
+                vmm.pid, at, ThreadRec(t.tid, t.role, t.index, t.label, t.layer), originals,
+                affinity,
             )
             for t in result.threads
         )  # fmt: skip
@@ -531,6 +544,8 @@ class Observer:
     def _complete(self, remembered: dict[int, ThreadRec], current: set[int]) -> bool:
         """The same threads as last time (vhost kthreads before Linux 6.4 live outside
         ``task/`` and must merely still exist)."""
+        if remembered.keys() == current:
+            return True
         outside = set(remembered) - current
         if set(remembered) - outside != current:
             return False
@@ -542,23 +557,21 @@ class Observer:
 
     def _thread(
         self,
-        sid: str,
         pid: int,
-        start: int,
+        orig_at: str,
         t: ThreadRec,
         originals: Mapping[str, str],
         affinity: bool = True,
     ) -> ThreadObs:
-        """One VMM thread as it is now (``affinity`` False: its role only, nothing read)."""
+        """One thread of the VMM ``pid`` as it is now (``affinity`` False: its role only,
+        nothing read); ``orig_at``: :func:`orig_prefix` of the VMM."""
         if not affinity:
             return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
         # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
         owner = pid if t.role != "vhost" or procfs.exists(self.paths.proc, pid, t.tid) else t.tid
         # a thread created after vmpin's first pin inherited the pin: what the VMM had before
         # (its main thread's record) is what it is to get back
-        orig_text = originals.get(orig_key(sid, pid, start, t.tid)) or originals.get(
-            orig_key(sid, pid, start, pid)
-        )
+        orig_text = originals.get(f"{orig_at}{t.tid}") or originals.get(f"{orig_at}{pid}")
         original = _parse(orig_text) if orig_text else None
         try:
             actual = procfs.affinity(self.paths.proc, owner, t.tid)
@@ -580,10 +593,9 @@ class Observer:
             tids = procfs.tids(self.paths.proc, pid)
         except ProcessGone:
             return ()
+        at = orig_prefix(sid, pid, start)
         return tuple(
-            self._thread(
-                sid, pid, start, ThreadRec(tid, "emulator", None, None, ""), originals, affinity
-            )
+            self._thread(pid, at, ThreadRec(tid, "emulator", None, None, ""), originals, affinity)
             for tid in tids
         )
 
@@ -622,5 +634,6 @@ __all__ = [
     "ThreadObs",
     "VmmObs",
     "orig_key",
+    "orig_prefix",
     "pid_alive",
 ]

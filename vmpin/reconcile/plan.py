@@ -291,7 +291,7 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
         own = masks[s.id]
         others_excl = alone - own if alone & own else alone
         pod = pods[s.id]
-        foreign_excl = foreign_by_pod.get(pod)
+        foreign_excl = foreign_by_pod.get(pod) if excl_all else EMPTY
         if foreign_excl is None:
             foreign_excl = foreign_by_pod[pod] = excl_all - CpuSet(excl_own.get(pod, ()))
         plans.append(
@@ -480,16 +480,11 @@ def _plan_sandbox(
 
         ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
         guest_map = map_sandbox(plan, ctrs, topology, float_policy)
-    return _replace(
-        base,
-        mask=plan.mask,
-        mode=plan.mode,
-        reason=plan.reason,
-        plan=plan,
-        threads=tuple(vplans),
-        guest_map=guest_map,
-        notes=tuple(notes),
-    )
+    return SandboxPlan(  # (not _replace(base, ...): a second record per sandbox of a pass)
+        s.id, s.runtime, s, plan.mask, plan.mode, plan.reason, footprint=footprint, plan=plan,
+        threads=tuple(vplans), containers=base.containers, guest_map=guest_map,
+        notes=tuple(notes), errors=base.errors,
+    )  # fmt: skip
 
 
 def _thread(

@@ -239,7 +239,7 @@ def still_running(paths: HostPaths, sandbox_id: str, pid: int, start: int) -> bo
     For a VMM found before by :func:`find_vmm` (its command line checked then): (pid, start
     time) is a process's identity, so two small reads re-find it, where find_vmm reads four.
     """
-    if read_pidfile(os.path.join(paths.vm_dir, sandbox_id, "pid")) != pid:
+    if read_pidfile(f"{paths.vm_dir}/{sandbox_id}/pid") != pid:  # (an id has no "/")
         return False
     try:
         fields = procfs.stat_fields(paths.proc, pid)
