@@ -225,10 +225,10 @@ def test_fast_route_needs_no_pydantic(env: dict[str, str], tmp_path: Path, node:
     """Off the tests' VMPIN_CHECK_VIEWS, a --json read loads neither pydantic nor typer; and
     with libvirt left at its default (qemu:///system when its daemon runs), not libvirt
     either on a node where no daemon runs."""
-    from vmpin.reconcile.domains import _SYSTEM_SOCKETS
+    from vmpin.runtimes.libvirtd import SYSTEM_SOCKETS
 
     quiet = {k: v for k, v in env.items() if k not in ("VMPIN_CHECK_VIEWS", "VMPIN_LIBVIRT")}
-    daemon = any(os.path.exists(s) for s in _SYSTEM_SOCKETS)
+    daemon = any(os.path.exists(s) for s in SYSTEM_SOCKETS)
     probe = tmp_path / "probe.json"
     out = subprocess.run([sys.executable, "-c", FAST, "sandboxes", "--json"],
                          env={**quiet, "PROBE_OUT": str(probe)}, capture_output=True, text=True,

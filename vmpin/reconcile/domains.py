@@ -23,7 +23,6 @@ never imports libvirt.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable
 
@@ -33,6 +32,7 @@ from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.apply import Outcome
 from vmpin.reconcile.observe import ContainerObs, SandboxObs, ThreadObs, VmmObs
+from vmpin.runtimes.libvirtd import DEFAULT_URIS, wanted_uris
 from vmpin.state.store import ContainerRec, SandboxRec
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (read commands)
@@ -52,9 +52,6 @@ def _log() -> logging.Logger:
 
     return logging.getLogger("vmpin.libvirt")
 
-DEFAULT_URIS = ("qemu:///system",)
-#: where qemu:///system answers (monolithic libvirtd, or modular virtqemud)
-_SYSTEM_SOCKETS = ("/run/libvirt/libvirt-sock", "/run/libvirt/virtqemud-sock")
 _warned: list[bool] = []
 
 
@@ -86,12 +83,7 @@ class LibvirtDomains:
 
     def wanted_uris(self) -> list[str]:
         """The configured URIs, less the default one when no daemon serves it here."""
-        return [
-            uri
-            for uri in self.uris
-            # the default and no daemon on this node: nothing to handle, nothing to report
-            if uri not in DEFAULT_URIS or any(os.path.exists(s) for s in _SYSTEM_SOCKETS)
-        ]
+        return wanted_uris(self.uris)
 
     def _connections(self, lv_mod: Any) -> list[lv.Connection]:
         # kept open across passes (the agent), one per URI

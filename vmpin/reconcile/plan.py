@@ -125,8 +125,8 @@ class SandboxPlan:
     @property
     def pinned_cpus(self) -> dict[int, int]:
         """CPU -> tid of the vCPUs this plan pins 1:1."""
-        if self.plan is None:
-            return {}
+        if self.plan is None or not self.plan.vcpu_map:
+            return {}  # (asked per sandbox by check_node and audit: most pin nothing 1:1)
         out = {}
         by_idx = {t.index: t.tid for t in self.threads if t.role == "vcpu"}
         for idx, cpu in self.plan.vcpu_map.items():

@@ -212,9 +212,10 @@ class Reconciler:
         report.vanished = True
         return report
 
-    def audit(self) -> dict[str, Any]:
+    def audit(self, scope: Scope | None = None) -> dict[str, Any]:
+        """The node-wide invariant (``scope``: what it observes, default everything)."""
         from vmpin.reconcile.audit import audit
 
         with _GcPaused():
-            obs = self.observe()
+            obs = self.observe(scope)
             return audit(self.plan(obs), obs.checkpoint_error)

@@ -28,6 +28,7 @@ from vmpin.wire import jsonio
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
+    import sqlite3
     from collections.abc import Callable, Sequence
     from typing import Any
 
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Scope
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+else:
+    # sqlite3.Error is the C module's class: the package would add sqlite3.dbapi2 and its
+    # datetime (~2 ms of every read command); the store uses the C module too
+    import _sqlite3 as sqlite3
 
 #: set (to anything but "" or "0") to validate every --json view against its model first
 CHECK_VIEWS = "VMPIN_CHECK_VIEWS"
@@ -84,12 +89,13 @@ class Ctx:
         domain anyway)."""
         uris = self.settings.libvirt_uris()
         if self._domains is None and uris:
+            from vmpin.runtimes.libvirtd import wanted_uris
+
+            if self.one_shot and not wanted_uris(uris):
+                return None  # (before importing vmpin.reconcile.domains: threading, apply)
             from vmpin.reconcile.domains import LibvirtDomains
 
-            domains = LibvirtDomains(self.paths, uris)
-            if self.one_shot and not domains.wanted_uris():
-                return None
-            self._domains = domains
+            self._domains = LibvirtDomains(self.paths, uris)
         return self._domains
 
     def reconciler(self, store: Store | None = None) -> Reconciler:
@@ -213,7 +219,8 @@ def view_scope(view: str, sandbox: str | None = None) -> Scope:
     ``containers``: containers and their CPU sets' sources; no VMM, thread or guest map.
     ``sandboxes``: each VMM and its plan's mode, mask and vanishing, which need thread roles
     but not affinities or guest maps.  ``show``: only ``sandbox``'s threads, since the others'
-    share in its plan is their masks and whether their VMMs run.  ``audit``: everything.
+    share in its plan is their masks and whether their VMMs run.  ``audit``: everything
+    but guest maps (the invariant is on host threads).
     """
     from vmpin.reconcile.observe import FULL, Scope
 
@@ -223,6 +230,8 @@ def view_scope(view: str, sandbox: str | None = None) -> Scope:
         return Scope(affinity=False, guest_maps=False)
     if view == "show" and sandbox is not None:
         return Scope(threads=frozenset((sandbox,)))
+    if view == "audit":
+        return Scope(guest_maps=False)
     return FULL
 
 
@@ -410,7 +419,7 @@ def show(c: Ctx, sandbox: str, as_json: bool) -> int:
 
 def audit(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
-        result = c.reconciler(store).audit()
+        result = c.reconciler(store).audit(view_scope("audit"))
     if as_json:
         emit(result, "audit")
     else:
