@@ -226,17 +226,23 @@ class CpuSet:
         return f"0x{self.to_int():x}"
 
     # -- set algebra ---------------------------------------------------------------------
+    # Results are built by _of (their CPUs come from checked sets: nothing to check again),
+    # and an operand that is already the result is returned itself: a set is immutable, and
+    # one kept keeps its to_list() text (a node pass derives and prints thousands of sets).
     def union(self, *others: CpuSet) -> CpuSet:
-        return CpuSet(self._cpus.union(*(o._cpus for o in others)))
+        cpus = self._cpus.union(*(o._cpus for o in others))
+        return self if len(cpus) == len(self._cpus) else _of(cpus)
 
     def intersection(self, other: CpuSet) -> CpuSet:
-        return CpuSet(self._cpus & other._cpus)
+        cpus = self._cpus & other._cpus
+        return self if len(cpus) == len(self._cpus) else _of(cpus)
 
     def difference(self, other: CpuSet) -> CpuSet:
-        return CpuSet(self._cpus - other._cpus)
+        cpus = self._cpus - other._cpus
+        return self if len(cpus) == len(self._cpus) else _of(cpus)
 
     def symmetric_difference(self, other: CpuSet) -> CpuSet:
-        return CpuSet(self._cpus ^ other._cpus)
+        return _of(self._cpus ^ other._cpus)
 
     __or__ = union
     __and__ = intersection
@@ -264,10 +270,15 @@ class CpuSet:
 
     @staticmethod
     def union_all(sets: Iterable[CpuSet]) -> CpuSet:
+        first: CpuSet | None = None
         out: set[int] = set()
         for s in sets:
+            if first is None:
+                first = s
             out |= s._cpus
-        return CpuSet(out)
+        if first is None:
+            return EMPTY
+        return first if len(out) == len(first._cpus) else _of(frozenset(out))
 
     # -- container protocol --------------------------------------------------------------
     def __iter__(self) -> Iterator[int]:
@@ -293,6 +304,13 @@ class CpuSet:
 
     def __str__(self) -> str:
         return self.to_list()
+
+
+def _of(cpus: frozenset[int]) -> CpuSet:
+    """A CpuSet of CPUs taken from other CpuSets (already checked): no copy, no check."""
+    new = object.__new__(CpuSet)
+    object.__setattr__(new, "_cpus", cpus)
+    return new
 
 
 EMPTY = CpuSet()

@@ -168,8 +168,9 @@ def plan_sandbox(
                 notes=tuple(notes),
             )
 
-    order = topology.ordered(effective)
-    m = len(order)
+    # (every online CPU has a place in topology order, and effective holds online CPUs only:
+    # its size is the count; place_vcpus orders it when a 1:1 plan needs the order)
+    m = len(effective)
     shared_with_others = effective & others
     vcpu_map: dict[int, int] = {}
     if floating_reason:

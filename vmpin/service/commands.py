@@ -292,12 +292,13 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
             continue
         stored = CpuSet.union_all(k.rec.cpus for k in sp.obs.containers if k.rec.cpus is not None)
         vmm = sp.obs.vmm
+        mask = _mask(sp)
         out.append(
             {
                 "id": s.id,
                 "runtime": sp.runtime,
                 "vmm_pid": vmm.pid if vmm is not None else None,
-                "mask": sp.mask.to_list() if sp.runtime == "kata" and sp.plan else _mask(sp),
+                "mask": sp.mask.to_list() if sp.runtime == "kata" and sp.plan else mask,
                 "containers": [
                     {
                         "id": k.rec.id,
@@ -313,7 +314,7 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
                 "dirty": s.dirty,
                 "mode": sp.mode,
                 "stored_mask": stored.to_list(),
-                "host_differs": _mask(sp) != stored.to_list()
+                "host_differs": mask != stored.to_list()
                 or sp.vanished
                 or (vmm.pid if vmm else None) != (s.vmm_pid if s.vmm_start is not None else None),
                 "vanished": sp.vanished,

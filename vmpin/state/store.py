@@ -201,7 +201,9 @@ def _container(row: sqlite3.Row) -> ContainerRec:
 
 
 def _sandbox(row: sqlite3.Row) -> SandboxRec:
-    return SandboxRec(**dict(zip(_SANDBOX_COLS, row, strict=True)))
+    if len(row) != len(_SANDBOX_COLS):
+        raise StateError(f"sandboxes row has {len(row)} columns, not {len(_SANDBOX_COLS)}")
+    return SandboxRec._make(row)
 
 
 class Store:
@@ -882,8 +884,13 @@ class Store:
             "SELECT sandbox_id, vmm_pid, vmm_start, tid, role, idx, label, layer FROM threads"
             " ORDER BY sandbox_id, tid"
         )
-        for sid, pid, start, *rest in rows.fetchall():
-            out.setdefault((sid, pid, start), {})[rest[0]] = ThreadRec(*rest)
+        make = ThreadRec._make
+        for row in rows.fetchall():
+            key = row[:3]  # (sandbox, pid, start)
+            found = out.get(key)
+            if found is None:
+                found = out[key] = {}
+            found[row[3]] = make(row[3:])
         return out
 
     def save_threads(
