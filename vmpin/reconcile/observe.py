@@ -402,9 +402,11 @@ class Observer:
 
     # -- containers ----------------------------------------------------------------------------
     def _container(self, c: ContainerRec, runtime: str, cp: Checkpoint | None) -> ContainerObs:
-        from vmpin.runtimes.kubelet import cpus_for
+        kubelet = None
+        if cp and c.pod_uid and c.name:
+            from vmpin.runtimes.kubelet import cpus_for
 
-        kubelet = cpus_for(cp, c.pod_uid, c.name) if cp and c.pod_uid and c.name else None
+            kubelet = cpus_for(cp, c.pod_uid, c.name)
         if runtime != "runc":
             return ContainerObs(c, kubelet_cpus=kubelet)
         from vmpin.linux import cgroups
