@@ -193,15 +193,30 @@ def _indented(
             out.append("{}")
             return
         inner = nl + step
-        out.append("{")
-        for i, (k, v) in enumerate(d.items()):
+        comma = "," + inner
+        append = out.append
+        append("{")
+        first = True
+        for k, v in d.items():
             if type(k) is not str:
                 raise _Unusual
-            out.append(inner if i == 0 else "," + inner)
-            out.append(quote(k))
-            out.append(": ")
-            _indented(v, quote, step, inner, out, seen)
-        out.append(nl + "}")
+            append(inner if first else comma)
+            first = False
+            append(quote(k))
+            # the common leaves written here, not by a call each (a view is mostly leaves)
+            tv = type(v)
+            if tv is str:
+                append(": ")
+                append(quote(v))  # type: ignore[arg-type]
+            elif v is None:
+                append(": null")
+            elif tv is int:
+                append(": ")
+                append(int.__repr__(v))
+            else:
+                append(": ")
+                _indented(v, quote, step, inner, out, seen)
+        append(nl + "}")
         seen.discard(id(o))
     else:
         raise _Unusual
