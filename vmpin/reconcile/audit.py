@@ -114,14 +114,14 @@ def violations(plan: NodePlan) -> list[dict[str, Any]]:
                         other_role=t.role,
                     )
                 )
-        # invariant 2
-        for t in sp.threads:
+        # invariant 2 (nothing to find where kubelet assigns no CPU exclusively)
+        for t in sp.threads if plan.exclusive else ():
             if t.actual is None:
                 continue
             hit = foreign_hit(t.actual, pods[sp.id])
             if hit:
                 out.append(_v("foreign-on-exclusive", sp.id, t, hit[0], claimant=hit[1]))
-        for c in sp.containers:
+        for c in sp.containers if plan.exclusive else ():
             if c.obs.cgroup_cpus is None:
                 continue
             hit = foreign_hit(c.obs.cgroup_cpus, pods[sp.id])
