@@ -78,6 +78,9 @@ def env_for(paths: HostPaths) -> dict[str, str]:
         VMPIN_KUBELET_STATE=paths.kubelet_state,
         VMPIN_PUBLISH_DIR=paths.publish_dir,
         VMPIN_LOG_LEVEL=os.environ.get("VMPIN_LOG_LEVEL", "WARNING"),
+        # the node is these fake VMMs: domains of a libvirtd on this machine (another
+        # engineer's) are not part of it, and would add libvirt's import and a connection
+        VMPIN_LIBVIRT=os.environ.get("VMPIN_LIBVIRT", "none"),
     )
     return env
 
