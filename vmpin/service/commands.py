@@ -28,7 +28,6 @@ from vmpin.wire import jsonio
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
-    import sqlite3
     from collections.abc import Callable, Sequence
     from typing import Any
 
@@ -36,10 +35,6 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Scope
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
-else:
-    # sqlite3.Error is the C module's class: the package would add sqlite3.dbapi2 and its
-    # datetime (~2 ms of every read command); the store uses the C module too
-    import _sqlite3 as sqlite3
 
 #: set (to anything but "" or "0") to validate every --json view against its model first
 CHECK_VIEWS = "VMPIN_CHECK_VIEWS"
