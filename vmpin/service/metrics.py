@@ -1,9 +1,18 @@
 """The agent's Prometheus metrics, and the small HTTP endpoint that serves them.
 
-Only the agent imports this module (prometheus_client costs start-up time the OCI hook must
-not pay; the import-linter contract keeps it off the hook path).  Every metric lives in a
-registry of its own, not the library's global one, so several agents can run in one test
-process and nothing else in the process leaks into vmpin's /metrics.
+Written here rather than with prometheus_client (issue 14, agent RSS): importing that package
+runs its ``__init__``, which imports http.server, urllib.request, ssl, email and wsgiref --
+11.5 MB of the agent's RSS here (VmRSS after each import), for three metric kinds and one
+text format.  What this module keeps of it, and checks against it
+(``tests/service/test_metrics.py`` drives both with the same operations and compares the bytes
+of ``/metrics``): the Prometheus text format 0.0.4 exactly as ``generate_latest`` writes it
+(``# HELP`` / ``# TYPE`` per family, counters exposed as ``<name>_total``, histogram buckets
+cumulative with ``le`` as Go prints floats, then ``_count`` and ``_sum``; no ``*_created``
+series), ``Content-Type: text/plain; version=0.0.4; charset=utf-8``, gzip when the scraper
+accepts it, GET and OPTIONS only.  What it does not: OpenMetrics negotiation (a Prometheus
+server that asks for it first gets the 0.0.4 text, which it reads as well: same series) and
+``name[]`` filtering.  Every registry is the instance's own, so several agents can run in one
+test process and nothing else in the process leaks into vmpin's /metrics.
 
 What is exported, and what question each answers:
 
@@ -42,23 +51,15 @@ What is exported, and what question each answers:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
-
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-)
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+import bisect
+import contextlib
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from vmpin import __version__
-
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
 #: Latency buckets: a pin normally lands in a few ms; a storm's holdoff adds ~0.1 s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -67,43 +68,345 @@ PASS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: (runtime -> (sandboxes, containers), role -> threads pinned): what the state gauges show.
 Snapshot = tuple[Mapping[str, tuple[int, int]], Mapping[str, int]]
 
+#: what /metrics is served as (prometheus_client's CONTENT_TYPE_PLAIN_0_0_4)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+INF = float("inf")
 
-class _StateCollector(Collector):
+
+# -- the text format ----------------------------------------------------------------------------
+def go_float(d: float) -> str:
+    """A sample value as Prometheus clients print it (Go's formatting: ``+Inf``, ``NaN``, an
+    exponent from 1e+06 up; Python's repr otherwise, so 1 is ``1.0``)."""
+    d = float(d)
+    if d == INF:
+        return "+Inf"
+    if d == -INF:
+        return "-Inf"
+    if math.isnan(d):
+        return "NaN"
+    s = repr(d)
+    dot = s.find(".")
+    if d > 0 and dot > 6:
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return s
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+class Family:
+    """One collected metric family: its name (a counter's without ``_total``), type, help, and
+    samples (full sample name, labels, value)."""
+
+    __slots__ = ("help", "name", "samples", "type")
+
+    def __init__(
+        self, name: str, type: str, help: str, samples: list[tuple[str, dict[str, str], float]]
+    ) -> None:
+        self.name, self.type, self.help, self.samples = name, type, help, samples
+
+    def text(self) -> str:
+        """The family in the text format 0.0.4, as prometheus_client's generate_latest writes it."""
+        name = self.name + "_total" if self.type == "counter" else self.name
+        doc = self.help.replace("\\", r"\\").replace("\n", r"\n")
+        out = [f"# HELP {name} {doc}\n# TYPE {name} {self.type}\n"]
+        for sample, labels, value in self.samples:
+            if labels:
+                pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+                out.append(f"{sample}{{{pairs}}} {go_float(value)}\n")
+            else:
+                out.append(f"{sample} {go_float(value)}\n")
+        return "".join(out)
+
+
+class Registry:
+    """The metric families of one agent, collected in the order they were registered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._collectors: list[Callable[[], Iterable[Family]]] = []
+
+    def register(self, collect: Callable[[], Iterable[Family]]) -> None:
+        with self._lock:
+            self._collectors.append(collect)
+
+    def collect(self) -> Iterator[Family]:
+        with self._lock:
+            collectors = list(self._collectors)
+        for collect in collectors:
+            yield from collect()
+
+    def exposition(self) -> bytes:
+        """Every family in the Prometheus text format 0.0.4 (the body of /metrics)."""
+        return "".join(f.text() for f in self.collect()).encode()
+
+    def get_sample_value(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        """One sample's value, or None (for tests, as prometheus_client's)."""
+        want = dict(labels or {})
+        for family in self.collect():
+            for sample, got, value in family.samples:
+                if sample == name and got == want:
+                    return value
+        return None
+
+
+# -- the three kinds --------------------------------------------------------------------------
+class _Value:
+    """A counter's or a gauge's value; a gauge's may be computed at scrape time."""
+
+    __slots__ = ("_fn", "_lock", "_value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0.0
+        self._fn: Callable[[], float] | None = None
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self._value += amount
+
+    def get(self) -> float:
+        fn = self._fn
+        return float(fn()) if fn is not None else self._value
+
+
+class CounterChild(_Value):
+    __slots__ = ()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        super().inc(amount)
+
+
+class GaugeChild(_Value):
+    __slots__ = ()
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = float(value)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.inc(-amount)
+
+    def set_to_current_time(self) -> None:
+        self.set(time.time())
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        self._fn = fn
+
+
+class HistogramChild:
+    __slots__ = ("_bounds", "_counts", "_lock", "_sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._lock = threading.Lock()
+        self._bounds = bounds
+        self._counts = [0.0] * len(bounds)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._sum += value
+            self._counts[bisect.bisect_left(self._bounds, value)] += 1  # first bound >= value
+
+    def samples(self, name: str, labels: dict[str, str]) -> list[tuple[str, dict[str, str], float]]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        out = []
+        acc = 0.0
+        for bound, n in zip(self._bounds, counts, strict=True):
+            acc += n
+            out.append((name + "_bucket", {**labels, "le": go_float(bound)}, acc))
+        out.append((name + "_count", dict(labels), acc))
+        out.append((name + "_sum", dict(labels), total))
+        return out
+
+
+class _Metric:
+    """A family of children, one per label values (one, with no labels, for an unlabelled
+    metric); registered with its registry at creation."""
+
+    type = ""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Iterable[str] = (),
+        *,
+        registry: Registry,
+    ) -> None:
+        self.name, self.help = name, documentation
+        self.labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, ...], object] = {}
+        if not self.labelnames:
+            self._children[()] = self._child()
+        registry.register(self.collect)
+
+    def _child(self) -> object:
+        raise NotImplementedError
+
+    def _labels(self, values: tuple[object, ...]) -> object:
+        if not self.labelnames:
+            raise ValueError(f"{self.name}: no labels")
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}")
+        key = tuple(str(v) for v in values)
+        with self._lock:
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._child()
+        return child
+
+    def _only(self) -> object:
+        if self.labelnames:
+            raise ValueError(f"{self.name}: labels {self.labelnames} missing")
+        return self._children[()]
+
+    def _child_samples(
+        self, child: object, labels: dict[str, str]
+    ) -> list[tuple[str, dict[str, str], float]]:
+        assert isinstance(child, _Value)
+        return [(self._sample_name(), labels, child.get())]
+
+    def _sample_name(self) -> str:
+        return self.name
+
+    def collect(self) -> list[Family]:
+        with self._lock:
+            children = list(self._children.items())
+        samples = []
+        for key, child in children:
+            samples += self._child_samples(child, dict(zip(self.labelnames, key, strict=True)))
+        return [Family(self.name, self.type, self.help, samples)]
+
+
+class Counter(_Metric):
+    type = "counter"
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Iterable[str] = (), *, registry: Registry
+    ) -> None:
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry=registry)
+
+    def _child(self) -> CounterChild:
+        return CounterChild()
+
+    def _sample_name(self) -> str:
+        return self.name + "_total"
+
+    def labels(self, *values: object) -> CounterChild:
+        child = self._labels(values)
+        assert isinstance(child, CounterChild)
+        return child
+
+    def inc(self, amount: float = 1.0) -> None:
+        child = self._only()
+        assert isinstance(child, CounterChild)
+        child.inc(amount)
+
+
+class Gauge(_Metric):
+    type = "gauge"
+
+    def _child(self) -> GaugeChild:
+        return GaugeChild()
+
+    def labels(self, *values: object) -> GaugeChild:
+        child = self._labels(values)
+        assert isinstance(child, GaugeChild)
+        return child
+
+    def _one(self) -> GaugeChild:
+        child = self._only()
+        assert isinstance(child, GaugeChild)
+        return child
+
+    def set(self, value: float) -> None:
+        self._one().set(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._one().inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._one().dec(amount)
+
+    def set_to_current_time(self) -> None:
+        self._one().set_to_current_time()
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        self._one().set_function(fn)
+
+
+class Histogram(_Metric):
+    type = "histogram"
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Iterable[str] = (),
+        *,
+        buckets: Iterable[float],
+        registry: Registry,
+    ) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(bounds):
+            raise ValueError(f"{name}: buckets not in order")
+        if not bounds or bounds[-1] != INF:
+            bounds.append(INF)
+        self._bounds = tuple(bounds)
+        super().__init__(name, documentation, labelnames, registry=registry)
+
+    def _child(self) -> HistogramChild:
+        return HistogramChild(self._bounds)
+
+    def _child_samples(
+        self, child: object, labels: dict[str, str]
+    ) -> list[tuple[str, dict[str, str], float]]:
+        assert isinstance(child, HistogramChild)
+        return child.samples(self.name, labels)
+
+    def labels(self, *values: object) -> HistogramChild:
+        child = self._labels(values)
+        assert isinstance(child, HistogramChild)
+        return child
+
+    def observe(self, value: float) -> None:
+        child = self._only()
+        assert isinstance(child, HistogramChild)
+        child.observe(value)
+
+
+def _state_families(snapshot: Callable[[], Snapshot]) -> list[Family]:
     """Gauges computed at scrape time from the agent's per-sandbox bookkeeping."""
-
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
-        self._snapshot = snapshot
-
-    def collect(self) -> Iterable[Metric]:
-        runtimes, roles = self._snapshot()
-        sandboxes = GaugeMetricFamily(
-            "vmpin_sandboxes", "Sandboxes the agent tracks", labels=["runtime"]
-        )
-        containers = GaugeMetricFamily(
-            "vmpin_containers", "Containers in the tracked sandboxes", labels=["runtime"]
-        )
-        for runtime, (n_sandboxes, n_containers) in sorted(runtimes.items()):
-            sandboxes.add_metric([runtime], n_sandboxes)
-            containers.add_metric([runtime], n_containers)
-        pinned = GaugeMetricFamily(
+    runtimes, roles = snapshot()
+    ordered = sorted(runtimes.items())
+    return [
+        Family("vmpin_sandboxes", "gauge", "Sandboxes the agent tracks",
+               [("vmpin_sandboxes", {"runtime": rt}, float(s)) for rt, (s, _) in ordered]),
+        Family("vmpin_containers", "gauge", "Containers in the tracked sandboxes",
+               [("vmpin_containers", {"runtime": rt}, float(c)) for rt, (_, c) in ordered]),
+        Family(
             "vmpin_threads_pinned",
+            "gauge",
             "Threads carrying their planned affinity after the last pass over their sandbox",
-            labels=["role"],
-        )
-        for role, n in sorted(roles.items()):
-            pinned.add_metric([role], n)
-        yield sandboxes
-        yield containers
-        yield pinned
+            [("vmpin_threads_pinned", {"role": role}, float(n))
+             for role, n in sorted(roles.items())],
+        ),
+    ]  # fmt: skip
 
 
 class Metrics:
     """Every metric the agent updates; ``registry`` is private to this instance."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        # The *_created series double every counter's lines and say nothing useful here.
-        disable_created_metrics()  # type: ignore[no-untyped-call]
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, registry: Registry | None = None) -> None:
+        # (no *_created series: they would double every counter's lines and say nothing here)
+        self.registry = registry if registry is not None else Registry()
         r = self.registry
         self.plans = Counter(
             "vmpin_plans", "Sandboxes planned by the agent's node passes", ["cause"], registry=r
@@ -182,7 +485,7 @@ class Metrics:
             self.plans.labels(cause)
 
     def track_state(self, snapshot: Callable[[], Snapshot]) -> None:
-        self.registry.register(_StateCollector(snapshot))
+        self.registry.register(lambda: _state_families(snapshot))
 
     def track_queue(self, depth: Callable[[], float], running: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)
@@ -194,18 +497,105 @@ class Metrics:
         self.journal_quarantined.set_function(bad)
 
 
+REQUEST_TIMEOUT = 5.0
+MAX_REQUEST = 1 << 16
+
+
+def respond(
+    registry: Registry, method: str, path: str, accept_encoding: str
+) -> tuple[str, list[tuple[str, str]], bytes]:
+    """(status, headers, body) for one request, as prometheus_client's WSGI app answers it:
+    any path but /favicon.ico is the metrics, GET and OPTIONS only, gzip when accepted."""
+    if method == "OPTIONS":
+        return "200 OK", [("Allow", "OPTIONS,GET")], b""
+    if method != "GET":
+        status = "405 Method Not Allowed"
+        body = f"# HTTP {status}: {method}; use OPTIONS or GET\n".encode()
+        return status, [("Allow", "OPTIONS,GET")], body
+    if path.partition("?")[0] == "/favicon.ico":
+        return "200 OK", [], b""
+    body = registry.exposition()
+    headers = [("Content-Type", CONTENT_TYPE)]
+    if any(t.split(";")[0].strip().lower() == "gzip" for t in accept_encoding.split(",")):
+        import zlib
+
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip member
+        body = packer.compress(body) + packer.flush()
+        headers.append(("Content-Encoding", "gzip"))
+    return "200 OK", headers, body
+
+
 class MetricsServer:
-    """``/metrics`` over HTTP on a loopback address, in a daemon thread; ``close()`` stops it."""
+    """``/metrics`` over HTTP on a loopback address: an accept loop in a daemon thread, each
+    request answered on a thread of its own (one request per connection, HTTP/1.0 as
+    prometheus_client's wsgiref server); ``close()`` stops it."""
 
     def __init__(self, metrics: Metrics, port: int, addr: str = "127.0.0.1") -> None:
-        from prometheus_client import start_http_server
-
-        server: WSGIServer
-        server, self._thread = start_http_server(port, addr=addr, registry=metrics.registry)
-        self._server = server
-        self.port: int = server.server_port
+        self.registry = metrics.registry
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
+            sock.bind((addr, port))
+            sock.listen(64)
+        except OSError:
+            sock.close()
+            raise
+        self._sock: socket.socket | None = sock
+        self.port: int = sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, name="vmpin-metrics", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it
+        sock.close()
         self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while True:
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                if self._sock is None:
+                    return
+                time.sleep(0.01)
+                continue
+            threading.Thread(
+                target=self._answer, args=(conn,), name="vmpin-metrics-conn", daemon=True
+            ).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(REQUEST_TIMEOUT)
+                buf = b""
+                while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+                    chunk = conn.recv(8192)
+                    if not chunk or len(buf) + len(chunk) > MAX_REQUEST:
+                        return
+                    buf += chunk
+                head = buf.decode("latin-1").replace("\r\n", "\n").split("\n\n", 1)[0]
+                request, *lines = head.split("\n")
+                parts = request.split()
+                headers: list[tuple[str, str]] = []
+                if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                    status, body = "400 Bad Request", b""
+                else:
+                    encoding = ""
+                    for line in lines:
+                        key, _, value = line.partition(":")
+                        if key.strip().lower() == "accept-encoding":
+                            encoding = value
+                    status, headers, body = respond(self.registry, parts[0], parts[1], encoding)
+                head_out = [f"HTTP/1.0 {status}", *(f"{k}: {v}" for k, v in headers),
+                            f"Content-Length: {len(body)}", "", ""]  # fmt: skip
+                conn.sendall("\r\n".join(head_out).encode("latin-1") + body)
+            except Exception:  # a scrape that failed must not take the agent with it
+                return
