@@ -20,7 +20,19 @@ import typer
 from vmpin import __version__
 from vmpin.core.errors import SpecError, StateError
 from vmpin.service import commands
-from vmpin.service.clispec import CONTAINER, CPUSET_CPUS, JSON, RESOURCES, SANDBOX, G
+from vmpin.service.clispec import (
+    CONTAINER,
+    CPUSET_CPUS,
+    INTERVAL,
+    JSON,
+    KUBECONFIG,
+    METRICS_PORT,
+    NODE_NAME,
+    RESOURCES,
+    SANDBOX,
+    WORKERS,
+    G,
+)
 from vmpin.service.commands import Ctx, cpus, emit, table
 
 __all__ = ["Ctx", "app", "run"]
@@ -40,8 +52,7 @@ app.add_typer(guest_app, name="guest")
 JsonOpt = Annotated[bool, typer.Option(*JSON.flags, help=JSON.help)]
 KubeconfigOpt = Annotated[
     Optional[str],
-    typer.Option(envvar="VMPIN_KUBECONFIG",
-                 help="kubeconfig for the Kubernetes API (default: in-cluster, $KUBECONFIG)."),
+    typer.Option(*KUBECONFIG.flags, envvar=KUBECONFIG.envvar, help=KUBECONFIG.help),
 ]
 
 
@@ -340,17 +351,15 @@ def _print(data: Any) -> None:
 @app.command()
 def serve(
     ctx: typer.Context,
-    interval: Annotated[float, typer.Option(help="Seconds between full repair passes.")] = 5.0,
-    workers: Annotated[
-        int, typer.Option(help="Kept for compatibility (1-64): passes are node-wide, one planner.")
-    ] = 2,
+    interval: Annotated[float, typer.Option(*INTERVAL.flags, help=INTERVAL.help)] = 5.0,
+    workers: Annotated[int, typer.Option(*WORKERS.flags, help=WORKERS.help)] = 2,
     metrics_port: Annotated[
-        int, typer.Option(help="Prometheus metrics port on 127.0.0.1 (0 = off).")
+        int, typer.Option(*METRICS_PORT.flags, help=METRICS_PORT.help)
     ] = 9464,
     kubeconfig: KubeconfigOpt = None,
     node_name: Annotated[
         Optional[str],
-        typer.Option(envvar="NODE_NAME", help="This node's name in the API (default: hostname)."),
+        typer.Option(*NODE_NAME.flags, envvar=NODE_NAME.envvar, help=NODE_NAME.help),
     ] = None,
 ) -> None:
     """Run the node agent: control socket, coalesced event handling, periodic repair.
@@ -358,14 +367,7 @@ def serve(
     With Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG) it also watches
     this node's pods for per-pod policy, records Events and writes the NodePinning report.
     """
-    from vmpin.service.agent import serve as serve_agent
-
-    ctx.obj.one_shot = False  # a libvirt daemon that starts later is the agent's to handle
-
-    raise typer.Exit(
-        serve_agent(ctx.obj, interval=interval, workers=workers, metrics_port=metrics_port,
-                    kubeconfig=kubeconfig, node_name=node_name)
-    )
+    _done(commands.serve(ctx.obj, interval, workers, metrics_port, kubeconfig, node_name))
 
 
 @app.command()

@@ -158,12 +158,20 @@ FAST_CASES = [
     ["update", "{sid}-app"], ["update", "{sid}-app", "--cpuset-cpus", "0", "-r", "-"],
     ["update", "{sid}-app", "--cpuset-cpus", ""], ["--libvirt", "bogus:", "containers"],
     ["--helper-policy", "bogus", "containers"], ["update", "{sid}-app", "-r", "/nonexistent"],
+    # serve: refused before the agent starts (it would run until stopped), on both routes
+    ["serve", "--interval", "0"], ["serve", "--interval=nan", "--metrics-port", "0"],
+    ["serve", "--workers", "0"], ["serve", "--workers=65", "--interval", "1e9"],
+    ["serve", "--metrics-port", "70000"], ["serve", "--interval", " 5 ", "--workers", "1_000"],
+    ["--vm-dir={vm}", "serve", "--metrics-port", "0", "--node-name", "n", "--kubeconfig",
+     "/nonexistent", "--interval=-1"],
 ]
 #: argv the fast route leaves to typer (usage errors, --help): the same by construction
 TYPER_CASES = [
     ["update", "--bogus"], ["show"], ["show", "a", "b"], ["containers", "-h"], ["update", "--help"],
     ["audit", "--json", "--json"], ["containers", "--json=1"], ["--state-dir", "containers"],
     ["update", "{sid}-app", "--cpuset-cpus"], ["containers", "--", "x"],
+    ["serve", "--help"], ["serve", "--interval", "x"], ["serve", "--workers", "1.5"],
+    ["serve", "--metrics-port", "-1"], ["serve", "--interval"], ["serve", "extra"],
 ]
 
 
@@ -219,6 +227,11 @@ def test_typer_app_declares_the_option_table() -> None:
         assert norm(declared(cmd)) == norm(table(spec.options)), name
         args = [p for p in cmd.params if isinstance(p, TyperArgument)]
         assert [(p.metavar, p.name) for p in args] == [(a.metavar, a.key) for a in spec.args]
+        # defaults and environment variables: the fast route applies clispec's
+        options = {p.name: p for p in cmd.params if isinstance(p, TyperOption)}
+        for o in spec.options:
+            if o.value:
+                assert (options[o.key].default, options[o.key].envvar) == (o.default, o.envvar)
 
 
 def test_fast_route_needs_no_pydantic(env: dict[str, str], tmp_path: Path, node: str) -> None:

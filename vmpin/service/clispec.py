@@ -18,16 +18,32 @@ from __future__ import annotations
 class Opt:
     """One option: its flags, the key its value is handed over under, and its help."""
 
-    __slots__ = ("flags", "help", "key", "path", "value")
+    __slots__ = ("convert", "default", "envvar", "flags", "help", "key", "path", "value")
 
     def __init__(
-        self, flags: tuple[str, ...], key: str, help: str, value: bool = True, path: bool = False
+        self,
+        flags: tuple[str, ...],
+        key: str,
+        help: str,
+        value: bool = True,
+        path: bool = False,
+        *,
+        convert: type[float] | type[int] | None = None,
+        default: float | None = None,
+        envvar: str | None = None,
     ) -> None:
         self.flags, self.key, self.help = flags, key, help
         #: takes a value (``--opt V`` / ``--opt=V``); False: a flag
         self.value = value
         #: a host root of HostPaths (the hook takes these from its own argv too)
         self.path = path
+        #: ``float`` or ``int``: the value's type (click converts with the same builtin; a
+        #: value it refuses goes to typer, which explains)
+        self.convert = convert
+        #: the value when the option is not given (the typer app declares the same)
+        self.default = default
+        #: the environment variable typer falls back to when the option is not given
+        self.envvar = envvar
 
 
 class Arg:
@@ -90,6 +106,19 @@ CPUSET_CPUS = Opt(("--cpuset-cpus",), "cpuset_cpus",
                   "New CPU list, e.g. 0-3,8 (as runc update).")
 RESOURCES = Opt(("-r", "--resources"), "resources",
                 "OCI LinuxResources JSON file, or - for stdin (as runc update -r).")
+KUBECONFIG = Opt(("--kubeconfig",), "kubeconfig",
+                 "kubeconfig for the Kubernetes API (default: in-cluster, $KUBECONFIG).",
+                 envvar="VMPIN_KUBECONFIG")
+#: ``serve``'s options (issue 14: typer and pydantic are ~7 MB of the agent's RSS)
+INTERVAL = Opt(("--interval",), "interval", "Seconds between full repair passes.",
+               convert=float, default=5.0)
+WORKERS = Opt(("--workers",), "workers",
+              "Kept for compatibility (1-64): passes are node-wide, one planner.",
+              convert=int, default=2)
+METRICS_PORT = Opt(("--metrics-port",), "metrics_port",
+                   "Prometheus metrics port on 127.0.0.1 (0 = off).", convert=int, default=9464)
+NODE_NAME = Opt(("--node-name",), "node_name",
+                "This node's name in the API (default: hostname).", envvar="NODE_NAME")
 CONTAINER = Arg("CONTAINER", "container", "Container id.")
 SANDBOX = Arg("SANDBOX", "sandbox", "Sandbox id.")
 
@@ -100,10 +129,13 @@ FAST = {
     "sandboxes": Command((), (JSON,)),
     "show": Command((SANDBOX,), (JSON,)),
     "audit": Command((), (JSON,)),
+    "serve": Command((), (INTERVAL, WORKERS, METRICS_PORT, KUBECONFIG, NODE_NAME)),
 }
 
 
-def _take(argv: list[str], i: int, table: dict[str, Opt]) -> tuple[Opt, str | bool, int] | None:
+def _take(
+    argv: list[str], i: int, table: dict[str, Opt]
+) -> tuple[Opt, str | bool | float, int] | None:
     """The option at ``argv[i]``, its value and the next index; None when not plainly one."""
     name, eq, value = argv[i].partition("=")
     opt = table.get(name)
@@ -112,10 +144,17 @@ def _take(argv: list[str], i: int, table: dict[str, Opt]) -> tuple[Opt, str | bo
     if not opt.value:
         return None if eq else (opt, True, i + 1)
     if eq:
-        return opt, value, i + 1
-    if i + 1 >= len(argv) or (argv[i + 1].startswith("-") and argv[i + 1] != "-"):
+        nxt = i + 1
+    elif i + 1 >= len(argv) or (argv[i + 1].startswith("-") and argv[i + 1] != "-"):
         return None  # click would take it as the value anyway; let it say so
-    return opt, argv[i + 1], i + 2
+    else:
+        value, nxt = argv[i + 1], i + 2
+    if opt.convert is not None:
+        try:
+            return opt, opt.convert(value), nxt
+        except ValueError:
+            return None
+    return opt, value, nxt
 
 
 def _flags(opts: tuple[Opt, ...]) -> dict[str, Opt]:
@@ -137,7 +176,9 @@ def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
     return given, argv[i:]
 
 
-def parse(argv: list[str]) -> tuple[dict[str, str], str, dict[str, str | bool | None]] | None:
+def parse(
+    argv: list[str],
+) -> tuple[dict[str, str], str, dict[str, str | bool | float | None]] | None:
     """``argv`` as the fast route runs it: (global options, command, its values); None when
     it is anything else -- another command, --help, an unknown or repeated option, a missing
     or extra argument -- which then goes to typer, the one that explains usage."""
@@ -147,7 +188,9 @@ def parse(argv: list[str]) -> tuple[dict[str, str], str, dict[str, str | bool | 
     given, rest = split
     name, spec = rest[0], FAST[rest[0]]
     table = _flags(spec.options)
-    values: dict[str, str | bool | None] = {o.key: None if o.value else False for o in spec.options}
+    values: dict[str, str | bool | float | None] = {
+        o.key: o.default if o.value else False for o in spec.options
+    }
     seen: set[str] = set()
     positional: list[str] = []
     i = 1

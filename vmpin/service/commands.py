@@ -1,4 +1,5 @@
-"""The hot commands' bodies -- ``update``, ``containers``, ``sandboxes``, ``show``, ``audit`` --
+"""The hot commands' bodies -- ``update``, ``containers``, ``sandboxes``, ``show``, ``audit``,
+``serve`` --
 and the one place a command's error becomes a message and an exit code.
 
 Free of typer and pydantic, so that two routes run the same code (issue 14): the typer app
@@ -433,6 +434,32 @@ def audit(c: Ctx, as_json: bool) -> int:
     return 0 if result["ok"] else 1
 
 
+# -- the agent --------------------------------------------------------------------------------
+def serve(
+    c: Ctx,
+    interval: float,
+    workers: int,
+    metrics_port: int,
+    kubeconfig: str | None,
+    node_name: str | None,
+) -> int:
+    """Run the node agent (:func:`vmpin.service.agent.serve`) until SIGTERM / SIGINT.
+
+    On the fast route too (issue 14): typer and pydantic are ~7 MB of the agent's RSS, kept
+    for its whole life, for parsing five options once."""
+    from vmpin.service.agent import serve as serve_agent
+    from vmpin.service.clispec import KUBECONFIG, NODE_NAME
+
+    c.one_shot = False  # a libvirt daemon that starts later is the agent's to handle
+    env = os.environ
+    # what typer reads from the environment for an option not given (an empty one is none)
+    kubeconfig = kubeconfig or env.get(KUBECONFIG.envvar or "") or None
+    node_name = node_name or env.get(NODE_NAME.envvar or "") or None
+    code: int = serve_agent(c, interval=interval, workers=workers, metrics_port=metrics_port,
+                            kubeconfig=kubeconfig, node_name=node_name)  # fmt: skip
+    return code
+
+
 # -- the two routes -------------------------------------------------------------------------
 def guard(args: list[str], call: Callable[[], int]) -> int:
     """Run a command; the one place its errors become a message and an exit code.
@@ -468,7 +495,7 @@ def dispatch(c: Ctx, name: str, values: dict[str, Any]) -> int:
 #: the body of each command of clispec.FAST (the typer app's commands call the same)
 BODIES: dict[str, Callable[..., int]] = {
     "update": update, "containers": containers, "sandboxes": sandboxes, "show": show,
-    "audit": audit,
+    "audit": audit, "serve": serve,
 }
 
 
