@@ -15,7 +15,8 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import Policy
 from vmpin.reconcile.reconciler import SandboxReport, ThreadReport
 from vmpin.runtimes import kubeapi
-from vmpin.service.kube import KubeLink, configured
+from vmpin.service.kube import KubeLink
+from vmpin.service.settings import kube_configured as configured
 from vmpin.state.store import ContainerRec, SandboxRec
 
 

@@ -111,6 +111,12 @@ class LibvirtDomains:
     # -- observe ---------------------------------------------------------------------------
     def sandboxes(self, policy_for: Callable[[str], Policy]) -> list[SandboxObs]:
         with self._lock:
+            if not self.wanted_uris():
+                # no daemon serves the default connection (yet): nothing to observe, and no
+                # libvirt-python loaded for it (12 MB of the agent's RSS, issue 14); the first
+                # pass after a daemon starts imports it and connects
+                self._seen = {}
+                return []
             lv_mod = adapter()
             if lv_mod is None:
                 return []

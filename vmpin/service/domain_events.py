@@ -30,7 +30,11 @@ class DomainEvents:
     def start(
         cls, domains: LibvirtDomains, notify: Callable[[list[str]], int]
     ) -> DomainEvents | None:
-        """Watch every connection of ``domains``; None when libvirt is not installed."""
+        """Watch every connection of ``domains``; None when libvirt is not installed, or when
+        no daemon serves the default connection (then nothing would be watched, and
+        libvirt-python stays unloaded until a pass finds a daemon)."""
+        if not domains.wanted_uris():
+            return None
         lv = adapter()
         if lv is None:
             return None

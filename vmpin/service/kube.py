@@ -1,7 +1,8 @@
 """The agent's link to Kubernetes: live per-pod policy, Events on pods, the node's report.
 
-Imported by the agent only when the API is configured (:func:`configured`): it imports
-:mod:`vmpin.runtimes.kubeapi`, hence the ``kubernetes`` client (335 ms here).  It owns:
+Imported by the agent only when the API is configured
+(:func:`vmpin.service.settings.kube_configured`): it imports :mod:`vmpin.runtimes.kubeapi`,
+hence the ``kubernetes`` client (335 ms, 35 MB of RSS here).  It owns:
 
 - the pods bound to this node as the watch last saw them, and their policy annotations
   (:mod:`vmpin.core.podpolicy`): when a pod's policy annotations change, its sandboxes are
@@ -16,7 +17,6 @@ Imported by the agent only when the API is configured (:func:`configured`): it i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,17 +31,6 @@ from vmpin.runtimes.kubeapi import EventRecorder, NodeReport, Pod, PodRef, PodWa
 from vmpin.state.store import SandboxRec
 
 log = logging.getLogger("vmpin.kube")
-
-
-def configured(kubeconfig: str | None, env: Mapping[str, str] | None = None) -> bool:
-    """Whether any API credentials are in sight (checked without importing the client)."""
-    env = os.environ if env is None else env
-    if kubeconfig:
-        return True
-    if env.get("KUBERNETES_SERVICE_HOST"):
-        return True
-    path = env.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-    return os.path.exists(path)
 
 
 def _policy_annotations(pod: Pod | None) -> dict[str, str] | None:
