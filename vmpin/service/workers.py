@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from vmpin.core.cpuset import EMPTY, CpuSet
+
 
 class SandboxStat:
     """What the agent knows about one sandbox after its last pass (for status and gauges)."""
@@ -35,7 +37,8 @@ class SandboxStat:
         self.containers = 0
         self.threads = 0
         self.pinned: dict[str, int] = {}
-        self.mask = ""
+        #: kept as the set (a pass over 2,000 sandboxes renders none), listed in to_json
+        self.mask: CpuSet = EMPTY
         self.mode = ""
         self.errors: list[str] = []
 
@@ -48,7 +51,7 @@ class SandboxStat:
             "containers": self.containers,
             "threads": self.threads,
             "threads_pinned": sum(self.pinned.values()),
-            "mask": self.mask,
+            "mask": self.mask.to_list(),
             "mode": self.mode,
             "errors": self.errors,
         }
