@@ -138,6 +138,21 @@ def test_sandboxes_sorted(store: Store) -> None:
     assert [d[0] for d in store.dirty()] == ["a", "b", "c"]
 
 
+def test_tracked_counts_what_the_records_say(store: Store) -> None:
+    """The agent's gauges read two aggregates; they agree with the whole records."""
+    store.put_sandbox(SandboxRec("k1", "kata"))
+    store.put_sandbox(SandboxRec("r1", "runc"))
+    store.put_sandbox(SandboxRec("empty", "kata"))
+    for cid, sid in (("k1", "k1"), ("k1-a", "k1"), ("k1-b", "k1"), ("r1", "r1")):
+        store.put_container(ContainerRec(cid, sid, cid == sid))
+    counts: dict[str, int] = {}
+    for c in store.containers():
+        counts[c.sandbox_id] = counts.get(c.sandbox_id, 0) + 1
+    expected = {s.id: (s.runtime, counts.get(s.id, 0)) for s in store.sandboxes()}
+    assert store.tracked() == expected == {
+        "k1": ("kata", 3), "r1": ("runc", 1), "empty": ("kata", 0)}  # fmt: skip
+
+
 # -- generations -------------------------------------------------------------------------------
 
 

@@ -194,6 +194,11 @@ class Agent:
         self._watcher: Any = None  # vmpin.service.watch.Watcher: runc/kubelet changes -> notify
         self._tracked_lock = threading.Lock()
         self._tracked_cache: tuple[float, dict[str, tuple[str, int]]] | None = None
+        #: bumped (under ``_lock``) whenever ``_stats`` changes: the gauges and status sum
+        #: the per-sandbox bookkeeping again only then (a status poll during an idle node
+        #: cost a walk over 2,000 records)
+        self._stats_version = 0
+        self._snapshot_cache: tuple[tuple[float, int], Snapshot] | None = None
         #: the Kubernetes link (vmpin.service.kube) when the API is configured
         self.kube: KubeLink | None = None
         self.metrics.track_state(self._snapshot)
@@ -489,6 +494,7 @@ class Agent:
             # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
             for gone in set(self._stats) - set(ids):
                 del self._stats[gone]
+                self._stats_version += 1
             p = FullPass(self._passes, cause, ids)
             self._pass = p
         for sid in ids:
@@ -652,7 +658,8 @@ class Agent:
                 rec = recs.get(sid)
                 if rec is None:  # deleted (poststop), or a libvirt domain: the pass undid its pins
                     with self._lock:
-                        self._stats.pop(sid, None)
+                        if self._stats.pop(sid, None) is not None:
+                            self._stats_version += 1
                     if kube is not None:
                         kube.forget_sandbox(sid, publish=False)
                     continue
@@ -739,6 +746,7 @@ class Agent:
         with self._lock:
             self._plans += 1
             self._errors += len(errors)
+            self._stats_version += 1
             p = self._pass
             if p is not None and work.sandbox_id in p.remaining:
                 if drift:
@@ -779,8 +787,9 @@ class Agent:
         return drift
 
     # -- status and metrics ---------------------------------------------------------------------
-    def _tracked(self) -> dict[str, tuple[str, int]]:
-        """Sandbox -> (runtime, containers), as the store says now (cached for a second).
+    def _tracked(self) -> tuple[float, dict[str, tuple[str, int]]]:
+        """Sandbox -> (runtime, containers), as the store says now (cached for a second), and
+        when it was read.
 
         Read from the store rather than from the agent's bookkeeping: a sandbox whose last
         container went away in a hook that notified nobody (a poststop of the sandbox
@@ -791,33 +800,37 @@ class Agent:
         with self._tracked_lock:
             cached = self._tracked_cache
             if cached is not None and now - cached[0] < 1.0:
-                return cached[1]
+                return cached
             with Store(self.paths.state_dir) as store:
-                runtimes = {s.id: s.runtime for s in store.sandboxes()}
-                counts: dict[str, int] = {}
-                for c in store.containers():
-                    counts[c.sandbox_id] = counts.get(c.sandbox_id, 0) + 1
-            tracked = {sid: (rt, counts.get(sid, 0)) for sid, rt in runtimes.items()}
-            self._tracked_cache = (now, tracked)
-            return tracked
+                self._tracked_cache = (now, store.tracked())
+            return self._tracked_cache
 
     def _snapshot(self) -> Snapshot:
+        """The gauges' sums: computed again only when the store's view or the bookkeeping
+        changed since the last time."""
         try:
-            tracked = self._tracked()
+            read_at, tracked = self._tracked()
         except (VmpinError, sqlite3.Error) as err:
             log_event(logging.WARNING, "cannot read the store for metrics", error=str(err))
-            tracked = {}
-        runtimes: dict[str, tuple[int, int]] = {}
-        for runtime, n_containers in tracked.values():
-            n_s, n_c = runtimes.get(runtime, (0, 0))
-            runtimes[runtime] = (n_s + 1, n_c + n_containers)
-        roles: dict[str, int] = {}
+            read_at, tracked = -1.0, {}
         with self._lock:
+            key = (read_at, self._stats_version)
+            cached = self._snapshot_cache
+            if cached is not None and cached[0] == key and read_at >= 0:
+                return cached[1]
+            roles: dict[str, int] = {}
             for sid, st in self._stats.items():
                 if sid in tracked:  # (the next full pass forgets the others)
                     for role, n in st.pinned.items():
                         roles[role] = roles.get(role, 0) + n
-        return runtimes, roles
+        runtimes: dict[str, tuple[int, int]] = {}
+        for runtime, n_containers in tracked.values():
+            n_s, n_c = runtimes.get(runtime, (0, 0))
+            runtimes[runtime] = (n_s + 1, n_c + n_containers)
+        snapshot = (runtimes, roles)
+        with self._lock:
+            self._snapshot_cache = (key, snapshot)
+        return snapshot
 
     def status(self, sandbox_id: str | None = None) -> dict[str, Any]:
         now = time.monotonic()

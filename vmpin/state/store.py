@@ -811,6 +811,16 @@ class Store:
         rows = self.db.execute(f"SELECT {cols} FROM sandboxes ORDER BY id").fetchall()
         return [_sandbox(r) for r in rows]
 
+    def tracked(self) -> dict[str, tuple[str, int]]:
+        """Sandbox id -> (runtime, how many of its containers are stored): what the agent's
+        gauges and status count, read as two aggregates (the agent asks up to once a second;
+        whole records of 2,000 sandboxes and their containers took ~20 ms)."""
+        runtimes = self.db.execute("SELECT id, runtime FROM sandboxes").fetchall()
+        counts = dict(
+            self.db.execute("SELECT sandbox_id, count(*) FROM containers GROUP BY sandbox_id")
+        )
+        return {sid: (runtime, counts.get(sid, 0)) for sid, runtime in runtimes}
+
     def delete_sandbox(self, sandbox_id: str) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM containers WHERE sandbox_id=?", (sandbox_id,))
