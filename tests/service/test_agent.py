@@ -326,6 +326,23 @@ def test_queue_kick_asks_for_a_pass_with_nothing_queued() -> None:
     assert q.take_batch() is None
 
 
+def test_queue_add_all_is_one_step_for_a_waiting_planner() -> None:
+    """A full pass queues every sandbox at once: a planner already waiting takes them all in
+    one batch (one node pass), never the first few and then the rest."""
+    q = DirtyQueue(holdoff=0.1)
+    ids = [f"s{i:04d}" for i in range(2000)]
+    batches: list[list[str]] = []
+    planner = threading.Thread(
+        target=lambda: batches.append([w.sandbox_id for w in q.take_batch(timeout=30) or []])
+    )
+    planner.start()
+    time.sleep(0.05)  # let it wait on the queue (the order is not timing: any wait is fine)
+    assert q.add_all(ids, "periodic") == [True] * len(ids)
+    planner.join(timeout=30)
+    assert batches == [ids]
+    q.close()
+
+
 def test_queue_drain_drops_periodic_work_keeps_events() -> None:
     clock = Clock()
     q = DirtyQueue(holdoff=0.1, clock=clock)

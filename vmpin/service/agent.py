@@ -431,13 +431,11 @@ class Agent:
         ``urgent``: a caller blocks on the pass, so no hold-off (:class:`DirtyQueue`).
         """
         now = time.monotonic()
-        queued = 0
-        for sid in sandbox_ids:
-            self.metrics.events.inc()
-            if self.queue.add(sid, "event", now, urgent=urgent):
-                queued += 1
-            else:
-                self.metrics.coalesced.inc()
+        added = self.queue.add_all(sandbox_ids, "event", now, urgent=urgent)
+        queued = sum(added)
+        self.metrics.events.inc(len(added))
+        if len(added) > queued:
+            self.metrics.coalesced.inc(len(added) - queued)
         with self._lock:
             self._events += len(sandbox_ids)
         return queued
@@ -497,8 +495,7 @@ class Agent:
                 self._stats_version += 1
             p = FullPass(self._passes, cause, ids)
             self._pass = p
-        for sid in ids:
-            self.queue.add(sid, cause)
+        self.queue.add_all(ids, cause)  # all at once: one node pass, not a few and the rest
         if not ids:
             self._finish_pass_if_done(p)
         return True
