@@ -110,8 +110,6 @@ class SandboxReport:
 
 
 def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
-    from vmpin.reconcile.apply import outcome_without_apply
-
     s = sp.obs
     report = SandboxReport(sp.id, sp.runtime, s.vmm.pid if s.vmm is not None else None)
     if report.vmm_pid is None and s.record is not None and s.record.vmm_start is not None:
@@ -132,11 +130,13 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
             report.errors.append(f"container {c.rec.id}: {c.obs.error}")
         elif c.obs.cgroup is None and (not c.rec.is_sandbox or c.desired is not None):
             report.notes.append(f"container {c.rec.id}: no cgroup found")
+    outcomes = None if applied is None else applied.threads
     for t in sp.threads:
-        out = None
-        if applied is not None:
-            out = applied.threads.get((sp.id, t.tid))
+        out = None if outcomes is None else outcomes.get((sp.id, t.tid))
         if out is None:
+            # (here, not per call: an agent's pass reports every sandbox, every thread applied)
+            from vmpin.reconcile.apply import outcome_without_apply
+
             out = outcome_without_apply(t)
         r = ThreadReport(
             t.tid, t.role, t.index, t.name, t.desired, out.actual, t.layer, t.container,
