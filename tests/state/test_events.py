@@ -166,3 +166,28 @@ def test_non_durable_ingest_settles_past_its_bound(paths: HostPaths, tmp_path: P
         store.ingest(durable=False)
         assert len(store.containers()) == SETTLE_AFTER + 1
     assert pending(paths.state_dir) == []  # more than the bound: settled by the ingest itself
+
+
+def test_deferred_connection_is_made_durable_by_settle(paths: HostPaths, tmp_path: Path) -> None:
+    """defer_durability: commits without a sync; settle_journal checkpoints what it wrote."""
+    from vmpin.core.cpuset import CpuSet
+    from vmpin.state.store import ContainerRec, SandboxRec
+
+    with Store(paths.state_dir) as store:
+        store.defer_durability()
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        store.put_sandbox(SandboxRec("pod", "runc"))
+        store.put_container(ContainerRec("c1", "pod", False, cpus=CpuSet.parse("1")))
+        frames = store.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        store.put_container(ContainerRec("c2", "pod", False, cpus=CpuSet.parse("0")))
+        b = bundle(tmp_path, "c3")
+        append(paths.state_dir, event(paths, "prestart", "c3", b))
+        store.ingest(durable=False)
+        # (stays NORMAL: a non-durable ingest on a deferred connection leaves it so)
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1
+        assert store.settle_journal() == 1
+        busy, log, done = store.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        assert busy == 0 and log == done  # everything written is in the database file
+        assert frames[0] == 0
+        assert store.settle_journal() == 0  # nothing new: no checkpoint, nothing removed
+    assert pending(paths.state_dir) == []

@@ -101,6 +101,8 @@ class Reconciler:
         #: False: a pass applies the journal without waiting for the disk
         #: (:meth:`vmpin.state.store.Store.ingest`); the agent settles it after answering
         self.durable_ingest = True
+        #: False: a pass does not apply the journal first (its caller just did: the agent)
+        self.ingest_first = True
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -170,7 +172,7 @@ class Reconciler:
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import sandbox_report
 
-        if apply:
+        if apply and self.ingest_first:
             # events the hooks journaled since this store was opened
             self.store.ingest(durable=self.durable_ingest)
         plan = self.plan(scope=scope)

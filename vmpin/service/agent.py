@@ -527,6 +527,9 @@ class Agent:
         """The one planning thread: every ready entry -> one node pass -> each one accounted."""
         try:
             store = Store(self.paths.state_dir)
+            # a waiting hook or `vmpin update` gets its answer before any sync: the pass's
+            # writes reach the disk with the checkpoint after it (_settle)
+            store.defer_durability()
             reconciler = self.reconciler_factory(store)
             # the live pod's annotations win over the OCI ones (once the API is attached)
             reconciler.api_annotations = self._api_annotations
@@ -634,7 +637,7 @@ class Agent:
         # each sandbox's generation before the pass (for drift), in one read
         recs = {rec.id: rec for rec in store.sandboxes()}
         ids = [w.sandbox_id for w in batch]
-        reconciler.durable_ingest = False
+        reconciler.ingest_first = False  # (just done)
         reports = {r.id: r for r in reconciler.reconcile(ids)}
         self._note_conflicts(reconciler)
         # the node's plan (with the observation it holds) is not needed between passes: do

@@ -209,6 +209,11 @@ def _sandbox(row: sqlite3.Row) -> SandboxRec:
 class Store:
     """One connection to the state database; cheap to open, so each process opens its own."""
 
+    #: commits do not sync (defer_durability)
+    deferred = False
+    #: total_changes at the last settle_journal
+    _settled_at = 0
+
     def __init__(self, state_dir: str, *, timeout: float = 30.0, ingest: bool = True) -> None:
         """Open (creating if needed) the state in ``state_dir``; with ``ingest``, first apply
         whatever the hooks journaled since, so every reader sees every recorded event."""
@@ -251,6 +256,7 @@ class Store:
             raise state_error(self.path, err) from None
         #: why the last ingest could not write (read-only or full state dir), else None
         self.write_error: str | None = None
+
         if ingest:
             try:
                 self.ingest()
@@ -528,7 +534,7 @@ class Store:
             return []
         deadline = None if budget is None else time.monotonic() + budget
         touched: list[str] = []
-        relaxed = not durable and not self.db.in_transaction
+        relaxed = not durable and not self.db.in_transaction and not self.deferred
         try:
             if relaxed:
                 self.db.execute("PRAGMA synchronous=NORMAL")  # (WAL: no sync at commit)
@@ -549,23 +555,40 @@ class Store:
                 self.db.execute("PRAGMA synchronous=FULL")
         return touched
 
+    def defer_durability(self) -> None:
+        """Commit without syncing from now on (WAL with ``synchronous=NORMAL``): what this
+        connection writes reaches the disk at the next checkpoint, which its owner makes
+        with :meth:`settle_journal` after each pass.  The agent's planner only, whose writes
+        are either journal events (their files stay until that checkpoint) or bookkeeping
+        the next pass redoes from the host; a crash of the process loses nothing (the OS has
+        the WAL), a power loss at most the last pass's bookkeeping."""
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.deferred = True
+
     def settle_journal(self) -> int:
         """Remove the journal files whose events are applied, once a checkpoint has them in
-        the database file (see :meth:`ingest`); how many were removed."""
+        the database file (see :meth:`ingest`); how many were removed.  On a connection that
+        defers durability, a checkpoint also follows any write of its own since the last."""
         names = journal.pending(self.state_dir)
-        if not names:
+        # (a deferred connection's own writes since the last settle want the checkpoint too)
+        wrote = self.deferred and self.db.total_changes != self._settled_at
+        if not names and not wrote:
             return 0
         try:
-            applied = {
-                r[0]
-                for r in self.db.execute(
-                    "SELECT name FROM journal WHERE name BETWEEN ? AND ?", (names[0], names[-1])
-                )
-            }
-            if not applied or not self._checkpointed():
+            applied = set()
+            if names:
+                applied = {
+                    r[0]
+                    for r in self.db.execute(
+                        "SELECT name FROM journal WHERE name BETWEEN ? AND ?",
+                        (names[0], names[-1]),
+                    )
+                }
+            if not (applied or wrote) or not self._checkpointed():
                 return 0
         except sqlite3.Error as err:
             raise state_error(self.path, err) from None
+        self._settled_at = self.db.total_changes
         d = journal.journal_dir(self.state_dir)
         removed = 0
         for name in names:
