@@ -19,12 +19,14 @@ The agent is a small real socket server here, speaking the control protocol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -154,7 +156,9 @@ class FakeAgent:
                 reply: dict[str, object] = {"ok": True, "queued": len(msg["sandboxes"])}
                 if "wait" in msg:
                     reply["done"] = True
-                conn.sendall(json.dumps(reply).encode() + b"\n")
+                # (a plain container's hook does not wait for the answer: closed)
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
 
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)
@@ -194,6 +198,11 @@ def test_runc_agent_answering(
     b, ann = bundle(tmp_path, "lean2", "lean2", "0")
     loaded, _ = hook(env, "prestart", state("lean2", b, ann, os.getpid()))
     assert_lean(loaded, reconciled=False)
+    # the hook does not wait for the agent's answer (control.post): the request is read
+    # after it left
+    deadline = time.monotonic() + 10
+    while not agent.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert agent.requests == [{"op": "dirty", "sandboxes": ["lean2"]}]
 
 
@@ -253,3 +262,24 @@ def test_installed_command_is_the_launcher() -> None:
     first, rest = installed.read_text().split("\n", 1)
     assert first.startswith("#!") and "python" in first and "import re" not in rest
     assert rest == LAUNCHER.read_text().split("\n", 1)[1]
+
+
+def test_post_does_not_wait_for_an_answer(paths: HostPaths) -> None:
+    """control.post (a plain container's hook): against a listening socket nobody serves
+    yet (a hung agent), the line is delivered and post returns True at once; a client that
+    waited for an answer would hit its timeout and say False."""
+    from vmpin.service.control import post
+
+    os.makedirs(paths.state_dir, exist_ok=True)
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(paths.control_socket)
+    hung.listen(8)  # not accepted until post has returned
+    try:
+        assert post(paths, {"op": "dirty", "sandboxes": ["p1"]}, timeout=5.0) is True
+        conn, _ = hung.accept()
+        with conn:
+            assert json.loads(conn.recv(65536)) == {"op": "dirty", "sandboxes": ["p1"]}
+    finally:
+        hung.close()
+    os.unlink(paths.control_socket)
+    assert post(paths, {"op": "dirty", "sandboxes": ["p1"]}) is False  # no agent: nothing

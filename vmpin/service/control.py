@@ -59,6 +59,32 @@ def request(
     return reply if isinstance(reply, dict) else None
 
 
+def post(paths: HostPaths, message: dict[str, Any], timeout: float = 1.0) -> bool:
+    """Send one request and do not wait for the reply: True when an agent's socket took it.
+
+    For a plain container's hook, whose event is journaled already and applied by whoever
+    comes next: the agent's answer would tell it nothing it acts on, and waiting for it was a
+    round trip (the agent's accept, a thread, its reply) on every container start.  The agent
+    reads the line all the same; its reply meets a closed socket, which it ignores.
+    """
+    path = paths.control_socket
+    if not os.path.exists(path):
+        return False
+    import _socket
+
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.sendall(dumps(message).encode() + b"\n")
+        finally:
+            sock.close()
+    except OSError:
+        return False
+    return True
+
+
 def notify(
     paths: HostPaths, sandbox_ids: list[str], timeout: float = 1.0, wait: float | None = None
 ) -> bool:

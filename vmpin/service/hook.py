@@ -131,9 +131,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         reconcile_here(settings or Settings.from_env(), paths, sandbox)
         return sandbox
     if sandbox is not None:
-        from vmpin.service.control import notify
+        from vmpin.service.control import post
 
-        notify(paths, [sandbox])  # a no-op without a socket file: socket is not even imported
+        # without waiting for the answer; a no-op without a socket file (_socket unimported)
+        post(paths, {"op": "dirty", "sandboxes": [sandbox]})
     if backlog(paths.state_dir) > INGEST_THRESHOLD:
         # No one has applied the journal for a while (no agent, no CLI): keep it bounded
         # here, in batches within a time budget, so no later hook inherits a huge backlog.
