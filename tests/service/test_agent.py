@@ -133,6 +133,13 @@ class AgentProc:
             self.proc.send_signal(sig)
         try:
             rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # what is it doing? (the agent dumps every thread's stack on SIGUSR1)
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            self.kill()
+            tail = self.log.read_text(errors="replace")[-6000:]
+            raise AssertionError(f"the agent did not stop in {timeout} s; log:\n{tail}") from None
         finally:
             self.kill()
         return rc
@@ -1083,3 +1090,15 @@ def test_real_qemu_blocking_notify_returns_with_every_thread_pinned(
         rec = store.sandbox(sid)
         assert rec is not None and rec.done_gen == rec.gen
         assert agent.stop() == 0
+
+
+def test_sigusr1_dumps_every_threads_stack(agent_factory: Callable[..., AgentProc]) -> None:
+    """An agent that does not stop or answer can be asked what it is doing (faulthandler)."""
+    agent = agent_factory(interval=3600)
+    agent.wait_pass(1)
+    agent.proc.send_signal(signal.SIGUSR1)
+    assert wait_until(lambda: "Current thread" in agent.log.read_text(errors="replace"), 10)
+    text = agent.log.read_text(errors="replace")
+    assert text.count("Thread 0x") >= 2  # the main thread and the planner at least
+    assert agent.proc.poll() is None  # and it goes on
+    assert agent.stop() == 0

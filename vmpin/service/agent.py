@@ -928,6 +928,12 @@ def serve(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # SIGUSR1 writes every thread's stack to stderr (the C module: no import cost, works even
+    # while a thread holds the GIL): what an operator, or a test, asks of an agent that does
+    # not stop or answer.
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         agent.start()
     except AgentRunning as err:
