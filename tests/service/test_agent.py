@@ -1102,3 +1102,32 @@ def test_sigusr1_dumps_every_threads_stack(agent_factory: Callable[..., AgentPro
     assert text.count("Thread 0x") >= 2  # the main thread and the planner at least
     assert agent.proc.poll() is None  # and it goes on
     assert agent.stop() == 0
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    """Send ``sig`` to one thread of another process (tgkill(2): os has no wrapper)."""
+    import ctypes
+    import platform
+
+    number = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+    if number is None:
+        pytest.skip(f"tgkill's syscall number on {platform.machine()} is not known here")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, tid, sig) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+def test_sigterm_taken_by_another_thread_stops_the_agent(
+    agent_factory: Callable[..., AgentProc],
+) -> None:
+    """The kernel may hand SIGTERM to any thread; the main loop must wake up all the same
+    (signal.set_wakeup_fd), not sleep until the next periodic pass (an hour here)."""
+    agent = agent_factory(interval=3600)
+    agent.wait_pass(1)
+    pid = agent.proc.pid
+    others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    assert others  # the planner, the control socket's accept loop, ...
+    _tgkill(pid, others[0], signal.SIGTERM)
+    assert agent.proc.wait(timeout=30) == 0
+    assert '"stopping"' in agent.log.read_text()
+    agent.stop()

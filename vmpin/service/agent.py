@@ -167,6 +167,7 @@ class Agent:
         self._stop_signal: int | None = None
         self._exit_code = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakeup_fd_set = False
         self.started = time.monotonic()
         self._lock = threading.Lock()  # guards the bookkeeping below
         self._stats: dict[str, SandboxStat] = {}
@@ -297,6 +298,11 @@ class Agent:
         log_event(logging.INFO, "stopping", signal=self._stop_signal)
         return self.shutdown()
 
+    def watch_signals(self) -> None:
+        """Wake the main loop on any signal (main thread only; undone by :meth:`shutdown`)."""
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._wakeup_fd_set = True
+
     def request_stop(self, signum: int | None = None) -> None:
         """Safe from a signal handler: sets a flag and writes one byte, takes no lock."""
         if signum is not None:
@@ -332,6 +338,9 @@ class Agent:
         if self._store is not None:
             self._store.close()
         self._release_lock()
+        if self._wakeup_fd_set:  # (before the fd is closed and its number reused)
+            signal.set_wakeup_fd(-1)
+            self._wakeup_fd_set = False
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         log_event(
@@ -928,6 +937,12 @@ def serve(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # The kernel delivers SIGTERM to any thread of the process, and a Python handler runs
+    # only in the main thread once it runs Python again: with the signal taken by another
+    # thread (libvirt's event loop sits in poll() all the time), the main thread slept in
+    # its select() until the next periodic pass -- up to --interval -- before it stopped.
+    # The wakeup fd is written by the C-level handler in whichever thread took the signal.
+    agent.watch_signals()
     # SIGUSR1 writes every thread's stack to stderr (the C module: no import cost, works even
     # while a thread holds the GIL): what an operator, or a test, asks of an agent that does
     # not stop or answer.
