@@ -98,10 +98,8 @@ class Reconciler:
         self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
         #: the last pass's plan (the agent's metrics and logs read its conflicts)
         self.last_plan: NodePlan | None = None
-        #: False: a pass applies the journal without waiting for the disk
-        #: (:meth:`vmpin.state.store.Store.ingest`); the agent settles it after answering
-        self.durable_ingest = True
-        #: False: a pass does not apply the journal first (its caller just did: the agent)
+        #: False: a pass does not apply the journal first (its caller just did, without
+        #: waiting for the disk: the agent's pass, the Kata hook's own; Store.ingest)
         self.ingest_first = True
 
     # -- inputs --------------------------------------------------------------------------
@@ -173,8 +171,7 @@ class Reconciler:
         from vmpin.reconcile.report import sandbox_report
 
         if apply and self.ingest_first:
-            # events the hooks journaled since this store was opened
-            self.store.ingest(durable=self.durable_ingest)
+            self.store.ingest()  # events the hooks journaled since this store was opened
         plan = self.plan(scope=scope)
         applied = None
         if apply:

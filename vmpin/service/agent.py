@@ -600,10 +600,14 @@ class Agent:
         try:
             store.settle_journal()
         except StateError as err:
-            if self.store_error != str(err):
-                log_event(logging.ERROR, "cannot write the store", error=str(err))
-            self.store_error = str(err)
-            self.metrics.errors.labels("internal").inc()
+            self._store_failed(err)
+
+    def _store_failed(self, err: StateError) -> None:
+        """A store that cannot be written (read-only, full): logged once, shown in status."""
+        if self.store_error != str(err):
+            log_event(logging.ERROR, "cannot write the store", error=str(err))
+        self.store_error = str(err)
+        self.metrics.errors.labels("internal").inc()
 
     def _api_annotations(self, pod_uid: str) -> Mapping[str, str] | None:
         kube = self.kube
@@ -615,10 +619,7 @@ class Agent:
         try:
             store.ingest(durable=durable)
         except StateError as err:
-            if self.store_error != str(err):
-                log_event(logging.ERROR, "cannot write the store", error=str(err))
-            self.store_error = str(err)
-            self.metrics.errors.labels("internal").inc()
+            self._store_failed(err)
         else:
             self.store_error = None
 

@@ -28,10 +28,9 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def request(
-    paths: HostPaths, message: dict[str, Any], timeout: float = 1.0
-) -> dict[str, Any] | None:
-    """Send one request; the reply, or None when no agent answered."""
+def _send(paths: HostPaths, message: dict[str, Any], timeout: float, answer: bool) -> bytes | None:
+    """Send one request line; None when no agent took it, else its answer (b"" without
+    ``answer``, or when the agent closed without one)."""
     path = paths.control_socket
     if not os.path.exists(path):
         return None
@@ -39,22 +38,35 @@ def request(
     # for features a one-line exchange does not use.  _socket's sockets are close-on-exec.
     import _socket
 
+    buf = b""
     try:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
             sock.connect(path)
             sock.sendall(dumps(message).encode() + b"\n")
-            buf = b""
-            while not buf.endswith(b"\n"):
+            while answer and not buf.endswith(b"\n"):
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 buf += chunk
         finally:
             sock.close()
-        reply = loads(buf) if buf else None
-    except (OSError, ValueError):
+    except OSError:
+        return None
+    return buf
+
+
+def request(
+    paths: HostPaths, message: dict[str, Any], timeout: float = 1.0
+) -> dict[str, Any] | None:
+    """Send one request; the reply, or None when no agent answered."""
+    buf = _send(paths, message, timeout, answer=True)
+    if not buf:
+        return None
+    try:
+        reply = loads(buf)
+    except ValueError:
         return None
     return reply if isinstance(reply, dict) else None
 
@@ -67,22 +79,7 @@ def post(paths: HostPaths, message: dict[str, Any], timeout: float = 1.0) -> boo
     round trip (the agent's accept, a thread, its reply) on every container start.  The agent
     reads the line all the same; its reply meets a closed socket, which it ignores.
     """
-    path = paths.control_socket
-    if not os.path.exists(path):
-        return False
-    import _socket
-
-    try:
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.sendall(dumps(message).encode() + b"\n")
-        finally:
-            sock.close()
-    except OSError:
-        return False
-    return True
+    return _send(paths, message, timeout, answer=False) is not None
 
 
 def notify(

@@ -159,7 +159,7 @@ def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) ->
     touched = store.ingest(budget=INGEST_BUDGET, durable=False) or ([sandbox] if sandbox else [])
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
     rec = build_reconciler(settings._replace(paths=paths), store, qmp_timeout=0.1)
-    rec.durable_ingest = False
+    rec.ingest_first = False  # (just done)
     for report in rec.reconcile(touched):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

@@ -538,21 +538,19 @@ class Store:
         try:
             if relaxed:
                 self.db.execute("PRAGMA synchronous=NORMAL")  # (WAL: no sync at commit)
-            for start in range(0, len(names), max(1, batch)):
-                chunk = names[start : start + batch]
-                self._ingest_batch(chunk, touched, consume, settle=durable)
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-            if relaxed:
-                self.db.execute("PRAGMA synchronous=FULL")
-                relaxed = False
-            if consume and not durable and len(names) > SETTLE_AFTER:
-                self.settle_journal()
+            try:
+                for start in range(0, len(names), max(1, batch)):
+                    chunk = names[start : start + batch]
+                    self._ingest_batch(chunk, touched, consume, settle=durable)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+            finally:
+                if relaxed:
+                    self.db.execute("PRAGMA synchronous=FULL")
         except sqlite3.Error as err:
             raise state_error(self.path, err) from None
-        finally:
-            if relaxed:
-                self.db.execute("PRAGMA synchronous=FULL")
+        if consume and not durable and len(names) > SETTLE_AFTER:
+            self.settle_journal()
         return touched
 
     def defer_durability(self) -> None:
@@ -575,29 +573,34 @@ class Store:
         if not names and not wrote:
             return 0
         try:
-            applied = set()
-            if names:
-                applied = {
-                    r[0]
-                    for r in self.db.execute(
-                        "SELECT name FROM journal WHERE name BETWEEN ? AND ?",
-                        (names[0], names[-1]),
-                    )
-                }
+            applied = self._applied(self.db, names) if names else set()
             if not (applied or wrote) or not self._checkpointed():
                 return 0
         except sqlite3.Error as err:
             raise state_error(self.path, err) from None
         self._settled_at = self.db.total_changes
+        return self._remove_files([n for n in names if n in applied])
+
+    @staticmethod
+    def _applied(db: sqlite3.Connection, names: list[str]) -> set[str]:
+        """Those of ``names`` (sorted, not empty) the journal table records as applied."""
+        return {
+            r[0]
+            for r in db.execute(
+                "SELECT name FROM journal WHERE name BETWEEN ? AND ?", (names[0], names[-1])
+            )
+        }
+
+    def _remove_files(self, names: list[str]) -> int:
+        """Unlink these journal files (their events are in the database file); how many."""
         d = journal.journal_dir(self.state_dir)
         removed = 0
         for name in names:
-            if name in applied:
-                try:
-                    os.unlink(os.path.join(d, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+            try:
+                os.unlink(os.path.join(d, name))
+                removed += 1
+            except FileNotFoundError:
+                pass  # another process removed it
         return removed
 
     def _ingest_batch(
@@ -606,12 +609,7 @@ class Store:
         d = journal.journal_dir(self.state_dir)
         bad: list[tuple[str, str]] = []
         with self.transaction() as db:
-            done = {
-                r[0]
-                for r in db.execute(
-                    "SELECT name FROM journal WHERE name BETWEEN ? AND ?", (names[0], names[-1])
-                )
-            }
+            done = self._applied(db, names)
             for name in names:
                 if name in done:
                     continue
@@ -653,12 +651,7 @@ class Store:
         if not settle or not self._checkpointed():
             return  # files stay until a checkpoint has them in the database file
         quarantined = {n for n, _ in bad}
-        for name in names:
-            if name not in quarantined:
-                try:  # noqa: SIM105 (contextlib stays off the hook's path)
-                    os.unlink(os.path.join(d, name))
-                except FileNotFoundError:
-                    pass
+        self._remove_files([n for n in names if n not in quarantined])
 
     def _checkpointed(self) -> bool:
         """Copy the WAL into the database file; True when all of it got there (PASSIVE: a
