@@ -967,6 +967,50 @@ def test_blocking_dirty_times_out_with_done_false(
     assert control.notify(paths, [sid], wait=30)
 
 
+@pytest.mark.multi_cpu
+def test_blocking_dirty_is_answered_by_the_planner_before_its_thread_wakes(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """The answer leaves from the planner at the end of the pass (issue 14: waking the
+    connection's thread first cost the waiting hook a thread wake-up and a GIL hand-off);
+    a waiter past its deadline answers itself, once."""
+    from vmpin.service.server import Reply
+
+    sid = new_id("who")
+    vmm = fake_vmms(sid, vcpus=2)
+    with Store(paths.state_dir) as store:
+        register(store, sid, "0")
+    senders: list[tuple[str, dict[str, Any]]] = []
+    real_send = Reply.send
+
+    def send(self: Reply, reply: dict[str, Any]) -> None:
+        senders.append((threading.current_thread().name, reply))
+        real_send(self, reply)
+
+    mocker.patch.object(Reply, "send", send)
+    agent = inproc_agent()
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse("1"), "update")
+    assert dirty_wait(paths, [sid], 30) == {"ok": True, "queued": 1, "done": True}
+    assert all_on(vmm.pid, "1"), affinities(vmm.pid)
+    assert [name for name, _ in senders] == ["vmpin-planner"], senders
+    # a pass that does not end in time: the connection's own thread says done:false
+    gate = PassGate(mocker)
+    gate.shut_and_hold(agent)
+    senders.clear()
+    try:
+        assert dirty_wait(paths, [sid], 0.2) == {"ok": True, "queued": 1, "done": False}
+    finally:
+        gate.open.set()
+    assert [name for name, _ in senders] == ["vmpin-conn"], senders
+    # ... and the pass that ends later does not answer it a second time
+    assert dirty_wait(paths, [sid], 30)["done"] is True
+    assert [name for name, _ in senders] == ["vmpin-conn", "vmpin-planner"], senders
+
+
 def test_blocking_dirty_refuses_a_bad_wait(
     paths: HostPaths, inproc_agent: Callable[..., Agent]
 ) -> None:

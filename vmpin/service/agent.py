@@ -82,7 +82,7 @@ from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 from vmpin.service.logs import log, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
-from vmpin.service.server import AgentRunning, ControlServer
+from vmpin.service.server import AgentRunning, ControlServer, Reply
 from vmpin.service.settings import Settings
 from vmpin.service.workers import FullPass, SandboxStat
 from vmpin.state import journal
@@ -101,6 +101,18 @@ DOMAINS_WORK = "libvirt-domains"
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WORKERS = 2
 DEFAULT_DRAIN_TIMEOUT = 10.0
+
+
+class _Waiter:
+    """A blocking ``dirty`` request: the pass it waits for, and how to answer it."""
+
+    __slots__ = ("answer", "queued", "reply", "target")
+
+    def __init__(self, answer: Reply | None) -> None:
+        self.answer = answer
+        self.target = 0
+        self.queued = 0
+        self.reply: dict[str, Any] | None = None
 
 
 class CtxLike(Protocol):
@@ -187,6 +199,8 @@ class Agent:
         self._node_finished = 0
         self._node_ok = 0
         self._stopping = False
+        #: blocking ``dirty`` requests not answered yet (under ``_pass_cond``)
+        self._waiters: list[_Waiter] = []
         self._workers: list[threading.Thread] = []
         self._server: ControlServer | None = None
         self._lockfd: int | None = None
@@ -392,8 +406,11 @@ class Agent:
         self.metrics.errors.labels("control").inc()
 
     # -- control requests -----------------------------------------------------------------
-    def handle(self, line: bytes) -> dict[str, Any]:
-        """One request line -> one reply (a dict; ``ok`` says whether it was understood)."""
+    def handle(self, line: bytes, answer: Reply | None = None) -> dict[str, Any] | None:
+        """One request line -> one reply (a dict; ``ok`` says whether it was understood).
+
+        None when the reply went out on ``answer`` already (a blocking ``dirty``, answered by
+        the planner: :meth:`notify_and_wait`)."""
         try:
             msg = json.loads(line)
         except ValueError:
@@ -418,7 +435,10 @@ class Agent:
                 or not (math.isfinite(wait) and 0 < wait <= MAX_WAIT)
             ):
                 return self._bad(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
-            return self.notify_and_wait(sids, float(wait))
+            if answer is None:
+                return self.notify_and_wait(sids, float(wait))
+            self.notify_and_wait(sids, float(wait), answer)
+            return None
         if op == "status":
             sid = msg.get("sandbox")
             return self.status(sid if isinstance(sid, str) else None)
@@ -449,30 +469,55 @@ class Agent:
             self._events += len(sandbox_ids)
         return queued
 
-    def notify_and_wait(self, sandbox_ids: list[str], wait: float) -> dict[str, Any]:
+    def notify_and_wait(
+        self, sandbox_ids: list[str], wait: float, answer: Reply | None = None
+    ) -> dict[str, Any]:
         """The blocking ``dirty``: reply once a node pass that started after now has ended.
 
         Runs on the request's own connection thread (:class:`ControlServer` serves each
         connection on one), so the accept loop and other clients go on meanwhile.  No
-        polling: the planner signals ``_pass_cond`` at the end of every pass.  A pass that
-        raised does not count (the caller then does the work itself), a later one does.
+        polling: the planner answers every waiter its pass satisfies at the end of that pass,
+        itself, on the waiter's connection (``answer``), and only then wakes the waiting
+        threads; a waiter past its deadline (or the agent stopping) answers ``done: false``
+        itself.  A pass that raised does not count (the caller then does the work itself),
+        a later one does.  The reply is returned too (for callers without a connection).
         """
         deadline = time.monotonic() + wait
+        waiter = _Waiter(answer)
         with self._pass_cond:
             # passes are numbered in the order they start, and one runs at a time: the first
             # to start from now on is number started + 1 (it ingests and reads the store
             # after this point, so it sees whatever the caller wrote before asking)
-            target = self._node_started + 1
-        queued = self.notify(sandbox_ids, urgent=True)
+            waiter.target = self._node_started + 1
+        waiter.queued = self.notify(sandbox_ids, urgent=True)
         self.queue.kick()  # a pass even if every id folded into one running, or none was given
         with self._pass_cond:
-            while self._node_finished < target and not self._stopping:
+            # registered once complete, so the planner answers it whole; a pass that ended
+            # meanwhile is caught by the loop's first test
+            self._waiters.append(waiter)
+            while waiter.reply is None:
+                if self._node_finished >= waiter.target or self._stopping:
+                    self._answer(waiter)
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._answer(waiter)
                     break
                 self._pass_cond.wait(left)
-            done = self._node_ok >= target
-        return {"ok": True, "queued": queued, "done": done}
+        assert waiter.reply is not None
+        return waiter.reply
+
+    def _answer(self, waiter: _Waiter) -> None:
+        """Reply to one waiter (under ``_pass_cond``): done when its pass ended well."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        waiter.reply = {
+            "ok": True,
+            "queued": waiter.queued,
+            "done": self._node_ok >= waiter.target,
+        }
+        if waiter.answer is not None:
+            waiter.answer.send(waiter.reply)
 
     def _release_waiters(self) -> None:
         with self._pass_cond:
@@ -592,6 +637,9 @@ class Agent:
                 self._node_finished = number
                 if ok:
                     self._node_ok = number
+                # answered from here, before their threads wake (Reply)
+                for waiter in [w for w in self._waiters if w.target <= number]:
+                    self._answer(waiter)
                 self._pass_cond.notify_all()
         # after the answers: make the pass's journal events durable, remove their files
         self._settle(store)

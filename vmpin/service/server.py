@@ -31,6 +31,32 @@ class AgentRunning(StateError):
     """Another agent holds the state dir."""
 
 
+class Reply:
+    """One connection's answer line, sent at most once.
+
+    Usually by the connection's own thread; for a blocking ``dirty`` by the agent's planner
+    right at the end of the pass the caller waits for, so the answer does not wait for a
+    sleeping thread to be woken and to get the GIL (issue 14: a Kata hook waits for it).
+    Whoever sends decides under its own lock; the connection is closed only after.
+    """
+
+    __slots__ = ("_conn", "sent")
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn = conn
+        self.sent = False
+
+    def send(self, reply: dict[str, Any]) -> None:
+        if self.sent:
+            return
+        self.sent = True
+        try:
+            # a client that sent its line waits for this one: its receive buffer is empty
+            self._conn.sendall(json.dumps(reply).encode() + b"\n")
+        except OSError as err:
+            log_event(logging.DEBUG, "control connection dropped", error=str(err))
+
+
 def _peer_uid(conn: socket.socket) -> int | None:
     try:
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -44,7 +70,7 @@ class ControlServer:
     def __init__(
         self,
         paths: HostPaths,
-        handle: Callable[[bytes], dict[str, Any]],
+        handle: Callable[[bytes, Reply], dict[str, Any] | None],
         refused: Callable[[], None] = lambda: None,
     ) -> None:
         self.paths = paths
@@ -131,7 +157,9 @@ class ControlServer:
                     if not chunk:
                         break
                     buf += chunk
-                reply = self.handle(buf.split(b"\n", 1)[0])
-                conn.sendall(json.dumps(reply).encode() + b"\n")
+                answer = Reply(conn)
+                reply = self.handle(buf.split(b"\n", 1)[0], answer)
+                if reply is not None:  # (None: ``answer`` has been sent, or never will be)
+                    answer.send(reply)
             except OSError as err:
                 log_event(logging.DEBUG, "control connection dropped", error=str(err))
