@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
+from pytest_mock import MockerFixture
 
 from tests.support import fakevmm
 from tests.support.counting import CountingAffinity
@@ -183,3 +184,43 @@ def test_idle_pass_writes_nothing_and_reads_each_table_once(
             per_size[n] = len(statements.seen)
     # 2 sandboxes, then 8: as many statements -- O(1) queries per pass, not per sandbox
     assert per_size[2] == per_size[6], per_size
+
+
+@pytest.mark.multi_cpu  # the fake VMMs start on every CPU: the start-up pass really pins
+def test_an_idle_pass_rereads_and_replans_only_what_changed(
+    paths: HostPaths, vmms: Callable[[str], fakevmm.FakeVmm], mocker: MockerFixture
+) -> None:
+    """An unchanged store is not read again (Store.version), an unchanged node not planned
+    again (the last plan stands); a change in either, or on the host, is seen at once."""
+    from vmpin.reconcile import plan as plan_module
+
+    with Store(paths.state_dir) as store:
+        _register(store, vmms, 2)
+        counter = CountingAffinity()
+        reconciler = Reconciler(paths, store, affinity=counter, publish=False)
+        reconciler.reconcile()  # start-up: pins, records originals and roles
+        reconciler.reconcile()  # (reads what the start-up pass recorded)
+        planned = mocker.spy(plan_module, "plan_node")
+        before = reconciler.last_plan
+        statements = Statements(store)
+        counter.sets = 0
+        reconciler.reconcile()  # idle
+        assert [s for s in statements.seen if "FROM" in s.upper()] == [], statements.seen
+        assert planned.call_count == 0 and reconciler.last_plan is before
+        assert counter.sets == 0
+        # another process changes a container's CPUs: its commit is seen, the node re-planned
+        sid = next(s.id for s in store.sandboxes())
+        with Store(paths.state_dir) as other:
+            other.set_container_cpus(f"{sid}-app", CpuSet([0, 1]), "update")
+        reports = {r.id: r for r in reconciler.reconcile()}
+        assert planned.call_count == 1
+        assert reports[sid].mask == CpuSet([0, 1])
+        # someone moves a pinned thread: the observation differs, so it is planned and repaired
+        vcpu = next(t for t in reports[sid].threads if t.role == "vcpu")
+        assert vcpu.desired is not None and os.sched_getaffinity(vcpu.tid) == set(vcpu.desired)
+        moved = {0, 1} - set(vcpu.desired) or {0}
+        os.sched_setaffinity(vcpu.tid, moved)
+        counter.sets = 0
+        reconciler.reconcile()
+        assert planned.call_count == 2 and counter.sets == 1
+        assert os.sched_getaffinity(vcpu.tid) == set(vcpu.desired)

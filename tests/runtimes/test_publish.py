@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,32 @@ def test_concurrent_writers(paths: HostPaths, shared: Path) -> None:
     # the last writer's last map is what stays
     assert len(doc.containers) == 1 and set(doc.containers) <= {f"w{k}-14" for k in range(4)}
     assert os.listdir(os.path.dirname(path)) == ["guest-map.json"]
+
+
+def test_a_settled_current_map_is_checked_without_reading_it(
+    paths: HostPaths, shared: Path, mocker: Any
+) -> None:
+    """An idle pass re-checks a map it found current with one lstat; anything that changes
+    the file (a rewrite in place, a replacement, a removal) sends it down the full path."""
+    gm = sandbox_map({"a": "8,64"})
+    first = publish.publish_map(paths, SID, gm)
+    assert first.written
+    time.sleep(0.15)  # older than the timestamp grain (vmpin.linux.files.SETTLE_NS)
+    read = mocker.spy(publish, "read_published")
+    again = publish.publish_map(paths, SID, gm)  # read once, found current: remembered
+    assert (again.written, again.reason, again.generation) == (False, "unchanged", 1)
+    assert read.call_count == 1
+    assert publish.publish_map(paths, SID, gm) == again
+    assert read.call_count == 1  # not read again
+    path = Path(first.path)
+    good = path.read_bytes()
+    # rewritten in place, same size: the map is read and put back
+    path.write_bytes(good.replace(b'"a"', b'"z"'))
+    fixed = publish.publish_map(paths, SID, gm)
+    assert fixed.written and read.call_count == 2
+    assert guest.lookup(guest.read_map(fixed.path), "a") is not None
+    # removed: written again
+    time.sleep(0.15)
+    publish.publish_map(paths, SID, gm)  # (remembered again)
+    path.unlink()
+    assert publish.publish_map(paths, SID, gm).written

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -249,3 +251,27 @@ def test_newest_wins_when_two_qemus_claim_a_sandbox(
     new.pidfile.unlink()
     vmm = find_vmm(paths, sid)
     assert vmm is not None and vmm.pid == new.pid != old.pid
+
+
+def test_read_pidfile_rereads_a_changed_pidfile(tmp_path: Path, mocker: Any) -> None:
+    """A pidfile read before and unchanged since is not read again; a new pid in it (same
+    size, rewritten in place or replaced) or its removal is seen at once."""
+    from vmpin.runtimes import vmm as vmm_module
+
+    p = tmp_path / "pid"
+    p.write_text("1234\n")
+    time.sleep(0.15)  # older than the timestamp grain (vmpin.linux.files.SETTLE_NS)
+    reads = mocker.spy(vmm_module, "read_bytes")
+    assert read_pidfile(str(p)) == 1234
+    assert read_pidfile(str(p)) == 1234
+    assert reads.call_count == 1
+    p.write_text("4321\n")  # in place, same size
+    assert read_pidfile(str(p)) == 4321
+    new = tmp_path / "pid.new"
+    new.write_text("5678\n")
+    os.replace(new, p)
+    assert read_pidfile(str(p)) == 5678
+    p.unlink()
+    assert read_pidfile(str(p)) is None
+    p.mkdir()  # not a regular file: refused, as before
+    assert read_pidfile(str(p)) is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 from vmpin.core.errors import SpecError, UnsafeFile
 from vmpin.wire.jsonio import loads
@@ -95,6 +96,37 @@ def read_bytes(
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def identity(path: str, dir_fd: int | None = None) -> tuple[int, int, int, int, int] | None:
+    """What tells a version of the regular file ``path`` from another, without reading it:
+    (device, inode, size, mtime, ctime in ns) of the file itself (a final symlink is not
+    followed); None when it is missing, unreadable or not a regular file.
+
+    For a reader that re-reads the same small files every pass (a pidfile, a published map):
+    an equal identity is the file it read before.  A rewrite in place changes mtime and
+    ctime, a replacement by rename the inode.  (Timestamps have the kernel's tick as grain:
+    a rewrite to the same size within one tick of the last read is missed until the next
+    change: so a version is remembered only once :func:`settled`.)
+    """
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+#: a file unchanged for this long (ns) has a timestamp older than the kernel's tick: any later
+#: change gets a later one
+SETTLE_NS = 100_000_000
+
+
+def settled(ident: tuple[int, int, int, int, int]) -> bool:
+    """True when the version :func:`identity` saw is old enough to be told from any change
+    that follows it (its mtime and ctime more than :data:`SETTLE_NS` in the past)."""
+    return time.time_ns() - max(ident[3], ident[4]) > SETTLE_NS
 
 
 def _depth_ok(doc: Any, max_depth: int) -> bool:

@@ -264,6 +264,17 @@ class Observer:
         #: pod uid -> the pod's annotations from the Kubernetes API (None: not seen there);
         #: set by the agent when the API is configured
         self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
+        #: (store, its version and the scope's reads, what was read): see _read_store
+        self._store_memo: (
+            tuple[
+                Store,
+                tuple[tuple[int, int], bool, bool],
+                _Recorded,
+                list[SandboxRec],
+                Mapping[str, Mapping[str, str]],
+            ]
+            | None
+        ) = None
 
     # -- kubelet ---------------------------------------------------------------------------
     def checkpoint(self) -> tuple[Checkpoint | None, str | None]:
@@ -287,14 +298,12 @@ class Observer:
         from vmpin.reconcile.podpolicies import PodPolicies
 
         checkpoint, cp_error = self.checkpoint()
-        recorded = _Recorded.read(store, scope)
+        recorded, sandboxes, annotations = self._read_store(store, scope)
         originals = recorded.originals
-        policies = PodPolicies(
-            store, self.policy, self.api_annotations, recorded=store.all_policy_annotations()
-        )
+        policies = PodPolicies(store, self.policy, self.api_annotations, recorded=annotations)
         out: list[SandboxObs] = []
         seen: set[str] = set()
-        for rec in store.sandboxes():
+        for rec in sandboxes:
             seen.add(rec.id)
             try:
                 out.append(self._sandbox(recorded, policies, rec, checkpoint, scope))
@@ -312,6 +321,28 @@ class Observer:
                 msg = f"observing libvirt domains: unexpected {type(err).__name__}: {err}"
                 out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
         return Observation(tuple(out), checkpoint, cp_error, originals, scope)
+
+    def _read_store(
+        self, store: Store, scope: Scope
+    ) -> tuple[_Recorded, list[SandboxRec], Mapping[str, Mapping[str, str]]]:
+        """The store's tables a pass reads, read again only when the store has changed
+        (:meth:`Store.version`; an idle node's passes find it unchanged).  What is returned
+        is only read, never changed, by the pass (the VMM-thread scan of ``vhost`` is the
+        pass's own: a fresh :class:`_Recorded` each time)."""
+        key = (store.version(), scope.vmms, scope.affinity)
+        memo = self._store_memo
+        if memo is None or memo[0] is not store or memo[1] != key:
+            memo = (
+                store,
+                key,
+                _Recorded.read(store, scope),
+                store.sandboxes(),
+                store.all_policy_annotations(),
+            )
+            self._store_memo = memo
+        _, _, rec, sandboxes, annotations = memo
+        fresh = _Recorded(rec.containers, rec.threads, rec.missing, rec.originals)
+        return fresh, sandboxes, annotations
 
     def _vm_dir_ids(self, tracked: Container[str] = ()) -> list[str]:
         """The sandbox dirs in the VM dir, but for ``tracked`` ones (observed from the store:

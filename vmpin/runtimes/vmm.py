@@ -24,7 +24,7 @@ import os
 from vmpin.core.errors import HostError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
-from vmpin.linux.files import read_bytes
+from vmpin.linux.files import identity, read_bytes, settled
 from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -175,17 +175,39 @@ def _read_vmm(paths: HostPaths, pid: int, sandbox_id: str) -> Vmm | None:
     return Vmm(pid=pid, start=start, cmdline=args, debug_threads=debug)
 
 
+#: pidfile path -> (its identity when read, the pid in it): QEMU writes its pidfile once, and
+#: every pass reads each sandbox's (an idle pass at 2,000 sandboxes, issue 14)
+_PIDFILES: dict[str, tuple[tuple[int, int, int, int, int], int | None]] = {}
+
+
 def read_pidfile(path: str) -> int | None:
-    """The pid in a QEMU pidfile, or None when missing, empty, unreadable or not a pid."""
-    try:  # (a FIFO or device planted as the pidfile is refused, not waited on)
+    """The pid in a QEMU pidfile, or None when missing, empty, unreadable or not a pid.
+
+    A pidfile read before and unchanged since (:func:`vmpin.linux.files.identity`: one
+    ``lstat``) is not read again."""
+    ident = identity(path)
+    if ident is None:
+        _PIDFILES.pop(path, None)
+        return None  # (a FIFO or device planted as the pidfile is refused, not waited on)
+    known = _PIDFILES.get(path)
+    if known is not None and known[0] == ident:
+        return known[1]
+    try:
         raw = read_bytes(path, limit=64, what="pidfile")
     except (OSError, VmpinError):
         return None
     try:
-        pid = int(raw.decode("ascii", errors="strict").strip())
+        pid: int | None = int(raw.decode("ascii", errors="strict").strip())
     except (UnicodeDecodeError, ValueError):
-        return None
-    return pid if pid > 0 else None
+        pid = None
+    if pid is not None and pid <= 0:
+        pid = None
+    if settled(ident):
+        if len(_PIDFILES) > 8192:
+            _PIDFILES.clear()
+        # the identity from before the read: a change during it is seen as one next time
+        _PIDFILES[path] = (ident, pid)
+    return pid
 
 
 def find_vmm(
