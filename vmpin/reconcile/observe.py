@@ -264,6 +264,8 @@ class Observer:
         #: pod uid -> the pod's annotations from the Kubernetes API (None: not seen there);
         #: set by the agent when the API is configured
         self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
+        #: the last full observation's sandboxes by id (see observe)
+        self._last: dict[str, SandboxObs] = {}
         #: (store, its version and the scope's reads, what was read): see _read_store
         self._store_memo: (
             tuple[
@@ -303,10 +305,17 @@ class Observer:
         policies = PodPolicies(store, self.policy, self.api_annotations, recorded=annotations)
         out: list[SandboxObs] = []
         seen: set[str] = set()
+        # A sandbox observed as the last full pass saw it is given as that very object: the
+        # new one goes at once (the last pass's observation is kept with its plan, and two
+        # of them at once were the agent's RSS peak), and comparing the node with the last
+        # one (Reconciler.plan) finds the same objects.
+        last = self._last if scope is FULL else {}
         for rec in sandboxes:
             seen.add(rec.id)
             try:
-                out.append(self._sandbox(recorded, policies, rec, checkpoint, scope))
+                found = self._sandbox(recorded, policies, rec, checkpoint, scope)
+                before = last.get(rec.id)
+                out.append(before if before is not None and before == found else found)
             except Exception as err:  # one sandbox's failure is an error on it, not the node's
                 msg = f"observing it: unexpected {type(err).__name__}: {err}"
                 out.append(
@@ -320,6 +329,8 @@ class Observer:
             except Exception as err:  # libvirt's failure is an error on it, not the node's
                 msg = f"observing libvirt domains: unexpected {type(err).__name__}: {err}"
                 out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
+        if scope is FULL:
+            self._last = {s.id: s for s in out}
         return Observation(tuple(out), checkpoint, cp_error, originals, scope)
 
     def _read_store(
@@ -332,6 +343,7 @@ class Observer:
         key = (store.version(), scope.vmms, scope.affinity)
         memo = self._store_memo
         if memo is None or memo[0] is not store or memo[1] != key:
+            memo = self._store_memo = None  # (the old tables go before the new are read)
             memo = (
                 store,
                 key,

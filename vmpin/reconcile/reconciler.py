@@ -158,6 +158,9 @@ class Reconciler:
                 # planning (issue 14: the idle pass at 2,000 sandboxes).
                 plan = memo[3]
             else:
+                # the old node's plan goes first: never two nodes' plans in memory at once
+                # (the agent's RSS peaks in a pass, issue 14)
+                memo = self._plan_memo = self.last_plan = None
                 plan = plan_node(obs, topology, float_policy=float_policy)
             self._plan_memo = (obs, topology, float_policy, plan)
         self.last_plan = plan

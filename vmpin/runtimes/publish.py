@@ -183,10 +183,11 @@ def _translate(err: OSError, path: str, what: str) -> HostError:
     return HostError(f"publishing guest map: cannot {what} {path}: {err.strerror}")
 
 
-#: map path -> (its identity, its content, its generation) when a pass last found it current:
+#: map path -> (its identity, the guest map it holds, its generation) when a pass last found it
+#: current (the content is a function of the sandbox id, which the path names, and the map):
 #: an idle pass re-checks each sandbox's map with one lstat instead of two directory opens,
 #: a lock and a read (2,000 of them in an idle pass, issue 14)
-_PUBLISHED: dict[str, tuple[tuple[int, int, int, int, int], dict[str, Any], int | None]] = {}
+_PUBLISHED: dict[str, tuple[tuple[int, int, int, int, int], Mapping[str, Any], int | None]] = {}
 
 
 def publish_map(
@@ -200,13 +201,21 @@ def publish_map(
 
     Returns what happened; raises :class:`HostError` only when the shared directory exists
     and the write failed (a sandbox with nothing shared is not an error: nothing to do).
+    ``guest_map`` is not to change once given (a plan's maps do not): a map found current is
+    remembered by it, and checked again with one ``lstat`` while the same one is given.
     """
     path = map_path(paths, sandbox_id)
-    new = content(sandbox_id, guest_map)
     known = _PUBLISHED.get(path)
-    if known is not None and known[1] == new and identity(path) == known[0]:
-        # what we found (or wrote) there before, untouched since: one lstat, no lock
+    if (
+        known is not None
+        and (known[1] is guest_map or known[1] == guest_map)
+        and identity(path) == known[0]
+    ):
+        # what we found current there before, untouched since: one lstat, no lock.
+        # (The map given is kept, not the older equal one: that one's plan may go.)
+        _PUBLISHED[path] = (known[0], guest_map, known[2])
         return Published(path, False, known[2], "unchanged")
+    new = content(sandbox_id, guest_map)
     directory = os.path.dirname(path)
     shared = os.path.dirname(directory)
     name = os.path.basename(directory)
@@ -241,7 +250,7 @@ def publish_map(
             if ident is not None and settled(ident):
                 if len(_PUBLISHED) > 8192:
                     _PUBLISHED.clear()
-                _PUBLISHED[path] = (ident, new, gen)
+                _PUBLISHED[path] = (ident, guest_map, gen)
             return Published(path, False, gen, "unchanged")
         _PUBLISHED.pop(path, None)
         doc = render(new, old, now)
