@@ -21,6 +21,11 @@ so machine noise hits both; a series' figure is the median of its pair ratios, t
 figure the median of all pair ratios.  Agents and QEMUs are started here and stopped by pid.
 
     python bench/bench_hook.py [--path all] [--runs 100] [--series 3] [--vmpin PATH] [--json]
+                               [--tmpdir DIR]
+
+The Kata sandbox has Kata's shared dir (``<publish>/<id>/mounts``), so each timed prestart
+publishes the guest map as on a node (before 2026-11-25 it had none, and the Kata figures
+left the map out).
 
 Exits 1 when a path's ratio is above its limit (--limit, default 1.5; Kata without an agent
 --kata-limit, default 2.0).
@@ -138,7 +143,7 @@ def state(cid: str, pid: int | None, bundle: Path, ann: dict, kata: bool) -> byt
 
 def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str, object]:
     """Set the node up for one path, time it, take everything down again (by pid)."""
-    work = Path(tempfile.mkdtemp(prefix=f"vmpin-bench-hook-{name}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"vmpin-bench-hook-{name}-", dir=args.tmpdir))
     env = dict(os.environ, VMPIN_STATE_DIR=str(work / "state"), VMPIN_VM_DIR=str(work / "vm"),
                VMPIN_RUNC_ROOT=str(work / "runc"), VMPIN_KUBELET_STATE=str(work / "none"),
                VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING")  # fmt: skip
@@ -154,6 +159,8 @@ def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str,
             sid = f"bh{os.getpid()}{name.replace('-', '')}"
             q = launch(work / "vm", sid, smp=2, debug_threads=True)
             cleanup.append(q.kill)
+            # Kata's shared dir for the sandbox: each prestart publishes the new guest map
+            (work / "publish" / sid / "mounts").mkdir(parents=True)
             b, ann = write_bundle(work, sid, sid, None)
             for stage in ("prestart", "createRuntime", "poststart"):
                 timed([*vmpin, "hook", "--strict", stage], state(sid, q.pid, b, ann, True), env)
@@ -229,11 +236,18 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=1.5)
     ap.add_argument("--kata-limit", type=float, default=2.0, help="Kata without an agent")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--tmpdir",
+        help="where the state dir, the VM dir and Kata's shared dir go (default: the system's"
+        " temp dir).  On a node they are under /run, a tmpfs; --tmpdir /dev/shm measures that,"
+        " where a disk's fsyncs (journal, store, guest map) cost nothing",
+    )
     args = ap.parse_args()
     vmpin = find_vmpin(args.vmpin)
     results = [run_path(p, args, vmpin) for p in (PATHS if args.path == "all" else [args.path])]
     if args.json:
-        print(json.dumps({"python": sys.executable, "vmpin": vmpin, "paths": results}))
+        print(json.dumps({"python": sys.executable, "vmpin": vmpin, "tmpdir": args.tmpdir,
+                          "paths": results}))
     else:
         for r in results:
             print(f"{r['path']:<11} ratio {r['ratio']:.2f} (series {r['series']}, limit "

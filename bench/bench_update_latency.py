@@ -33,7 +33,7 @@ one's in the cli and no-agent series (``compare_*``), for a before/after in one 
 
 Run (as root)::
 
-    python bench/bench_update_latency.py [--samples 200] [--smp 32] [--json OUT]
+    python bench/bench_update_latency.py [--samples 200] [--smp 32] [--json OUT] [--tmpdir DIR]
         [--compare /path/to/other/venv/bin/vmpin]
 """
 
@@ -186,11 +186,15 @@ def main() -> int:
     ap.add_argument("--compare", metavar="VMPIN",
                     help="another vmpin console script (e.g. a checkout of main's venv):"
                     " its update interleaved with this one's in the cli series (A/B)")
+    ap.add_argument("--tmpdir", help="where the state, VM and shared dirs go (default: the"
+                    " system's temp dir; on a node they are on /run, a tmpfs: /dev/shm)")
     args = ap.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="vmpin-lat-"))
+    root = Path(tempfile.mkdtemp(prefix="vmpin-lat-", dir=args.tmpdir))
     paths = make_paths(root)
     (root / "vm").mkdir()
+    # Kata's shared dir: each update publishes the sandbox's new guest map, as on a node
+    (Path(paths.publish_dir) / SID / "mounts").mkdir(parents=True)
     env = env_for(paths)
     qemu = launch(root / "vm", SID, smp=args.smp, debug_threads=True)
     agent = None

@@ -224,13 +224,20 @@ def test_kata_agent_answering_never_opens_the_store(
 @pytest.mark.qemu
 @pytest.mark.multi_cpu
 def test_kata_no_agent_reconciles_in_process(
-    env: dict[str, str], tmp_path: Path, qemu: Callable[..., QemuHandle]
+    env: dict[str, str], tmp_path: Path, qemu: Callable[..., QemuHandle], paths: HostPaths
 ) -> None:
     q = qemu(new_id("leank"), smp=2, debug_threads=True)
+    # Kata's shared dir: the hook publishes the guest map too (json-free: vmpin.wire.jsonio
+    # writes it indented with sorted keys)
+    shared = Path(paths.publish_dir) / q.sandbox_id / "mounts"
+    shared.mkdir(parents=True)
     b, ann = bundle(tmp_path, "c1", q.sandbox_id, "1")
     loaded, err = hook(env, "prestart", state("c1", b, ann, q.pid))
     assert err == ""
     assert_lean(loaded, reconciled=True)
+    assert "vmpin.runtimes.publish" in loaded
+    published = json.loads((shared / "vmpin" / "guest-map.json").read_text())
+    assert "c1" in published["containers"]
     # the real work was done here: every QEMU thread is on CPU 1
     for tid in os.listdir(f"/proc/{q.pid}/task"):
         assert os.sched_getaffinity(int(tid)) == {1}, tid

@@ -60,12 +60,27 @@ def test_indented_text_is_jsons(value: object, ascii_: bool, indent: int) -> Non
     assert text == json.dumps(value, ensure_ascii=ascii_, indent=indent)
 
 
+@settings(max_examples=300, deadline=None)
+@given(indented_values, st.booleans(), st.sampled_from([1, 2]))
+def test_indented_sorted_text_is_jsons(value: object, ascii_: bool, indent: int) -> None:
+    """The guest map is written indented with sorted keys (by the Kata hook, in-process)."""
+    text = jsonio.dumps(value, ensure_ascii=ascii_, indent=indent, sort_keys=True)
+    assert text == json.dumps(value, ensure_ascii=ascii_, indent=indent, sort_keys=True)
+
+
 def test_indented_cycle_and_odd_keys_are_jsons() -> None:
     loop: list[object] = []
     loop.append(loop)
     with pytest.raises(ValueError, match="Circular reference"):
         jsonio.dumps(loop, indent=2)
     assert jsonio.dumps({1: [2], None: 3}, indent=2) == json.dumps({1: [2], None: 3}, indent=2)
+    # sorted: json sorts the items before it turns their keys into text
+    for odd in ({2: 0, 10: 1}, {"b": {3: 0, 1: 1}, "a": 1}):
+        assert jsonio.dumps(odd, indent=1, sort_keys=True) == json.dumps(
+            odd, indent=1, sort_keys=True
+        )
+    with pytest.raises(TypeError):
+        jsonio.dumps({1: 0, "a": 1}, indent=1, sort_keys=True)  # as json: no order for those
 
 
 @given(st.text(max_size=30) | st.binary(max_size=30))

@@ -99,7 +99,9 @@ class Reconciler:
         #: the last pass's plan (the agent's metrics and logs read its conflicts)
         self.last_plan: NodePlan | None = None
         #: the last plan and what it was made from (see plan())
-        self._plan_memo: tuple[Observation, Topology, str, NodePlan] | None = None
+        self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = (
+            None
+        )
         #: False: a pass does not apply the journal first (its caller just did, without
         #: waiting for the disk: the agent's pass, the Kata hook's own; Store.ingest)
         self.ingest_first = True
@@ -144,6 +146,12 @@ class Reconciler:
         from vmpin.reconcile.plan import plan_node
 
         with _GcPaused():
+            version = self.store.version()
+            if self._plan_memo is not None and self._plan_memo[4] != version:
+                # The store moved (an event, the last pass's own records): the plan will
+                # hardly stand, and the old one is not to be kept while the node is observed
+                # anew (three nodes' worth in memory at once: the agent's RSS peak).
+                self._plan_memo = self.last_plan = None
             obs = obs if obs is not None else self.observe(scope)
             topology, float_policy = self.topology, self.float_policy
             memo = self._plan_memo
@@ -162,7 +170,7 @@ class Reconciler:
                 # (the agent's RSS peaks in a pass, issue 14)
                 memo = self._plan_memo = self.last_plan = None
                 plan = plan_node(obs, topology, float_policy=float_policy)
-            self._plan_memo = (obs, topology, float_policy, plan)
+            self._plan_memo = (obs, topology, float_policy, plan, version)
         self.last_plan = plan
         return plan
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from typing import Any
 
     PairsHook = Callable[[list[tuple[str, Any]]], Any] | None
@@ -118,13 +118,14 @@ def dumps(
     indent: int | None = None,
 ) -> str:
     """``json.dumps`` with these arguments (and json's defaults for the others), same text."""
-    if _c is not None and indent is not None and separators is None and not sort_keys:
+    if _c is not None and indent is not None and separators is None:
         # json has no C encoder for indented output; its Python one imports re.  The read
-        # commands print their --json views indented, so that shape is written here.
+        # commands print their --json views indented, and the guest map is written indented
+        # with sorted keys (by the Kata hook that pins in-process), so that shape is here.
         try:
             quote_ = _c.encode_basestring_ascii if ensure_ascii else _c.encode_basestring
             out: list[str] = []
-            _indented(obj, quote_, " " * indent, "\n", out, set())
+            _indented(obj, quote_, " " * indent, "\n", out, set(), sort_keys)
             return "".join(out)
         except _Unusual:
             pass  # json does it (keys that are not strings, subclasses, ...)
@@ -143,15 +144,26 @@ def dumps(
     return "".join(encode(obj, 0))
 
 
+def _key(item: tuple[object, object]) -> str:
+    return str(item[0])  # (a str already: the caller checked; str() of one is itself)
+
+
 class _Unusual(Exception):
     """A value the indented writer leaves to json (its text would differ otherwise)."""
 
 
 def _indented(
-    o: object, quote: Callable[[str], str], step: str, nl: str, out: list[str], seen: set[int]
+    o: object,
+    quote: Callable[[str], str],
+    step: str,
+    nl: str,
+    out: list[str],
+    seen: set[int],
+    sort_keys: bool = False,
 ) -> None:
-    """json.dumps(o, indent=...)'s text, for the plain types json's own writer takes; a cycle
-    is left to json (its ValueError)."""
+    """json.dumps(o, indent=..., sort_keys=...)'s text, for the plain types json's own writer
+    takes; a cycle is left to json (its ValueError).  (json sorts a dict's items before it
+    looks at their keys: with str keys only, which is all this writes, that is by key.)"""
     t = type(o)
     if t is list or t is tuple or t is dict:
         if id(o) in seen:
@@ -184,7 +196,7 @@ def _indented(
         out.append("[")
         for i, v in enumerate(seq):
             out.append(inner if i == 0 else "," + inner)
-            _indented(v, quote, step, inner, out, seen)
+            _indented(v, quote, step, inner, out, seen, sort_keys)
         out.append(nl + "]")
         seen.discard(id(o))
     elif t is dict:
@@ -197,7 +209,12 @@ def _indented(
         append = out.append
         append("{")
         first = True
-        for k, v in d.items():
+        items: Iterable[tuple[object, object]] = d.items()
+        if sort_keys:
+            if any(type(k) is not str for k in d):
+                raise _Unusual
+            items = sorted(d.items(), key=_key)
+        for k, v in items:
             if type(k) is not str:
                 raise _Unusual
             append(inner if first else comma)
@@ -215,7 +232,7 @@ def _indented(
                 append(int.__repr__(v))
             else:
                 append(": ")
-                _indented(v, quote, step, inner, out, seen)
+                _indented(v, quote, step, inner, out, seen, sort_keys)
         append(nl + "}")
         seen.discard(id(o))
     else:
