@@ -343,7 +343,11 @@ class Observer:
         key = (store.version(), scope.vmms, scope.affinity)
         memo = self._store_memo
         if memo is None or memo[0] is not store or memo[1] != key:
-            memo = self._store_memo = None  # (the old tables go before the new are read)
+            # The old tables go before the new are read; and so does the last observation:
+            # with the store moved the node is planned anew anyway, and building a node's
+            # observation while the last one is kept was the agent's RSS peak.
+            memo = self._store_memo = None
+            self._last = {}
             memo = (
                 store,
                 key,
