@@ -21,7 +21,7 @@ so machine noise hits both; a series' figure is the median of its pair ratios, t
 figure the median of all pair ratios.  Agents and QEMUs are started here and stopped by pid.
 
     python bench/bench_hook.py [--path all] [--runs 100] [--series 3] [--vmpin PATH] [--json]
-                               [--tmpdir DIR]
+                               [--tmpdir DIR] [--no-code-cache]
 
 The Kata sandbox has Kata's shared dir (``<publish>/<id>/mounts``), so each timed prestart
 publishes the guest map as on a node (before 2026-11-25 it had none, and the Kata figures
@@ -63,6 +63,19 @@ def find_vmpin(explicit: str | None) -> list[str]:
         return [str(beside)]
     found = shutil.which("vmpin")
     return [found] if found else [sys.executable, "-m", "vmpin"]
+
+
+def code_cache_file(vmpin: list[str]) -> str | None:
+    """Where the hook's code cache (vmpin.service.codecache) of this vmpin lives, if known."""
+    python = vmpin[0] if len(vmpin) > 1 else None
+    if python is None:
+        with open(vmpin[0], "rb") as f:
+            first = f.readline()
+        python = first[2:].decode().strip() if first.startswith(b"#!") else sys.executable
+    probe = ("import vmpin; from vmpin.service.codecache import cache_path;"
+             " print(cache_path(vmpin.__path__[0]))")  # fmt: skip
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def timed(argv: list[str], stdin: bytes, env: dict[str, str]) -> float:
@@ -148,6 +161,15 @@ def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str,
                VMPIN_RUNC_ROOT=str(work / "runc"), VMPIN_KUBELET_STATE=str(work / "none"),
                VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING")  # fmt: skip
     (work / "vm").mkdir()
+    # As on a node, where nothing tells Python not to write bytecode: the first hooks (the
+    # warm-up) write the hook's code cache and the timed ones use it.  --no-code-cache
+    # removes it and keeps it from being written.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not args.code_cache:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        cache = code_cache_file(vmpin)
+        if cache and os.path.exists(cache):
+            os.unlink(cache)
     kata = name.startswith("kata")
     cleanup: list[Callable[[], None]] = []
     try:
@@ -213,10 +235,12 @@ def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str,
             series.append(round(statistics.median(ratios), 3))
         limit = args.kata_limit if name == "kata" else args.limit
         ratio = statistics.median(all_ratios)
+        cache = code_cache_file(vmpin)
         return {"path": name, "ratio": round(ratio, 3), "series": series,
                 "hook_median_ms": round(statistics.median(hooks) * 1000, 2),
                 "bare_median_ms": round(statistics.median(bares) * 1000, 2),
-                "runs": args.runs, "limit": limit, "ok": ratio <= limit}  # fmt: skip
+                "runs": args.runs, "limit": limit, "ok": ratio <= limit,
+                "code_cache": bool(cache and os.path.exists(cache))}  # fmt: skip
     finally:
         for undo in reversed(cleanup):
             try:
@@ -236,6 +260,8 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=1.5)
     ap.add_argument("--kata-limit", type=float, default=2.0, help="Kata without an agent")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-code-cache", dest="code_cache", action="store_false",
+                    help="time the hooks without their code cache (vmpin.service.codecache)")
     ap.add_argument(
         "--tmpdir",
         help="where the state dir, the VM dir and Kata's shared dir go (default: the system's"

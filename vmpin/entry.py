@@ -104,11 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     if split is not None:
         opts, rest = split
         if rest[:1] == ["hook"] and "--help" not in rest:
+            # the hook's modules from one file (vmpin.service.codecache), only as the command
+            cache = None
+            if _console:
+                import gc
+
+                # off for good (the process leaves with os._exit): a collection after the
+                # hook would close its store, whose checkpoint the hook leaves undone on
+                # purpose (vmpin.service.hook.reconcile_here)
+                gc.disable()
+                from vmpin.service.codecache import install
+
+                cache = install()
             from vmpin.service.hook import main as hook_main
 
             _hook_ran = True
 
             code: int = hook_main(opts, rest[1:])
+            if cache is not None and cache.missed:
+                from vmpin.service.codecache import save
+
+                save(cache)  # (never raises: a cache must not fail a container start)
             return code
         if rest[:2] == ["guest", "hook"] and "--help" not in rest:
             from vmpin.guest.program import main as guest_main

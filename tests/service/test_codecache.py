@@ -1,0 +1,158 @@
+"""The hook's code cache (vmpin.service.codecache): served when it checks out, never stale.
+
+Each test runs the real launcher's hook (a plain container's prestart, no agent: it journals)
+in a fresh interpreter on a private copy of the package, so the cache it writes and the
+sources it changes are its own.  The probe reports, for every vmpin module the hook loaded,
+which loader loaded it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from vmpin.linux.paths import HostPaths
+
+CRI = "io.kubernetes.cri."
+
+PROBE = """
+import json, os, sys
+pkg, state = sys.argv[1], sys.argv[2]
+sys.path.insert(0, pkg)
+sys.argv = ["vmpin", "hook", "--strict", "prestart"]
+r, w = os.pipe()
+os.write(w, state.encode())
+os.close(w)
+os.dup2(r, 0)
+sys.stdin = open(0, "r", closefd=False)
+real_exit = os._exit
+def report(code):
+    loaders = {n: type(m.__spec__.loader).__name__ for n, m in list(sys.modules.items())
+               if n.startswith("vmpin.") and getattr(m, "__spec__", None) is not None}
+    marker = getattr(sys.modules.get("vmpin.state.journal"), "CACHE_TEST_MARKER", None)
+    sys.stdout.write("LOADERS " + json.dumps({"code": code, "loaders": loaders,
+                                              "marker": marker}) + "\\n")
+    sys.stdout.flush()
+    real_exit(code)
+os._exit = report
+from vmpin.entry import console
+console()
+"""
+
+
+@pytest.fixture
+def pkg(tmp_path: Path) -> Path:
+    """A private copy of the vmpin package (sources only: no .pyc, no cache)."""
+    dest = tmp_path / "pkg"
+    shutil.copytree(ROOT / "vmpin", dest / "vmpin", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def cache_file(pkg: Path) -> Path:
+    return pkg / "vmpin" / "__pycache__" / f"vmpin-hook.{sys.implementation.cache_tag}.marshal"
+
+
+def run_hook(
+    pkg: Path, env: dict[str, str], tmp_path: Path, n: int, *, write: bool = True
+) -> dict[str, object]:
+    """One plain-container prestart (it journals); what the probe saw."""
+    bundle = tmp_path / f"bundle{n}"
+    bundle.mkdir()
+    ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": f"cc{n}"}
+    (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
+    state = {"id": f"cc{n}", "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
+    run_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    run_env.pop("PYTHONPATH", None)
+    if not write:
+        run_env["PYTHONDONTWRITEBYTECODE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(pkg), json.dumps(state)],
+        capture_output=True, text=True, timeout=60, env=run_env,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADERS ")]
+    assert lines, (proc.returncode, proc.stdout, proc.stderr)
+    out: dict[str, object] = json.loads(lines[-1][len("LOADERS ") :])
+    assert out["code"] == 0, proc.stderr
+    return out
+
+
+def served(out: dict[str, object]) -> set[str]:
+    loaders = out["loaders"]
+    assert isinstance(loaders, dict)
+    return {n for n, kind in loaders.items() if kind == "CodeCache"}
+
+
+def test_cache_is_written_once_then_serves_the_hook(
+    pkg: Path, env: dict[str, str], tmp_path: Path, paths: HostPaths
+) -> None:
+    first = run_hook(pkg, env, tmp_path, 1)
+    assert served(first) == set()  # nothing to serve yet; the hook wrote it after its work
+    assert cache_file(pkg).is_file()
+    before = cache_file(pkg).stat()
+    second = run_hook(pkg, env, tmp_path, 2)
+    loaders = second["loaders"]
+    assert isinstance(loaders, dict)
+    # every vmpin module after the launcher's own two (imported before the cache is put in)
+    assert served(second) == set(loaders) - {"vmpin.entry", "vmpin.service.codecache",
+                                             "vmpin.service"}, loaders  # fmt: skip
+    assert "vmpin.state.journal" in served(second)
+    # a hit writes nothing
+    after = cache_file(pkg).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # both hooks did their work
+    assert len(os.listdir(os.path.join(paths.state_dir, "journal"))) == 2
+
+
+def test_a_changed_source_is_imported_from_source_and_cached_again(
+    pkg: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    run_hook(pkg, env, tmp_path, 1)
+    journal = pkg / "vmpin" / "state" / "journal.py"
+    journal.write_text(journal.read_text() + "\nCACHE_TEST_MARKER = 1\n")
+    out = run_hook(pkg, env, tmp_path, 2)
+    assert out["marker"] == 1  # the new source ran, not the cached code
+    assert "vmpin.state.journal" not in served(out)
+    assert "vmpin.linux.files" in served(out)  # the others still come from the cache
+    again = run_hook(pkg, env, tmp_path, 3)
+    assert again["marker"] == 1 and "vmpin.state.journal" in served(again)
+
+
+@pytest.mark.parametrize("spoil", ["group-writable", "garbage", "other-package"])
+def test_a_cache_that_does_not_check_out_is_not_read(
+    pkg: Path, env: dict[str, str], tmp_path: Path, spoil: str
+) -> None:
+    run_hook(pkg, env, tmp_path, 1)
+    f = cache_file(pkg)
+    if spoil == "group-writable":
+        f.chmod(0o664)
+    elif spoil == "garbage":
+        f.write_bytes(b"\x00not marshal" * 10)
+    else:  # made for the same package at another path (another venv, a moved install)
+        other = tmp_path / "other"
+        shutil.copytree(pkg, other)
+        run_hook(other, env, tmp_path, 2)  # builds other's cache
+        shutil.copyfile(cache_file(other), f)
+    out = run_hook(pkg, env, tmp_path, 3)
+    assert served(out) == set()
+    # and it is put right by that hook (mode 0644, whole, for this package)
+    assert f.stat().st_mode & 0o777 == 0o644
+    assert served(run_hook(pkg, env, tmp_path, 4))
+
+
+def test_no_cache_written_when_python_is_told_not_to_write_bytecode(
+    pkg: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    run_hook(pkg, env, tmp_path, 1, write=False)
+    assert not cache_file(pkg).exists()
+    # nowhere to write it is no error either (a read-only install: here __pycache__ is a
+    # file, which even root cannot write into): the hook imports the ordinary way
+    (pkg / "vmpin" / "__pycache__").write_text("")
+    out = run_hook(pkg, env, tmp_path, 2)
+    assert served(out) == set() and (pkg / "vmpin" / "__pycache__").is_file()
