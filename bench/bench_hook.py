@@ -74,7 +74,8 @@ def code_cache_file(vmpin: list[str]) -> str | None:
         python = first[2:].decode().strip() if first.startswith(b"#!") else sys.executable
     probe = ("import vmpin; from vmpin.service.codecache import cache_path;"
              " print(cache_path(vmpin.__path__[0]))")  # fmt: skip
-    out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    # -I: not the package in the current directory (a checkout), the one vmpin runs
+    out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True)
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
