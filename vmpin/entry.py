@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 # hook would close its store, whose checkpoint the hook leaves undone on
                 # purpose (vmpin.service.hook.reconcile_here)
                 gc.disable()
-                from vmpin.service.codecache import install
+                from vmpin.service.codecache import install, save
 
                 cache = install()
             from vmpin.service.hook import main as hook_main
@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             _hook_ran = True
 
             code: int = hook_main(opts, rest[1:])
-            if cache is not None and cache.missed:
-                from vmpin.service.codecache import save
-
-                save(cache)  # (never raises: a cache must not fail a container start)
+            if cache is not None:
+                save(cache)  # (after a miss only; never raises: not a container start's end)
             return code
         if rest[:2] == ["guest", "hook"] and "--help" not in rest:
             from vmpin.guest.program import main as guest_main

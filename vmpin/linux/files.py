@@ -123,10 +123,30 @@ def identity(path: str, dir_fd: int | None = None) -> tuple[int, int, int, int, 
 SETTLE_NS = 100_000_000
 
 
+#: files a memo of :func:`remember` holds at most (then it starts afresh)
+MEMO_LIMIT = 8192
+
+
 def settled(ident: tuple[int, int, int, int, int]) -> bool:
     """True when the version :func:`identity` saw is old enough to be told from any change
     that follows it (its mtime and ctime more than :data:`SETTLE_NS` in the past)."""
     return time.time_ns() - max(ident[3], ident[4]) > SETTLE_NS
+
+
+def remember(
+    memo: dict[str, tuple[tuple[int, int, int, int, int], Any]],
+    path: str,
+    ident: tuple[int, int, int, int, int],
+    value: Any,
+) -> None:
+    """Keep what was read from ``path`` with the identity of the version it was read from
+    (taken before the read: a change during it is seen as one next time), once that version
+    is :func:`settled`; the memo's reader trusts it while ``identity(path)`` is equal."""
+    if not settled(ident):
+        return
+    if len(memo) >= MEMO_LIMIT and path not in memo:
+        memo.clear()
+    memo[path] = (ident, value)
 
 
 def _depth_ok(doc: Any, max_depth: int) -> bool:

@@ -48,7 +48,7 @@ import time
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import identity, load_json, read_bytes, settled
+from vmpin.linux.files import identity, load_json, read_bytes, remember
 from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
 from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
@@ -183,11 +183,13 @@ def _translate(err: OSError, path: str, what: str) -> HostError:
     return HostError(f"publishing guest map: cannot {what} {path}: {err.strerror}")
 
 
-#: map path -> (its identity, the guest map it holds, its generation) when a pass last found it
-#: current (the content is a function of the sandbox id, which the path names, and the map):
+#: map path -> (its identity, (the guest map it holds, its generation)) when a pass last found
+#: it current (the content is a function of the sandbox id, which the path names, and the map):
 #: an idle pass re-checks each sandbox's map with one lstat instead of two directory opens,
 #: a lock and a read (2,000 of them in an idle pass, issue 14)
-_PUBLISHED: dict[str, tuple[tuple[int, int, int, int, int], Mapping[str, Any], int | None]] = {}
+_PUBLISHED: dict[
+    str, tuple[tuple[int, int, int, int, int], tuple[Mapping[str, Any], int | None]]
+] = {}
 
 
 def publish_map(
@@ -208,13 +210,13 @@ def publish_map(
     known = _PUBLISHED.get(path)
     if (
         known is not None
-        and (known[1] is guest_map or known[1] == guest_map)
+        and (known[1][0] is guest_map or known[1][0] == guest_map)
         and identity(path) == known[0]
     ):
         # what we found current there before, untouched since: one lstat, no lock.
         # (The map given is kept, not the older equal one: that one's plan may go.)
-        _PUBLISHED[path] = (known[0], guest_map, known[2])
-        return Published(path, False, known[2], "unchanged")
+        remember(_PUBLISHED, path, known[0], (guest_map, known[1][1]))
+        return Published(path, False, known[1][1], "unchanged")
     new = content(sandbox_id, guest_map)
     directory = os.path.dirname(path)
     shared = os.path.dirname(directory)
@@ -247,14 +249,12 @@ def publish_map(
         if old is not None and _strip(old) == new:
             gen = old.get("generation")
             gen = gen if isinstance(gen, int) else None
-            if ident is not None and settled(ident):
-                if len(_PUBLISHED) > 8192:
-                    _PUBLISHED.clear()
-                _PUBLISHED[path] = (ident, guest_map, gen)
+            if ident is not None:
+                remember(_PUBLISHED, path, ident, (guest_map, gen))
             return Published(path, False, gen, "unchanged")
         _PUBLISHED.pop(path, None)
         doc = render(new, old, now)
-        _remove_stale_temps(dir_fd, os.path.basename(path))
+        _remove_stale_temps(dir_fd, fname)
         _write_atomically(dir_fd, directory, path, doc)
         return Published(path, True, doc["generation"], "written")
     finally:

@@ -24,7 +24,7 @@ import os
 from vmpin.core.errors import HostError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
-from vmpin.linux.files import identity, read_bytes, settled
+from vmpin.linux.files import identity, read_bytes, remember
 from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -202,11 +202,7 @@ def read_pidfile(path: str) -> int | None:
         pid = None
     if pid is not None and pid <= 0:
         pid = None
-    if settled(ident):
-        if len(_PIDFILES) > 8192:
-            _PIDFILES.clear()
-        # the identity from before the read: a change during it is seen as one next time
-        _PIDFILES[path] = (ident, pid)
+    remember(_PIDFILES, path, ident, pid)
     return pid
 
 

@@ -86,7 +86,6 @@ class ControlServer:
         self._conns: queue.SimpleQueue[socket.socket | None] = queue.SimpleQueue()
         self._pool_lock = threading.Lock()
         self._idle = 0  # connection threads waiting on _conns
-        self._threads = 0  # connection threads alive
 
     def start(self) -> None:
         self._accept_thread = threading.Thread(
@@ -167,12 +166,9 @@ class ControlServer:
         :data:`IDLE_THREADS` stay when the storm is over.
         """
         with self._pool_lock:
-            if self._idle:
+            spawn = not self._idle
+            if not spawn:
                 self._idle -= 1
-                spawn = False
-            else:
-                self._threads += 1
-                spawn = True
         if spawn:
             threading.Thread(target=self._conn_thread, args=(conn,), daemon=True,
                              name="vmpin-conn").start()  # fmt: skip
@@ -184,12 +180,9 @@ class ControlServer:
             self._serve_conn(conn)
             with self._pool_lock:
                 if self._idle >= IDLE_THREADS or self._listener is None:  # (or closed)
-                    self._threads -= 1
                     return
                 self._idle += 1
             conn = self._conns.get()
-        with self._pool_lock:
-            self._threads -= 1
 
     def _serve_conn(self, conn: socket.socket) -> None:
         with conn:
