@@ -20,7 +20,8 @@ Three series (``--samples`` each, default 200):
             that saw the write has finished -- or, with an agent that does not give that
             reply, once it has re-pinned in-process).  ``vmpin update`` takes the fast route
             of vmpin.entry (no typer, no pydantic).
-``notify``  the agent's part alone: store write + the blocking ``dirty`` request
+``notify``  the agent's part alone: store write + the blocking ``dirty`` request, the write
+            synced while the agent works, as ``vmpin update`` does
             (``{"op": "dirty", "wait": ...}``) from this process: to the agent's reply
             (``agent_reply``, only when the agent gives the blocking reply: ``blocking``) and
             to every thread on the new CPU.
@@ -152,13 +153,15 @@ def series_notify(
     blocking = True
     cpu = first_cpu
     with Store(paths.state_dir) as store:
+        store.defer_durability()  # as vmpin update writes: synced while the agent works
         for _ in range(n):
             cpu ^= 1
             t0 = time.perf_counter()
             store.set_container_cpus(f"{SID}-app", CpuSet({cpu}), "update")
-            # the request vmpin update makes (control.notify(..., wait=)), its reply kept
+            # the request vmpin update makes (control.notify(..., wait=, meanwhile=)), its
+            # reply kept; the write is durable (store.sync) before the reply is read
             reply = control.request(paths, {"op": "dirty", "sandboxes": [SID], "wait": 10.0},
-                                    timeout=11.0)
+                                    timeout=11.0, meanwhile=store.sync)
             t_reply = time.perf_counter()
             if not reply or not reply.get("ok"):
                 raise RuntimeError(f"agent did not take the notification: {reply}")

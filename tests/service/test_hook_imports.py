@@ -19,19 +19,18 @@ The agent is a small real socket server here, speaking the control protocol
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.fakeagent import ProtocolAgent
 from tests.support.qemu_util import QemuHandle, qemu_factory
 from tests.support.session import new_id
 from vmpin.linux.paths import HostPaths
@@ -125,50 +124,9 @@ def assert_lean(loaded: set[str], reconciled: bool) -> None:
         assert not [m for m in LEAN if m in loaded]
 
 
-class FakeAgent:
-    """A real unix socket at the agent's place, answering the control protocol like the agent:
-    ``dirty`` with ``wait`` -> done (as after its pass), without -> queued."""
-
-    def __init__(self, paths: HostPaths) -> None:
-        os.makedirs(paths.state_dir, exist_ok=True)
-        self.requests: list[dict[str, object]] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(paths.control_socket)
-        self.sock.listen(8)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                buf = b""
-                while not buf.endswith(b"\n"):
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    buf += chunk
-                msg = json.loads(buf)
-                self.requests.append(msg)
-                reply: dict[str, object] = {"ok": True, "queued": len(msg["sandboxes"])}
-                if "wait" in msg:
-                    reply["done"] = True
-                # (a plain container's hook does not wait for the answer: closed)
-                with contextlib.suppress(OSError):
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self.thread.join(5)
-
-
 @pytest.fixture
-def agent(paths: HostPaths) -> Iterator[FakeAgent]:
-    a = FakeAgent(paths)
+def agent(paths: HostPaths) -> Iterator[ProtocolAgent]:
+    a = ProtocolAgent(paths)
     yield a
     a.close()
 
@@ -193,7 +151,7 @@ def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) ->
 
 
 def test_runc_agent_answering(
-    env: dict[str, str], tmp_path: Path, agent: FakeAgent
+    env: dict[str, str], tmp_path: Path, agent: ProtocolAgent
 ) -> None:
     b, ann = bundle(tmp_path, "lean2", "lean2", "0")
     loaded, _ = hook(env, "prestart", state("lean2", b, ann, os.getpid()))
@@ -208,7 +166,7 @@ def test_runc_agent_answering(
 
 @pytest.mark.qemu
 def test_kata_agent_answering_never_opens_the_store(
-    env: dict[str, str], tmp_path: Path, agent: FakeAgent,
+    env: dict[str, str], tmp_path: Path, agent: ProtocolAgent,
     qemu: Callable[..., QemuHandle], paths: HostPaths,
 ) -> None:  # fmt: skip
     q = qemu(new_id("leank"), smp=2)

@@ -4,12 +4,12 @@ and its re-pin through the agent's blocking reply."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.support.fakeagent import OneReplyAgent, SyncWatchingAgent, watch_syncs
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError
@@ -52,33 +52,6 @@ def test_cpuset_cpus_stays_strict(text: str) -> None:
 
 
 # -- the re-pin: the agent's blocking reply, else this process --------------------------------
-class OneReplyAgent:
-    """A control socket that answers one request with ``reply`` (a stand-in for the agent's
-    side of the blocking ``dirty``, which another part of the agent implements)."""
-
-    def __init__(self, path: str, reply: dict[str, object]) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(1)
-        self.reply = reply
-        self.request: dict[str, object] = {}
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        conn, _ = self.sock.accept()
-        with conn:
-            buf = b""
-            while not buf.endswith(b"\n"):
-                buf += conn.recv(65536)
-            self.request = json.loads(buf)
-            conn.sendall(json.dumps(self.reply).encode() + b"\n")
-
-    def close(self) -> None:
-        self.thread.join(10)
-        self.sock.close()
-
-
 def _runc_container(paths: HostPaths) -> str:
     cid = new_id("upd")
     with Store(paths.state_dir) as store:
@@ -109,3 +82,59 @@ def test_update_waits_for_the_agents_reply(paths: HostPaths, done: bool, applied
     with Store(paths.state_dir) as store:
         rec = store.container(cid)
         assert rec is not None and rec.cpus == CpuSet.parse("0") and rec.cpus_source == "update"
+
+
+def test_update_syncs_its_write_while_the_agent_works(paths: HostPaths, mocker: Any) -> None:
+    """The store write is committed without waiting for the disk, so the agent starts at
+    once, and synced while the agent's pass runs: the command answers only after both."""
+    from vmpin.service.update import update_container
+
+    cid = _runc_container(paths)
+    events: list[str] = []
+    synced = watch_syncs(mocker, f"{paths.state_dir}/state.db-wal", events)
+    agent = SyncWatchingAgent(paths.control_socket, synced, events)
+    try:
+        result = update_container(paths, cid, cpuset_cpus="0", wait=12.0)
+    finally:
+        agent.close()
+    events.append("returned")
+    assert result["applied_by"] == "re-pinned by the agent"
+    # the sync came after the agent had the request, and before the answer was read
+    assert events[:3] == ["request", "synced", "reply"] and events[-1] == "returned"
+
+
+def test_update_without_an_agent_syncs_before_it_returns(paths: HostPaths, mocker: Any) -> None:
+    from vmpin.service.update import update_container
+
+    cid = _runc_container(paths)
+    events: list[str] = []
+    watch_syncs(mocker, f"{paths.state_dir}/state.db-wal", events)
+    update_container(paths, cid, cpuset_cpus="0", wait=0.5)
+    assert "synced" in events
+
+
+def test_a_failed_sync_fails_the_update_and_is_not_taken_for_a_missing_agent(
+    paths: HostPaths, mocker: Any
+) -> None:
+    """What fails while the agent works is the command's own error (one line, the old set
+    back), not "no agent answered" followed by a pass in this process."""
+    import errno
+
+    from vmpin.core.errors import StateError
+    from vmpin.service.update import update_container
+
+    cid = _runc_container(paths)
+    mocker.patch("os.fsync", side_effect=OSError(errno.EIO, "Input/output error"))
+    agent = OneReplyAgent(paths.control_socket, {"ok": True, "queued": 1, "done": True})
+    reconcile = mocker.patch("vmpin.service.settings.build_reconciler")
+    try:
+        with pytest.raises(StateError, match=r"state\.db-wal: cannot sync: Input/output error"):
+            update_container(paths, cid, cpuset_cpus="1", wait=3.0)
+    finally:
+        agent.close()
+    assert agent.request["op"] == "dirty"
+    reconcile.assert_not_called()
+    mocker.stopall()
+    with Store(paths.state_dir) as store:
+        rec = store.container(cid)
+        assert rec is not None and rec.cpus == CpuSet.parse("0")

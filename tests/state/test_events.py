@@ -191,3 +191,37 @@ def test_deferred_connection_is_made_durable_by_settle(paths: HostPaths, tmp_pat
         assert frames[0] == 0
         assert store.settle_journal() == 0  # nothing new: no checkpoint, nothing removed
     assert pending(paths.state_dir) == []
+
+
+def test_sync_puts_a_deferred_commit_on_the_disk_and_says_what_failed(
+    paths: HostPaths, mocker: object
+) -> None:
+    """Store.sync (vmpin update's, while the agent works): the WAL that holds the deferred
+    commit and the state dir are fsynced; a failing sync is one line naming the file."""
+    import errno
+
+    from vmpin.core.cpuset import CpuSet
+    from vmpin.core.errors import StateError
+    from vmpin.state.store import ContainerRec, SandboxRec
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+
+    with Store(paths.state_dir) as store:
+        store.defer_durability()
+        store.put_sandbox(SandboxRec("pod", "runc"))
+        store.put_container(ContainerRec("c1", "pod", False, cpus=CpuSet.parse("1")))
+        patch = mocker.patch("os.fsync", side_effect=fsync)  # type: ignore[attr-defined]
+        store.put_container(ContainerRec("c2", "pod", False, cpus=CpuSet.parse("0")))
+        assert synced == []  # deferred: the commit did not wait for the disk
+        store.sync()
+        wal, state_dir = os.path.realpath(paths.db + "-wal"), os.path.realpath(paths.state_dir)
+        assert synced == [wal, state_dir]
+        patch.side_effect = OSError(errno.EIO, "Input/output error")
+        with pytest.raises(StateError) as info:
+            store.sync()
+        assert str(info.value) == f"{paths.db}-wal: cannot sync: Input/output error"

@@ -25,12 +25,21 @@ from vmpin.wire.jsonio import dumps, loads
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 
-def _send(paths: HostPaths, message: dict[str, Any], timeout: float, answer: bool) -> bytes | None:
+def _send(
+    paths: HostPaths,
+    message: dict[str, Any],
+    timeout: float,
+    answer: bool,
+    meanwhile: Callable[[], object] | None = None,
+) -> bytes | None:
     """Send one request line; None when no agent took it, else its answer (b"" without
-    ``answer``, or when the agent closed without one)."""
+    ``answer``, or when the agent closed without one).  ``meanwhile`` runs once the agent
+    has the request, before its answer is read (what raises there is the caller's: only a
+    failed exchange means no agent)."""
     path = paths.control_socket
     if not os.path.exists(path):
         return None
@@ -38,30 +47,42 @@ def _send(paths: HostPaths, message: dict[str, Any], timeout: float, answer: boo
     # for features a one-line exchange does not use.  _socket's sockets are close-on-exec.
     import _socket
 
-    buf = b""
     try:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    except OSError:
+        return None
+    buf = b""
+    try:
         try:
             sock.settimeout(timeout)
             sock.connect(path)
             sock.sendall(dumps(message).encode() + b"\n")
+        except OSError:
+            return None
+        if meanwhile is not None:
+            meanwhile()  # what it raises is the caller's, not a failed exchange
+        try:
             while answer and not buf.endswith(b"\n"):
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 buf += chunk
-        finally:
-            sock.close()
-    except OSError:
-        return None
+        except OSError:
+            return None
+    finally:
+        sock.close()
     return buf
 
 
 def request(
-    paths: HostPaths, message: dict[str, Any], timeout: float = 1.0
+    paths: HostPaths,
+    message: dict[str, Any],
+    timeout: float = 1.0,
+    meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, Any] | None:
-    """Send one request; the reply, or None when no agent answered."""
-    buf = _send(paths, message, timeout, answer=True)
+    """Send one request; the reply, or None when no agent answered.  ``meanwhile`` runs
+    while the agent works on it (see :func:`_send`)."""
+    buf = _send(paths, message, timeout, answer=True, meanwhile=meanwhile)
     if not buf:
         return None
     try:
@@ -83,16 +104,21 @@ def post(paths: HostPaths, message: dict[str, Any], timeout: float = 1.0) -> boo
 
 
 def notify(
-    paths: HostPaths, sandbox_ids: list[str], timeout: float = 1.0, wait: float | None = None
+    paths: HostPaths,
+    sandbox_ids: list[str],
+    timeout: float = 1.0,
+    wait: float | None = None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> bool:
     """Mark sandboxes dirty in the running agent; False when there is none to tell.
 
     With ``wait``, block until the agent has finished a pass that saw this request (True), or
-    give up after ``wait`` seconds (False: the caller reconciles in-process).
+    give up after ``wait`` seconds (False: the caller reconciles in-process); ``meanwhile``
+    runs while the agent's pass does (``vmpin update`` syncs its write then).
     """
     if wait is None:
         reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
         return bool(reply and reply.get("ok"))
     message = {"op": "dirty", "sandboxes": sandbox_ids, "wait": wait}
-    reply = request(paths, message, timeout + wait)
+    reply = request(paths, message, timeout + wait, meanwhile)
     return bool(reply and reply.get("ok") and reply.get("done"))

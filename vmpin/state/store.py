@@ -554,14 +554,37 @@ class Store:
         return touched
 
     def defer_durability(self) -> None:
-        """Commit without syncing from now on (WAL with ``synchronous=NORMAL``): what this
-        connection writes reaches the disk at the next checkpoint, which its owner makes
-        with :meth:`settle_journal` after each pass.  The agent's planner only, whose writes
-        are either journal events (their files stay until that checkpoint) or bookkeeping
-        the next pass redoes from the host; a crash of the process loses nothing (the OS has
-        the WAL), a power loss at most the last pass's bookkeeping."""
+        """Commit without syncing from now on (WAL with ``synchronous=NORMAL``); a crash of
+        the process loses nothing (the OS has the WAL), only a power loss could.  For writers
+        someone waits for, whose writes are one of:
+
+        - journal events and bookkeeping the next pass redoes from the host (the agent's
+          planner, a Kata hook's own pass): the journal files stay until a checkpoint has
+          their events in the database file (:meth:`settle_journal`);
+        - a write the caller acknowledges (``vmpin update``): it calls :meth:`sync` before
+          it answers, while the agent's pass runs rather than before it starts.
+        """
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.deferred = True
+
+    def sync(self) -> None:
+        """Make every commit so far durable: fsync the WAL and the state dir, as
+        ``synchronous=FULL`` does at each commit (with the directory on the WAL's first
+        sync).  A commit no longer in the WAL is in the database file, which a checkpoint
+        syncs before the WAL is reused."""
+        for path, flags in ((self.path + "-wal", os.O_RDONLY), (self.state_dir, os.O_RDONLY)):
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # no WAL: the last connection's close checkpointed it all
+            except OSError as err:
+                raise StateError(f"{path}: cannot sync: {err.strerror}") from None
+            try:
+                os.fsync(fd)
+            except OSError as err:
+                raise StateError(f"{path}: cannot sync: {err.strerror}") from None
+            finally:
+                os.close(fd)
 
     def settle_journal(self) -> int:
         """Remove the journal files whose events are applied, once a checkpoint has them in

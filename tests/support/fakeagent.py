@@ -1,0 +1,125 @@
+"""Stand-ins for the agent's side of the control socket, for the callers' tests (the agent's
+own side is tested against the real agent in test_agent.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+from typing import Any
+
+from vmpin.linux.paths import HostPaths
+
+
+def read_line(conn: socket.socket) -> dict[str, Any]:
+    """One request line, as the agent reads it."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    msg: dict[str, Any] = json.loads(buf)
+    return msg
+
+
+def send_line(conn: socket.socket, reply: dict[str, Any]) -> None:
+    """The reply line; a caller that went away without reading it is no error here (a plain
+    container's hook does not wait for it, a failing caller may have left)."""
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+class ProtocolAgent:
+    """A real unix socket at the agent's place, answering the control protocol like the agent:
+    ``dirty`` with ``wait`` -> done (as after its pass), without -> queued."""
+
+    def __init__(self, paths: HostPaths) -> None:
+        os.makedirs(paths.state_dir, exist_ok=True)
+        self.requests: list[dict[str, object]] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(paths.control_socket)
+        self.sock.listen(8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                msg = read_line(conn)
+                self.requests.append(msg)
+                reply: dict[str, object] = {"ok": True, "queued": len(msg["sandboxes"])}
+                if "wait" in msg:
+                    reply["done"] = True
+                send_line(conn, reply)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(5)
+
+
+class OneReplyAgent:
+    """A control socket that answers one request with ``reply`` (a stand-in for the agent's
+    side of the blocking ``dirty``, which another part of the agent implements)."""
+
+    def __init__(self, path: str, reply: dict[str, object]) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(1)
+        self.reply = reply
+        self.request: dict[str, object] = {}
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            self.request = read_line(conn)
+            send_line(conn, self.reply)
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.sock.close()
+
+
+class SyncWatchingAgent(OneReplyAgent):
+    """Answers ``done`` only once the caller's write is on the disk: it waits (up to 10 s)
+    for a sync (:func:`watch_syncs`) *after* it has the request, so a caller that synced
+    before asking, or never, is caught."""
+
+    def __init__(self, path: str, synced: threading.Event, events: list[str]) -> None:
+        self.synced, self.events = synced, events
+        super().__init__(path, {"ok": True, "queued": 1, "done": True})
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            self.request = read_line(conn)
+            self.events.append("request")
+            self.synced.clear()
+            done = self.synced.wait(10)
+            self.events.append("reply" if done else "no sync while waiting")
+            send_line(conn, self.reply)
+
+
+def watch_syncs(mocker: Any, path: str, events: list[str]) -> threading.Event:
+    """Record every fsync of ``path`` in ``events`` as "synced" (the real fsync runs); the
+    event returned is set by each."""
+    real = os.fsync
+    synced = threading.Event()
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path):
+            events.append("synced")
+            synced.set()
+
+    mocker.patch("os.fsync", side_effect=fsync)
+    return synced
