@@ -237,13 +237,16 @@ def journal_dir(state_dir: str) -> str:
     return os.path.join(state_dir, JOURNAL)
 
 
-def append(state_dir: str, event: dict[str, Any]) -> str:
+def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> str:
     """Write one event file, complete or not at all; its name sorts in the order events happened.
 
     Every write is checked (a nearly full filesystem gives short writes), the file is fsynced
-    before the rename publishes it, and the directory after, so an event the hook reported as
-    recorded survives a crash.  Any failure removes the temporary file and raises StateError
-    naming the file (the hook prints it; ``--strict`` fails the start).
+    before the rename publishes it, and the directory after (:func:`sync`), so an event the
+    hook reported as recorded survives a crash.  Any failure removes the temporary file and
+    raises StateError naming the file (the hook prints it; ``--strict`` fails the start).
+
+    ``durable=False`` leaves the directory's sync to the caller, who must :func:`sync` before
+    it reports the event recorded: a Kata hook does it while the agent's pass runs.
     """
     data = encode(event)
     d = journal_dir(state_dir)
@@ -268,11 +271,8 @@ def append(state_dir: str, event: dict[str, Any]) -> str:
         finally:
             os.close(fd)
         os.rename(tmp, os.path.join(d, name))
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)  # the rename itself survives a crash
-        finally:
-            os.close(dfd)
+        if durable:
+            _sync_dir(d)
     except BaseException as err:
         # whatever failed (ENOSPC, EIO, anything), no temp file is left in the state dir
         try:  # noqa: SIM105 (contextlib would cost every hook its import)
@@ -286,6 +286,24 @@ def append(state_dir: str, event: dict[str, Any]) -> str:
             " (is the state dir's filesystem full or read-only?)"
         ) from None
     return name
+
+
+def _sync_dir(d: str) -> None:
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)  # the rename itself survives a crash
+    finally:
+        os.close(dfd)
+
+
+def sync(state_dir: str) -> None:
+    """Make the events appended with ``durable=False`` survive a crash (fsync the journal
+    directory: their renames); StateError naming the directory when that fails."""
+    d = journal_dir(state_dir)
+    try:
+        _sync_dir(d)
+    except OSError as err:
+        raise StateError(f"{d}: events not recorded durably: {err.strerror}") from None
 
 
 def sweep_tmp(state_dir: str, now: float | None = None) -> int:
