@@ -124,7 +124,7 @@ def test_a_changed_source_is_imported_from_source_and_cached_again(
     assert again["marker"] == 1 and "vmpin.state.journal" in served(again)
 
 
-@pytest.mark.parametrize("spoil", ["group-writable", "garbage", "other-package"])
+@pytest.mark.parametrize("spoil", ["group-writable", "garbage", "cut-short", "other-package"])
 def test_a_cache_that_does_not_check_out_is_not_read(
     pkg: Path, env: dict[str, str], tmp_path: Path, spoil: str
 ) -> None:
@@ -134,6 +134,9 @@ def test_a_cache_that_does_not_check_out_is_not_read(
         f.chmod(0o664)
     elif spoil == "garbage":
         f.write_bytes(b"\x00not marshal" * 10)
+    elif spoil == "cut-short":  # (a full disk while it was written, a copy cut off)
+        with open(f, "r+b") as cut:
+            cut.truncate(f.stat().st_size - 100)
     else:  # made for the same package at another path (another venv, a moved install)
         other = tmp_path / "other"
         shutil.copytree(pkg, other)

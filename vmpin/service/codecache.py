@@ -4,18 +4,19 @@ A Kata hook that pins in-process imports ~42 vmpin modules, and the import syste
 for each (the path finder's directory checks, the ``.pyc`` opened, read and validated, a
 dozen Python-level steps) was ~0.35 M instructions: ~15 M of the hook's 77 M, on every
 container start.  Here their code objects are kept in one marshal file in the package's own
-``__pycache__`` (where CPython keeps their ``.pyc`` files: the same trust), read with one
-``open`` and served by a :data:`sys.meta_path` finder.
+``__pycache__`` (where CPython keeps their ``.pyc`` files: the same trust) and served by a
+:data:`sys.meta_path` finder: one ``open`` and a read of the index at start, then one
+``pread`` per module imported (only the modules a hook's path needs are read).
 
 Nothing stale is ever run: each entry carries its source's path, mtime (ns) and size
 (CPython's own ``.pyc`` check uses the mtime in seconds), checked with one ``stat`` when the
 module is imported; the file names the interpreter's bytecode magic and the package
 directory it was made for; a file that is not ours (another owner, writable by group or
-others, not a regular file) or not whole is not read.  Whatever does not check out is
-imported the ordinary way, and the hook that saw a miss writes the file again after its work
-(once per install and hook path: ~5 ms), unless Python is told not to write bytecode
-(``-B``, ``PYTHONDONTWRITEBYTECODE``).  A file that cannot be written (a read-only install)
-only means ordinary imports.
+others, not a regular file) or not whole (the index names its size) is not read. Whatever
+does not check out is imported the ordinary way, and the hook that saw a miss writes the
+file again after its work (once per install and hook path: ~5 ms), unless Python is told not
+to write bytecode (``-B``, ``PYTHONDONTWRITEBYTECODE``). A file that cannot be written (a
+read-only install) only means ordinary imports.
 
 Stdlib only, no ``typing`` at run time (the hook path).
 """
@@ -32,11 +33,18 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
-    #: module name -> (source path, its st_mtime_ns, its st_size, is a package, marshalled code)
-    Entries = dict[str, tuple[str, int, int, bool, bytes]]
+    #: module name -> (source path, its st_mtime_ns, its st_size, is a package, where its
+    #: marshalled code is: offset after the index, length)
+    Entries = dict[str, tuple[str, int, int, bool, int, int]]
 
-#: the file's layout; another one is not read
-FORMAT = 1
+#: the file's layout; another one is not read.  2: an index, then the code objects, each read
+#: (``pread``) only when its module is imported -- a plain hook needs a third of the file,
+#: and unmarshalling the whole of it (1: one marshalled dict) was ~0.5 ms of every hook.
+FORMAT = 2
+#: the file starts with the index's length, in this many bytes (little-endian)
+_LEN = 8
+#: the first read: the index and then some (the index is ~5 KiB for 44 modules)
+_FIRST_READ = 1 << 16
 
 
 def cache_path(package_dir: str) -> str:
@@ -54,9 +62,14 @@ class CodeCache:
     """A finder and loader for the ``vmpin.*`` modules in the cache (the ``sys.meta_path``
     protocol: ``find_spec``, ``create_module``, ``exec_module``)."""
 
-    def __init__(self, root: str, entries: Entries) -> None:
+    def __init__(self, root: str, entries: Entries, fd: int | None = None, base: int = 0) -> None:
         self.root = root
         self.entries = entries
+        #: where the code objects start in the file (after the index)
+        self.base = base
+        #: the cache file, open for the process's life (a file written over it meanwhile is
+        #: another inode: this one stays whole); None when there is none
+        self.fd = fd
         #: a vmpin module was imported the ordinary way (absent, or its source changed)
         self.missed = False
 
@@ -67,7 +80,7 @@ class CodeCache:
         if entry is None:
             self.missed = True
             return None
-        origin, mtime, size, is_package, _ = entry
+        origin, mtime, size, is_package = entry[:4]
         try:
             st = os.stat(origin)
         except (OSError, ValueError):
@@ -87,31 +100,60 @@ class CodeCache:
         return None  # the default module object
 
     def exec_module(self, module: ModuleType) -> None:
-        exec(marshal.loads(self.entries[module.__name__][4]), module.__dict__)
+        exec(marshal.loads(self.code(module.__name__)), module.__dict__)
+
+    def code(self, name: str) -> bytes:
+        """The module's marshalled code, read from the file."""
+        offset, length = self.entries[name][4:]
+        data = os.pread(self.fd, length, self.base + offset) if self.fd is not None else b""
+        if len(data) != length:  # (the size was checked at install: truncated in place since)
+            raise ImportError(f"{cache_path(self.root)}: {name} cut short", name=name)
+        return data
 
 
-def _read(path: str) -> bytes | None:
-    """The file's bytes when it is ours to trust (see the module docstring), else None."""
+def _open(path: str) -> tuple[int, int] | None:
+    """The file, open, and its size, when it is ours to trust (see the module docstring)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or st.st_uid != os.geteuid()
-            or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        ):
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
     except OSError:
-        return None
-    finally:
+        st = None
+    if (
+        st is None
+        or not stat.S_ISREG(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    ):
         os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def _index(fd: int, size: int, root: str) -> tuple[Entries, int] | None:
+    """The file's index, and where the code after it starts, when the file is whole and
+    made for this interpreter and package."""
+    try:
+        head = os.pread(fd, _FIRST_READ, 0)
+        n = int.from_bytes(head[:_LEN], "little")
+        if len(head) < _LEN or n > size - _LEN:
+            return None
+        if _LEN + n > len(head):
+            head += os.pread(fd, _LEN + n - len(head), len(head))
+        doc = marshal.loads(head[_LEN : _LEN + n])
+    except (OSError, EOFError, ValueError, TypeError):
+        return None
+    if (
+        isinstance(doc, tuple)
+        and len(doc) == 5
+        and doc[:3] == (FORMAT, _magic(), root)
+        and doc[3] == size - _LEN - n  # whole: not cut short, nothing appended
+        and isinstance(doc[4], dict)
+    ):
+        return doc[4], _LEN + n
+    return None
 
 
 def install() -> CodeCache | None:
@@ -123,20 +165,17 @@ def install() -> CodeCache | None:
         return None
     root = paths[0]
     entries: Entries = {}
-    raw = _read(cache_path(root))
-    if raw is not None:
-        try:
-            doc = marshal.loads(raw)
-        except (EOFError, ValueError, TypeError):
-            doc = None
-        if (
-            isinstance(doc, tuple)
-            and len(doc) == 4
-            and doc[:3] == (FORMAT, _magic(), root)
-            and isinstance(doc[3], dict)
-        ):
-            entries = doc[3]
-    cache = CodeCache(root, entries)
+    fd, base = None, 0
+    opened = _open(cache_path(root))
+    if opened is not None:
+        fd, size = opened
+        found = _index(fd, size, root)
+        if found is None:
+            os.close(fd)
+            fd = None
+        else:
+            entries, base = found
+    cache = CodeCache(root, entries, fd, base)
     sys.meta_path.insert(0, cache)
     return cache
 
@@ -154,10 +193,15 @@ def save(cache: CodeCache) -> bool:
 
 
 def _save(cache: CodeCache) -> bool:
-    entries: Entries = dict(cache.entries)
+    codes: dict[str, tuple[str, int, int, bool, bytes]] = {}
+    for name, entry in cache.entries.items():
+        try:
+            codes[name] = (*entry[:4], cache.code(name))
+        except (OSError, ImportError):
+            continue
     prefix = cache.root + os.sep
     for name, module in list(sys.modules.items()):
-        if not name.startswith("vmpin.") or name in entries:
+        if not name.startswith("vmpin.") or name in codes:
             continue
         spec: Any = getattr(module, "__spec__", None)
         origin = getattr(spec, "origin", None)
@@ -176,10 +220,9 @@ def _save(cache: CodeCache) -> bool:
         ):
             continue  # changed while read: left to the next hook
         is_package = spec.submodule_search_locations is not None
-        entries[name] = (origin, after.st_mtime_ns, after.st_size, is_package, marshal.dumps(code))
+        codes[name] = (origin, after.st_mtime_ns, after.st_size, is_package, marshal.dumps(code))
     path = cache_path(cache.root)
     tmp = f"{path}.{os.getpid()}.tmp"
-    data = marshal.dumps((FORMAT, _magic(), cache.root, entries))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o644)
@@ -187,9 +230,10 @@ def _save(cache: CodeCache) -> bool:
         return False  # no __pycache__, a read-only install: ordinary imports it is
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            for chunk in _layout(cache.root, codes):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         os.replace(tmp, path)  # readers see the old file or the new one
@@ -200,3 +244,16 @@ def _save(cache: CodeCache) -> bool:
             pass
         return False
     return True
+
+
+def _layout(root: str, codes: dict[str, tuple[str, int, int, bool, bytes]]) -> list[bytes]:
+    """The file's chunks: the index's length, the index (with the code's total length and
+    each module's offset after it), the code objects in name order."""
+    names = sorted(codes)
+    index: Entries = {}
+    offset = 0
+    for name in names:
+        index[name] = (*codes[name][:4], offset, len(codes[name][4]))
+        offset += len(codes[name][4])
+    head = marshal.dumps((FORMAT, _magic(), root, offset, index))
+    return [len(head).to_bytes(_LEN, "little"), head, *(codes[name][4] for name in names)]
