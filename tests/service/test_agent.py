@@ -1015,8 +1015,9 @@ def test_connection_threads_are_kept_for_the_next_connection(
     paths: HostPaths, inproc_agent: Callable[..., Agent], mocker: Any
 ) -> None:
     """A connection's thread serves the next one (starting one was ~0.2-0.3 ms of each
-    blocking round trip); a burst gets a thread per connection, at most IDLE_THREADS stay,
-    and none is left once the agent stops."""
+    blocking round trip, and handing it over from an accept thread ~0.15 ms): threads wait
+    in accept() themselves; a burst gets a thread per connection, at most IDLE_THREADS
+    stay, and none is left once the agent stops."""
     from vmpin.service import server
 
     agent = inproc_agent()
@@ -1033,8 +1034,8 @@ def test_connection_threads_are_kept_for_the_next_connection(
     for _ in range(8):
         assert dirty_wait(paths, [], 30)["done"] is True
     # (the planner answers before the thread is free again, so the next request may find
-    # it still busy: two threads take turns)
-    assert len(set(served)) <= 2, served
+    # it still busy: the spare threads take turns, one more is started when none is left)
+    assert len(set(served)) <= 4, served
 
     def conn_threads() -> int:
         return sum(1 for t in threading.enumerate() if t.name == "vmpin-conn")

@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import socket
 import struct
 import threading
@@ -23,7 +22,9 @@ from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
 from vmpin.service.logs import log_event
 
-#: connection threads kept waiting for the next connection (see ControlServer._dispatch)
+#: connection threads kept waiting in ``accept`` when the agent is quiet, and at most kept
+#: after a burst (see ControlServer._acceptor)
+SPARE_THREADS = 2
 IDLE_THREADS = 8
 #: a client gets this long to send its request line (hooks send it at once).
 REQUEST_TIMEOUT = 2.0
@@ -81,17 +82,21 @@ class ControlServer:
         self.refused = refused
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
-        self._accept_thread: threading.Thread | None = None
-        #: connections handed to the idle connection threads (None: that thread ends)
-        self._conns: queue.SimpleQueue[socket.socket | None] = queue.SimpleQueue()
         self._pool_lock = threading.Lock()
-        self._idle = 0  # connection threads waiting on _conns
+        self._accepting = 0  # connection threads in (or on their way to) accept()
+        self._threads: set[threading.Thread] = set()
 
     def start(self) -> None:
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="vmpin-control", daemon=True
-        )
-        self._accept_thread.start()
+        for _ in range(SPARE_THREADS):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """One more connection thread, counted as accepting from now on."""
+        thread = threading.Thread(target=self._acceptor, name="vmpin-conn", daemon=True)
+        with self._pool_lock:
+            self._accepting += 1
+            self._threads.add(thread)
+        thread.start()
 
     def open(self) -> None:
         from vmpin.service.control import request
@@ -129,60 +134,56 @@ class ControlServer:
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == self._socket_ino:  # only ours, never a successor's
                 os.unlink(path)
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout=2)
-        with self._pool_lock:  # the idle connection threads end (busy ones end after)
-            idle, self._idle = self._idle, 0
-        for _ in range(idle):
-            self._conns.put(None)
-
-    def _accept_loop(self) -> None:
-        me = os.getuid()
-        while True:
-            sock = self._listener
-            if sock is None:
-                return
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                if self._listener is None:
-                    return
-                time.sleep(0.01)
-                continue
-            uid = _peer_uid(conn)
-            if uid is not None and uid not in (0, me):
-                conn.close()
-                self.refused()
-                continue
-            self._dispatch(conn)
-
-    def _dispatch(self, conn: socket.socket) -> None:
-        """Hand ``conn`` to an idle connection thread, or to a new one when none is idle.
-
-        A thread per connection, as before, but kept for the next one: starting a thread was
-        ~0.2-0.3 ms of every blocking request's round trip (a Kata hook waits for it, issue
-        14).  Threads are never short (a blocking ``dirty`` holds one until its pass ends,
-        and a storm of them must all be waiting before that pass starts), and at most
-        :data:`IDLE_THREADS` stay when the storm is over.
-        """
+        # the shutdown woke every thread in accept(); a busy one ends after its connection
+        deadline = time.monotonic() + 2
         with self._pool_lock:
-            spawn = not self._idle
-            if not spawn:
-                self._idle -= 1
-        if spawn:
-            threading.Thread(target=self._conn_thread, args=(conn,), daemon=True,
-                             name="vmpin-conn").start()  # fmt: skip
-        else:
-            self._conns.put(conn)
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _conn_thread(self, conn: socket.socket | None) -> None:
-        while conn is not None:
-            self._serve_conn(conn)
-            with self._pool_lock:
-                if self._idle >= IDLE_THREADS or self._listener is None:  # (or closed)
+    def _acceptor(self) -> None:
+        """A connection thread: accept a connection, serve it, accept the next.
+
+        Each thread waits in ``accept`` itself (the kernel wakes one per connection), so a
+        connection reaches the thread that serves it with one wake-up: an accept thread
+        handing it on was a second one, ~0.15 ms of every blocking round trip (a Kata hook
+        waits for it, issue 14), and starting a thread per connection ~0.2-0.3 ms.  Threads
+        are never short (a blocking ``dirty`` holds one until its pass ends, and a storm of
+        them must all be accepted before that pass starts), so the last thread to leave
+        ``accept`` starts another first; after a storm at most :data:`IDLE_THREADS` stay.
+        """
+        me = os.getuid()
+        try:
+            while True:
+                sock = self._listener
+                if sock is None:
                     return
-                self._idle += 1
-            conn = self._conns.get()
+                try:
+                    conn, _ = sock.accept()
+                except OSError:
+                    if self._listener is None:
+                        return
+                    time.sleep(0.01)
+                    continue
+                with self._pool_lock:
+                    self._accepting -= 1
+                    last = not self._accepting and self._listener is not None
+                if last:
+                    self._spawn()
+                uid = _peer_uid(conn)
+                if uid is not None and uid not in (0, me):
+                    conn.close()
+                    self.refused()
+                else:
+                    self._serve_conn(conn)
+                with self._pool_lock:
+                    if self._accepting >= IDLE_THREADS or self._listener is None:
+                        return
+                    self._accepting += 1
+        finally:
+            with self._pool_lock:
+                self._threads.discard(threading.current_thread())
 
     def _serve_conn(self, conn: socket.socket) -> None:
         with conn:
