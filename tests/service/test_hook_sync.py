@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +18,29 @@ from vmpin.state.journal import journal_dir, pending
 CRI = "io.kubernetes.cri."
 
 
-def _prestart(paths: HostPaths, tmp_path: Path) -> tuple[str, bytes]:
+def _prestart(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> tuple[str, bytes, list[str], threading.Event]:
     """A plain container's prestart on a node where a VM sandbox runs (its VM dir is there):
-    the hook waits for the node to be re-planned, as for Kata."""
+    the hook waits for the node to be re-planned, as for Kata.  Syncs of the journal's
+    directory are recorded in the list (the event: set by each)."""
     os.makedirs(os.path.join(paths.vm_dir, new_id("vm")))
+    os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
+    events: list[str] = []
+    synced = watch_syncs(mocker, journal_dir(paths.state_dir), events)
     cid = new_id("hs")
     bundle = tmp_path / cid
     bundle.mkdir()
     ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": cid}
     (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
     state = {"id": cid, "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
-    return cid, json.dumps(state).encode()
+    return cid, json.dumps(state).encode(), events, synced
 
 
 def test_hook_syncs_the_journal_while_the_agent_works(
     paths: HostPaths, tmp_path: Path, mocker: Any
 ) -> None:
-    cid, data = _prestart(paths, tmp_path)
-    os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
-    events: list[str] = []
-    synced = watch_syncs(mocker, journal_dir(paths.state_dir), events)
+    cid, data, events, synced = _prestart(paths, tmp_path, mocker)
     agent = SyncWatchingAgent(paths.control_socket, synced, events)
     try:
         assert hook.run(paths, "prestart", data) == cid
@@ -53,10 +57,7 @@ def test_hook_syncs_the_journal_while_the_agent_works(
 def test_hook_without_an_agent_syncs_before_it_reconciles(
     paths: HostPaths, tmp_path: Path, mocker: Any
 ) -> None:
-    cid, data = _prestart(paths, tmp_path)
-    os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
-    events: list[str] = []
-    watch_syncs(mocker, journal_dir(paths.state_dir), events)
+    cid, data, events, _ = _prestart(paths, tmp_path, mocker)
     here = mocker.patch.object(hook, "reconcile_here",
                                side_effect=lambda *a: events.append("reconciled"))  # fmt: skip
     assert hook.run(paths, "prestart", data) == cid
