@@ -1223,31 +1223,3 @@ def test_sigterm_taken_by_another_thread_stops_the_agent(
     assert agent.proc.wait(timeout=30) == 0
     assert '"stopping"' in agent.log.read_text()
     agent.stop()
-
-
-def test_serve_keeps_the_collector_off_the_program_after_its_first_pass(
-    paths: HostPaths, inproc_agent: Callable[..., Agent]
-) -> None:
-    """What is alive after the first pass (the program, the first plan) is frozen out of the
-    cyclic collector: a full collection no longer walks it (~1.5-2 ms, inside a pass that a
-    hook or `vmpin update` may be waiting for).  Only `vmpin serve` asks for it (freeze_gc):
-    a process the agent shares (these tests) keeps its collector as it is."""
-    import gc
-
-    assert gc.get_freeze_count() == 0
-    first = inproc_agent()
-    assert gc.get_freeze_count() == 0
-    first.request_stop()
-    assert first.shutdown() == 0
-    try:
-        inproc_agent(freeze_gc=True)  # (an empty node: its start-up pass plans nothing)
-        assert gc.get_freeze_count() == 0
-        assert dirty_wait(paths, [], 30)["done"] is True  # the first node pass
-        # (right after that pass has been accounted)
-        assert wait_until(lambda: gc.get_freeze_count() > 0, 10)
-        frozen = gc.get_freeze_count()
-        assert frozen > 5000  # (the modules, classes and functions of vmpin and its imports)
-        gc.collect()
-        assert gc.get_freeze_count() == frozen  # a collection leaves them frozen
-    finally:
-        gc.unfreeze()

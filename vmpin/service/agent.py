@@ -139,21 +139,6 @@ def check_seconds(name: str, value: float, *, low: float, high: float) -> float:
     return float(value)
 
 
-
-def _freeze_the_program() -> None:
-    """Keep the cyclic collector off what is alive after the first pass, for good.
-
-    That is the program itself (modules, classes, functions: ~12,000 objects) and the node's
-    first plan, none of it garbage; traversing it made every full collection ~1.5-2 ms, and
-    one that fell inside a pass a hook or ``vmpin update`` waits for was its p99 (issue 14).
-    What is freed later is still freed (by reference counting); only later objects are
-    traversed.  (``gc.freeze``, as long-lived CPython services do.)
-    """
-    import gc
-
-    gc.collect()  # what is garbage now is not kept forever
-    gc.freeze()
-
 class Agent:
     def __init__(
         self,
@@ -167,7 +152,6 @@ class Agent:
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         metrics: Metrics | None = None,
         domains: LibvirtDomains | None = None,
-        freeze_gc: bool = False,
     ) -> None:
         check_seconds("--interval", interval, low=0.01, high=MAX_INTERVAL)
         check_seconds("VMPIN_HOLDOFF", holdoff, low=0.0, high=MAX_HOLDOFF)
@@ -188,9 +172,6 @@ class Agent:
         self.workers_option = workers
         self.n_workers = 1
         self.metrics_port = metrics_port
-        #: the process is the agent's alone (``vmpin serve``): after the first pass the
-        #: collector leaves what is alive alone (:func:`_freeze_the_program`)
-        self.freeze_gc = freeze_gc
         self.drain_timeout = drain_timeout
         self.metrics = metrics or Metrics()
         self.queue = DirtyQueue(holdoff)
@@ -613,16 +594,12 @@ class Agent:
             self._release_waiters()
             self.request_stop()
             return
-        frozen = not self.freeze_gc
         with store:
             while True:
                 batch = self.queue.take_batch()
                 if batch is None:
                     return
                 self._run_batch(batch, store, reconciler)
-                if not frozen:
-                    _freeze_the_program()
-                    frozen = True
 
     def _run_batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
         with self._pass_cond:
@@ -997,7 +974,6 @@ def serve(
         holdoff=holdoff,
         # vmpin.cli.Ctx.domains(): libvirt domains on the configured connections, if any
         domains=getattr(ctx_obj, "domains", lambda: None)(),
-        freeze_gc=True,
     )
 
     # Settings (policy, housekeeping set, guest float) are checked now, once, as one line --
