@@ -98,6 +98,16 @@ def read_bytes(
         os.close(fd)
 
 
+def fsync_path(path: str) -> None:
+    """fsync the file or directory at ``path`` (a directory: the renames and creations in
+    it); OSError as the kernel gives it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def identity(path: str, dir_fd: int | None = None) -> tuple[int, int, int, int, int] | None:
     """What tells a version of the regular file ``path`` from another, without reading it:
     (device, inode, size, mtime, ctime in ns) of the file itself (a final symlink is not

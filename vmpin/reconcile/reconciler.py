@@ -169,7 +169,6 @@ class Reconciler:
                 # the old node's plan goes first: never two nodes' plans in memory at once
                 # (the agent's RSS peaks in a pass, issue 14)
                 self._plan_memo = self.last_plan = None
-                memo = None
                 plan = plan_node(obs, topology, float_policy=float_policy)
             self._plan_memo = (obs, topology, float_policy, plan, version)
         self.last_plan = plan

@@ -22,9 +22,9 @@ from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
 from vmpin.service.logs import log_event
 
-#: connection threads kept waiting in ``accept`` when the agent is quiet, and at most kept
-#: after a burst (see ControlServer._acceptor)
+#: connection threads waiting in ``accept`` when the agent is quiet (ControlServer._acceptor)
 SPARE_THREADS = 2
+#: the most connection threads kept waiting after a burst
 IDLE_THREADS = 8
 #: a client gets this long to send its request line (hooks send it at once).
 REQUEST_TIMEOUT = 2.0

@@ -39,6 +39,7 @@ import time
 
 from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
+from vmpin.linux.files import fsync_path
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
 from vmpin.wire.jsonio import dumps
@@ -272,7 +273,7 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
             os.close(fd)
         os.rename(tmp, os.path.join(d, name))
         if durable:
-            _sync_dir(d)
+            fsync_path(d)  # the rename itself survives a crash
     except BaseException as err:
         # whatever failed (ENOSPC, EIO, anything), no temp file is left in the state dir
         try:  # noqa: SIM105 (contextlib would cost every hook its import)
@@ -288,20 +289,12 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
     return name
 
 
-def _sync_dir(d: str) -> None:
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)  # the rename itself survives a crash
-    finally:
-        os.close(dfd)
-
-
 def sync(state_dir: str) -> None:
     """Make the events appended with ``durable=False`` survive a crash (fsync the journal
     directory: their renames); StateError naming the directory when that fails."""
     d = journal_dir(state_dir)
     try:
-        _sync_dir(d)
+        fsync_path(d)
     except OSError as err:
         raise StateError(f"{d}: events not recorded durably: {err.strerror}") from None
 

@@ -25,7 +25,7 @@ from stat import S_ISREG
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import load_json, read_bytes
+from vmpin.linux.files import fsync_path, load_json, read_bytes
 from vmpin.runtimes.oci import Identity, identify
 from vmpin.state import journal
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
@@ -572,19 +572,13 @@ class Store:
         ``synchronous=FULL`` does at each commit (with the directory on the WAL's first
         sync).  A commit no longer in the WAL is in the database file, which a checkpoint
         syncs before the WAL is reused."""
-        for path, flags in ((self.path + "-wal", os.O_RDONLY), (self.state_dir, os.O_RDONLY)):
+        for path in (self.path + "-wal", self.state_dir):
             try:
-                fd = os.open(path, flags | os.O_CLOEXEC)
+                fsync_path(path)
             except FileNotFoundError:
                 continue  # no WAL: the last connection's close checkpointed it all
             except OSError as err:
                 raise StateError(f"{path}: cannot sync: {err.strerror}") from None
-            try:
-                os.fsync(fd)
-            except OSError as err:
-                raise StateError(f"{path}: cannot sync: {err.strerror}") from None
-            finally:
-                os.close(fd)
 
     def settle_journal(self) -> int:
         """Remove the journal files whose events are applied, once a checkpoint has them in

@@ -144,10 +144,6 @@ def dumps(
     return "".join(encode(obj, 0))
 
 
-def _key(item: tuple[object, object]) -> str:
-    return str(item[0])  # (a str already: the caller checked; str() of one is itself)
-
-
 class _Unusual(Exception):
     """A value the indented writer leaves to json (its text would differ otherwise)."""
 
@@ -213,7 +209,7 @@ def _indented(
         if sort_keys:
             if any(type(k) is not str for k in d):
                 raise _Unusual
-            items = sorted(d.items(), key=_key)
+            items = sorted(d.items())  # (by key: keys are unique, values never compared)
         for k, v in items:
             if type(k) is not str:
                 raise _Unusual
