@@ -20,11 +20,14 @@ Three series (``--samples`` each, default 200):
             that saw the write has finished -- or, with an agent that does not give that
             reply, once it has re-pinned in-process).  ``vmpin update`` takes the fast route
             of vmpin.entry (no typer, no pydantic).
-``notify``  the agent's part alone: store write + the blocking ``dirty`` request, the write
-            synced while the agent works, as ``vmpin update`` does
-            (``{"op": "dirty", "wait": ...}``) from this process: to the agent's reply
-            (``agent_reply``, only when the agent gives the blocking reply: ``blocking``) and
-            to every thread on the new CPU.
+``notify``  what ``vmpin update`` does once started, from this process: the store write,
+            then the blocking ``dirty`` request (``{"op": "dirty", "wait": ...,
+            "guest_map": "after"}``), the write synced while the agent works.  Timed from
+            the write to the agent's reply (``notify_agent_reply``), from the request to
+            the reply (``agent_reply``: the agent's part, its pass and the round trip; the
+            command's own write is not in it) and from the write to every thread on the new
+            CPU (``notify_to_all_threads``).  ``agent_blocking_reply``: every reply said
+            done.
 ``no-agent``  (``--no-agent-samples``, default 50) ``vmpin update`` with no agent running:
             the command reconciles the sandbox itself.
 
@@ -147,9 +150,10 @@ def series_cli(
 
 def series_notify(
     paths: HostPaths, pid: int, n: int, gap: float, first_cpu: int
-) -> tuple[list[float], list[float], bool, int]:
-    """The agent's part: (to all threads, to the reply, whether every reply was blocking)."""
-    out, replies = [], []
+) -> tuple[list[float], list[float], list[float], bool, int]:
+    """The agent's part: (write to all threads, write to the reply, request to the reply,
+    whether every reply was blocking, the last CPU)."""
+    out, replies, agent = [], [], []
     blocking = True
     cpu = first_cpu
     with Store(paths.state_dir) as store:
@@ -158,18 +162,21 @@ def series_notify(
             cpu ^= 1
             t0 = time.perf_counter()
             store.set_container_cpus(f"{SID}-app", CpuSet({cpu}), "update")
-            # the request vmpin update makes (control.notify(..., wait=, meanwhile=)), its
-            # reply kept; the write is durable (store.sync) before the reply is read
-            reply = control.request(paths, {"op": "dirty", "sandboxes": [SID], "wait": 10.0},
-                                    timeout=11.0, meanwhile=store.sync)
+            t_ask = time.perf_counter()
+            # the request vmpin update makes (control.notify(..., wait=, meanwhile=,
+            # maps_first=False)), its reply kept; the write is durable (store.sync) before
+            # the reply is read, and the guest map is published after the reply
+            msg = {"op": "dirty", "sandboxes": [SID], "wait": 10.0, "guest_map": "after"}
+            reply = control.request(paths, msg, timeout=11.0, meanwhile=store.sync)
             t_reply = time.perf_counter()
             if not reply or not reply.get("ok"):
                 raise RuntimeError(f"agent did not take the notification: {reply}")
             blocking = blocking and reply.get("done") is True
             replies.append((t_reply - t0) * 1000)
+            agent.append((t_reply - t_ask) * 1000)
             out.append((wait_all_on(pid, cpu) - t0) * 1000)
             time.sleep(gap)
-    return out, replies, blocking, cpu
+    return out, replies, agent, blocking, cpu
 
 
 def metrics_text(port: int) -> str:
@@ -226,7 +233,7 @@ def main() -> int:
         cli, cli_cmd, last, other = series_cli(
             paths, env, qemu.pid, args.samples, args.gap, 0, bare, compare
         )
-        notify, replies, blocking, last = series_notify(
+        notify, replies, agent_reply, blocking, last = series_notify(
             paths, qemu.pid, args.samples, args.gap, last
         )
         body = metrics_text(port)
@@ -267,6 +274,7 @@ def main() -> int:
             "bare_interpreter": summary(bare),
             "notify_to_all_threads": summary(notify),
             "notify_agent_reply": summary(replies),
+            "agent_reply": summary(agent_reply),
             "agent_blocking_reply": blocking,
             "no_agent_cli_to_all_threads": summary(no_agent) if no_agent else None,
             "agent_pin_latency_mean_ms": round(

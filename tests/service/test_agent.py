@@ -1011,6 +1011,81 @@ def test_blocking_dirty_is_answered_by_the_planner_before_its_thread_wakes(
     assert [name for name, _ in senders] == ["vmpin-conn", "vmpin-planner"], senders
 
 
+@pytest.mark.multi_cpu
+def test_blocking_dirty_publishes_the_guest_map_before_or_after_its_answer(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """A hook's wait (the default) is answered once the guest map is on disk: the guest hook
+    of the container Kata starts next reads it.  ``vmpin update``'s (``"guest_map":
+    "after"``) is answered once the threads are pinned, and the map follows (the guest's
+    follower polls for it; issue 14: the map's write was a quarter of the update's wait).
+    The publish is held at a gate to see which came first."""
+    from vmpin.runtimes import publish
+
+    sid = new_id("gm")
+    vmm = fake_vmms(sid, vcpus=1)
+    Path(paths.publish_dir, sid, "mounts").mkdir(parents=True)
+    map_file = Path(paths.publish_dir, sid, "mounts", "vmpin", "guest-map.json")
+
+    def host_of_vcpu0() -> object:
+        try:
+            return json.loads(map_file.read_text())["vcpu_to_host"]["0"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    with Store(paths.state_dir) as store:
+        register(store, sid, "0")
+    inproc_agent()
+    assert wait_until(lambda: host_of_vcpu0() == 0, 20), map_file
+    real_publish = publish.publish_map
+    entered, release = threading.Event(), threading.Event()
+
+    def gated(*args: Any, **kw: Any) -> Any:
+        entered.set()
+        assert release.wait(60)
+        return real_publish(*args, **kw)
+
+    mocker.patch.object(publish, "publish_map", side_effect=gated)
+    # vmpin update's wait: the answer comes while the map's write is held
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse("1"), "update")
+    msg = {"op": "dirty", "sandboxes": [sid], "wait": 10, "guest_map": "after"}
+    assert control.request(paths, msg, 15) == {"ok": True, "queued": 1, "done": True}
+    assert all_on(vmm.pid, "1"), affinities(vmm.pid)
+    assert entered.wait(30) and host_of_vcpu0() == 0  # held: not written yet
+    release.set()
+    assert wait_until(lambda: host_of_vcpu0() == 1, 20), map_file
+    # a hook's wait: no answer while the map's write is held, and the map is there with it
+    entered.clear()
+    release.clear()
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse("0"), "update")
+    replies: list[dict[str, Any]] = []
+    waiter = threading.Thread(target=lambda: replies.append(dirty_wait(paths, [sid], 30)))
+    waiter.start()
+    try:
+        assert entered.wait(30)
+        waiter.join(0.3)
+        assert not replies, replies  # the pass is done, but its map is not written yet
+    finally:
+        release.set()
+        waiter.join(40)
+    assert replies == [{"ok": True, "queued": 1, "done": True}]
+    assert host_of_vcpu0() == 0, map_file.read_text()
+
+
+def test_blocking_dirty_refuses_a_bad_guest_map_order(
+    paths: HostPaths, inproc_agent: Callable[..., Agent]
+) -> None:
+    inproc_agent()
+    msg = {"op": "dirty", "sandboxes": [], "wait": 1, "guest_map": "never"}
+    reply = control.request(paths, msg, 10)
+    assert reply is not None and reply["ok"] is False and "guest_map" in reply["error"], reply
+
+
 def test_connection_threads_are_kept_for_the_next_connection(
     paths: HostPaths, inproc_agent: Callable[..., Agent], mocker: Any
 ) -> None:

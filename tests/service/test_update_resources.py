@@ -74,7 +74,9 @@ def test_update_waits_for_the_agents_reply(paths: HostPaths, done: bool, applied
         result = update_container(paths, cid, cpuset_cpus="0", wait=3.0)
     finally:
         agent.close()
-    assert agent.request == {"op": "dirty", "sandboxes": [cid], "wait": 3.0}
+    assert agent.request == {
+        "op": "dirty", "sandboxes": [cid], "wait": 3.0, "guest_map": "after"
+    }
     if done:
         assert result["applied_by"] == applied
     else:

@@ -74,11 +74,15 @@ class Applier:
         *,
         publish: bool = True,
         domains: DomainSource | None = None,
+        maps_later: list[tuple[str, dict[str, Any] | None]] | None = None,
     ):
         self.paths = paths
         self.affinity = affinity
         self.publish = publish
         self.domains = domains
+        #: when a list, the guest maps to publish go there instead (:func:`publish_maps`
+        #: later): a caller that answers a waiter first, as the agent does for an update
+        self.maps_later = maps_later
 
     def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
         """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
@@ -258,29 +262,29 @@ class Applier:
             with store.transaction():
                 for write in writes:
                     write()
-        for sid, guest_map in publish:
+        if self.maps_later is not None:
+            self.maps_later.extend(publish)
+        else:
+            publish_maps(self.paths, publish)
+
+
+def publish_maps(paths: HostPaths, maps: list[tuple[str, dict[str, Any] | None]]) -> None:
+    """Publish (a map) or withdraw (None) each sandbox's guest map.
+
+    A failure is the map's alone (the pins stand, and the next pass writes it again).
+    """
+    for sid, guest_map in maps:
+        try:
             if guest_map is None:
-                self._withdraw(sid)
+                from vmpin.runtimes.publish import remove_map
+
+                remove_map(paths, sid)
             else:
-                self._publish(sid, guest_map)
+                from vmpin.runtimes.publish import publish_map
 
-    def _withdraw(self, sandbox_id: str) -> None:
-        from vmpin.runtimes.publish import remove_map
-
-        try:
-            remove_map(self.paths, sandbox_id)
+                publish_map(paths, sid, guest_map)
         except VmpinError:
-            return
-
-    def _publish(self, sandbox_id: str, guest_map: dict[str, Any]) -> None:
-        try:
-            from vmpin.runtimes.publish import publish_map
-        except ImportError:
-            return
-        try:
-            publish_map(self.paths, sandbox_id, guest_map)
-        except VmpinError:
-            return
+            continue
 
 
 def _adopt(store: Store, a: Adoption) -> None:

@@ -98,6 +98,9 @@ class Reconciler:
         self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
         #: the last pass's plan (the agent's metrics and logs read its conflicts)
         self.last_plan: NodePlan | None = None
+        #: a list: the guest maps a pass would publish are kept there for the caller to
+        #: publish (:meth:`publish_maps`) once it has answered whoever waits on the pins
+        self.maps_later: list[tuple[str, dict[str, Any] | None]] | None = None
         #: the last plan and what it was made from (see plan())
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = (
             None
@@ -205,7 +208,11 @@ class Reconciler:
             from vmpin.reconcile.apply import Applier
 
             applied = Applier(
-                self.paths, self.affinity, publish=self.publish, domains=self.domains
+                self.paths,
+                self.affinity,
+                publish=self.publish,
+                domains=self.domains,
+                maps_later=self.maps_later,
             ).apply(self.store, plan)
         conflicts: dict[str, list[dict[str, Any]]] = {}
         for c in plan.conflicts:
@@ -226,6 +233,15 @@ class Reconciler:
             order = {sid: i for i, sid in enumerate(sandbox_ids)}
             reports.sort(key=lambda r: order[r.id])
         return reports
+
+    def publish_maps(self) -> None:
+        """Publish the guest maps kept back by passes since the last call (``maps_later``)."""
+        if not self.maps_later:
+            return
+        from vmpin.reconcile.apply import publish_maps
+
+        maps, self.maps_later[:] = list(self.maps_later), []
+        publish_maps(self.paths, maps)
 
     def reconcile_sandbox(
         self, rec: SandboxRec, *, apply: bool = True, scope: Scope | None = None

@@ -106,10 +106,14 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 class _Waiter:
     """A blocking ``dirty`` request: the pass it waits for, and how to answer it."""
 
-    __slots__ = ("answer", "queued", "reply", "target")
+    __slots__ = ("answer", "maps_first", "queued", "reply", "target")
 
-    def __init__(self, answer: Reply | None) -> None:
+    def __init__(self, answer: Reply | None, maps_first: bool = True) -> None:
         self.answer = answer
+        #: answered only once the pass's guest maps are published (a Kata hook: the guest
+        #: hook of the container about to start reads its entry); False for ``vmpin
+        #: update``, whose map the guest's follower picks up whenever it comes
+        self.maps_first = maps_first
         self.target = 0
         self.queued = 0
         self.reply: dict[str, Any] | None = None
@@ -192,6 +196,8 @@ class Agent:
         self._plans = 0
         self._errors = 0
         self._node_passes = 0
+        #: the last pass whose guest maps are published (under _pass_cond)
+        self._maps_done = 0
         #: node passes started / finished / finished without raising (numbered from 1), and
         #: the condition blocking ``dirty`` requests sleep on (signalled at each pass's end)
         self._pass_cond = threading.Condition()
@@ -435,9 +441,13 @@ class Agent:
                 or not (math.isfinite(wait) and 0 < wait <= MAX_WAIT)
             ):
                 return self._bad(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
+            guest_map = msg.get("guest_map", "before")
+            if guest_map not in ("before", "after"):
+                return self._bad("dirty: 'guest_map' must be \"before\" or \"after\" the answer")
+            maps_first = guest_map == "before"
             if answer is None:
-                return self.notify_and_wait(sids, float(wait))
-            self.notify_and_wait(sids, float(wait), answer)
+                return self.notify_and_wait(sids, float(wait), maps_first=maps_first)
+            self.notify_and_wait(sids, float(wait), answer, maps_first=maps_first)
             return None
         if op == "status":
             sid = msg.get("sandbox")
@@ -470,7 +480,12 @@ class Agent:
         return queued
 
     def notify_and_wait(
-        self, sandbox_ids: list[str], wait: float, answer: Reply | None = None
+        self,
+        sandbox_ids: list[str],
+        wait: float,
+        answer: Reply | None = None,
+        *,
+        maps_first: bool = True,
     ) -> dict[str, Any]:
         """The blocking ``dirty``: reply once a node pass that started after now has ended.
 
@@ -481,9 +496,10 @@ class Agent:
         threads; a waiter past its deadline (or the agent stopping) answers ``done: false``
         itself.  A pass that raised does not count (the caller then does the work itself),
         a later one does.  The reply is returned too (for callers without a connection).
+        ``maps_first``: the pass publishes its guest maps before answering (else after).
         """
         deadline = time.monotonic() + wait
-        waiter = _Waiter(answer)
+        waiter = _Waiter(answer, maps_first)
         with self._pass_cond:
             # passes are numbered in the order they start, and one runs at a time: the first
             # to start from now on is number started + 1 (it ingests and reads the store
@@ -496,7 +512,10 @@ class Agent:
             # meanwhile is caught by the loop's first test
             self._waiters.append(waiter)
             while waiter.reply is None:
-                if self._node_finished >= waiter.target or self._stopping:
+                if self._stopping or (
+                    self._node_finished >= waiter.target
+                    and (self._maps_done >= waiter.target or not maps_first)
+                ):
                     self._answer(waiter)
                     break
                 left = deadline - time.monotonic()
@@ -585,6 +604,9 @@ class Agent:
             # writes reach the disk with the checkpoint after it (_settle)
             store.defer_durability()
             reconciler = self.reconciler_factory(store)
+            # the guest maps are published after the answers of waiters that do not need
+            # them (_run_batch)
+            reconciler.maps_later = []
             # the live pod's annotations win over the OCI ones (once the API is attached)
             reconciler.api_annotations = self._api_annotations
         except VmpinError as err:
@@ -637,12 +659,37 @@ class Agent:
                 self._node_finished = number
                 if ok:
                     self._node_ok = number
+                due = [w for w in self._waiters if w.target <= number]
+                maps_now = any(w.maps_first for w in due)
+                if maps_now:
+                    # a Kata hook: its container's guest hook reads the map once it returns
+                    self._publish_maps(reconciler, number)
                 # answered from here, before their threads wake (Reply)
-                for waiter in [w for w in self._waiters if w.target <= number]:
+                for waiter in due:
                     self._answer(waiter)
                 self._pass_cond.notify_all()
-        # after the answers: make the pass's journal events durable, remove their files
+        if not maps_now:
+            # after the answers: the maps no waiter needed first (an update's: the guest's
+            # follower polls for it); a waiter that registered late waits for them
+            self._publish_maps(reconciler, number)
+            with self._pass_cond:
+                if self._waiters:
+                    self._pass_cond.notify_all()
+        # then the pass's journal events made durable, their files removed
         self._settle(store)
+
+    def _publish_maps(self, reconciler: Reconciler, number: int) -> None:
+        """The guest maps of pass ``number`` (and those before it) published."""
+        try:
+            reconciler.publish_maps()
+        except Exception as err:  # the planner must survive any one pass
+            self.metrics.errors.labels("internal").inc()
+            log.error(
+                "publishing guest maps failed",
+                exc_info=True,
+                extra={"fields": {"error": str(err)}},
+            )
+        self._maps_done = number
 
     def _settle(self, store: Store) -> None:
         try:

@@ -109,16 +109,21 @@ def notify(
     timeout: float = 1.0,
     wait: float | None = None,
     meanwhile: Callable[[], object] | None = None,
+    maps_first: bool = True,
 ) -> bool:
     """Mark sandboxes dirty in the running agent; False when there is none to tell.
 
     With ``wait``, block until the agent has finished a pass that saw this request (True), or
     give up after ``wait`` seconds (False: the caller reconciles in-process); ``meanwhile``
-    runs while the agent's pass does (``vmpin update`` syncs its write then).
+    runs while the agent's pass does (``vmpin update`` syncs its write then).  Without
+    ``maps_first`` the answer may come before the pass's guest maps are published (for a
+    caller that waits only on the host's pins).
     """
     if wait is None:
         reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
         return bool(reply and reply.get("ok"))
-    message = {"op": "dirty", "sandboxes": sandbox_ids, "wait": wait}
+    message: dict[str, Any] = {"op": "dirty", "sandboxes": sandbox_ids, "wait": wait}
+    if not maps_first:
+        message["guest_map"] = "after"
     reply = request(paths, message, timeout + wait, meanwhile)
     return bool(reply and reply.get("ok") and reply.get("done"))

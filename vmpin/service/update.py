@@ -113,7 +113,8 @@ def _repin(
 ) -> dict[str, Any]:
     from vmpin.service.control import notify
 
-    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync):
+    # (the guest's follower polls for its map: the agent answers once the threads are pinned)
+    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync, maps_first=False):
         applied = "re-pinned by the agent"
     else:
         # no agent, or none that finished a pass in ``wait``: this process does it (again)
