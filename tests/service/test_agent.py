@@ -34,6 +34,7 @@ from tests.conftest import ROOT, vmpin_cmd
 from tests.support.qemu_util import wait_until
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
+from vmpin.linux.files import SPARES
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.service import control
@@ -1075,6 +1076,9 @@ def test_blocking_dirty_publishes_the_guest_map_before_or_after_its_answer(
         waiter.join(40)
     assert replies == [{"ok": True, "queued": 1, "done": True}]
     assert host_of_vcpu0() == 0, map_file.read_text()
+    # the maps were written into spare files, which the agent makes again after its pass
+    full = [f".spare-{i}" for i in range(SPARES)]
+    assert wait_until(lambda: sorted(os.listdir(paths.spare_dir)) == full, 20)
 
 
 def test_blocking_dirty_refuses_a_bad_guest_map_order(

@@ -1,16 +1,23 @@
 """A hook whose sandbox must be in line when it returns (Kata, or VMs on the node) syncs its
-journal entry's directory while the agent's pass runs, and always before it returns."""
+journal entry (the file, then its directory) while the pass runs -- the agent's, or its own
+when no agent answers -- and always before it returns."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.fakeagent import SyncWatchingAgent, watch_syncs
 from tests.support.session import new_id
+from vmpin.core.errors import StateError
+from vmpin.linux.files import SPARES
 from vmpin.linux.paths import HostPaths
 from vmpin.service import hook
 from vmpin.state.journal import journal_dir, pending
@@ -27,7 +34,7 @@ def _prestart(
     os.makedirs(os.path.join(paths.vm_dir, new_id("vm")))
     os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
     events: list[str] = []
-    synced = watch_syncs(mocker, journal_dir(paths.state_dir), events)
+    synced = watch_syncs(mocker, journal_dir(paths.state_dir), events, journal_dir(paths.state_dir))
     cid = new_id("hs")
     bundle = tmp_path / cid
     bundle.mkdir()
@@ -48,18 +55,57 @@ def test_hook_syncs_the_journal_while_the_agent_works(
         agent.close()
     events.append("returned")
     assert agent.request == {"op": "dirty", "sandboxes": [cid], "wait": hook.AGENT_WAIT}
-    # the entry was whole and in the journal when the agent was asked (it ingests it), its
-    # directory synced after that and before the answer was read
-    assert events == ["request", "synced", "reply", "returned"]
+    # the entry was whole and in the journal when the agent was asked (it ingests it), the
+    # file and its directory synced after that and before the answer was read
+    assert events == ["request", "synced file", "synced", "reply", "returned"]
     assert len(pending(paths.state_dir)) == 1
 
 
-def test_hook_without_an_agent_syncs_before_it_reconciles(
+def test_hook_without_an_agent_syncs_while_it_reconciles(
     paths: HostPaths, tmp_path: Path, mocker: Any
 ) -> None:
-    cid, data, events, _ = _prestart(paths, tmp_path, mocker)
-    here = mocker.patch.object(hook, "reconcile_here",
-                               side_effect=lambda *a: events.append("reconciled"))  # fmt: skip
+    """No agent: the syncs run on a thread beside the in-process pass (the pass waits here
+    for them: run one after the other, it would wait in vain), and end before the hook
+    returns."""
+    cid, data, events, synced = _prestart(paths, tmp_path, mocker)
+
+    def reconcile(*_: Any) -> None:
+        events.append("reconciling")
+        assert synced.wait(10), "the journal was not synced while the pass ran"
+        events.append("reconciled")
+
+    here = mocker.patch.object(hook, "reconcile_here", side_effect=reconcile)
     assert hook.run(paths, "prestart", data) == cid
-    assert events == ["synced", "reconciled"]
+    events.append("returned")
+    assert events.index("reconciling") < events.index("synced"), events
+    assert events[-1] == "returned" and {"synced file", "synced", "reconciled"} <= set(events)
+    assert events.index("synced file") < events.index("synced"), events
     here.assert_called_once()
+    assert len(pending(paths.state_dir)) == 1
+    # and the next start's files were made on the thread too
+    assert sorted(os.listdir(paths.spare_dir)) == [f".spare-{i}" for i in range(SPARES)]
+
+
+def test_hook_without_an_agent_reports_a_failed_sync(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """A sync that fails on the thread is the hook's failure, one line naming the
+    directory, after its pass (the pins stand)."""
+    _, data, _, _ = _prestart(paths, tmp_path, mocker)
+    jdir = os.path.realpath(journal_dir(paths.state_dir))
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.realpath(f"/proc/self/fd/{fd}") == jdir:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+
+    mocker.patch("os.fsync", side_effect=fsync)
+    here = mocker.patch.object(hook, "reconcile_here")
+    with pytest.raises(StateError) as err:
+        hook.run(paths, "prestart", data)
+    here.assert_called_once()
+    assert str(err.value) == f"{journal_dir(paths.state_dir)}: event not recorded durably: " + (
+        os.strerror(errno.EIO)
+    )
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # given back

@@ -6,13 +6,14 @@ import json
 import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vmpin.core.errors import SpecError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import parse_state
-from vmpin.state.journal import append, build, journal_dir, pending
+from vmpin.state.journal import append, build, journal_dir, pending, sync
 from vmpin.state.store import Store
 
 ANN = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod"}
@@ -225,3 +226,51 @@ def test_sync_puts_a_deferred_commit_on_the_disk_and_says_what_failed(
         with pytest.raises(StateError) as info:
             store.sync()
         assert str(info.value) == f"{paths.db}-wal: cannot sync: Input/output error"
+
+
+def test_a_deferred_event_is_whole_at_once_and_synced_by_its_caller(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """append(durable=False) renames the whole file into place and syncs nothing; sync()
+    then syncs the file and the journal directory, in that order, and an event already
+    applied and settled (its file gone) leaves only the directory to sync."""
+    real = os.fsync
+    synced: list[str] = []
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    mocker.patch("os.fsync", side_effect=fsync)
+    name = append(paths.state_dir, event(paths, "prestart", "c1", bundle(tmp_path, "c1")),
+                  durable=False)  # fmt: skip
+    jdir = os.path.realpath(journal_dir(paths.state_dir))
+    assert synced == []
+    assert json.loads(Path(jdir, name).read_text())["ident"]["container_id"] == "c1"
+    assert [n for n in os.listdir(jdir) if n.endswith(".tmp")] == []
+    sync(paths.state_dir, name)
+    assert synced == [os.path.join(jdir, name), jdir]
+    with Store(paths.state_dir, ingest=False) as store:
+        store.defer_durability()
+        assert store.ingest(durable=False) == ["pod"]
+        assert store.settle_journal() == 1
+    synced.clear()
+    sync(paths.state_dir, name)
+    assert synced == [jdir]
+
+
+@pytest.mark.parametrize("cut", [0, 0.5])
+def test_an_event_file_a_crash_left_empty_or_cut_short_is_never_applied(
+    paths: HostPaths, tmp_path: Path, cut: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a crash can leave of an event appended with durable=False before its sync (its
+    hook had not returned): quarantined, not applied; the events after it are."""
+    name = append(paths.state_dir, event(paths, "prestart", "c1", bundle(tmp_path, "c1")))
+    path = Path(journal_dir(paths.state_dir), name)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: int(len(whole) * cut)])
+    append(paths.state_dir, event(paths, "prestart", "c2", bundle(tmp_path, "c2")))
+    with Store(paths.state_dir) as store:
+        assert [c.id for c in store.containers()] == ["c2"]
+    assert name in capsys.readouterr().err
+    assert pending(paths.state_dir) == []

@@ -109,17 +109,25 @@ class SyncWatchingAgent(OneReplyAgent):
             send_line(conn, self.reply)
 
 
-def watch_syncs(mocker: Any, path: str, events: list[str]) -> threading.Event:
+def watch_syncs(
+    mocker: Any, path: str, events: list[str], files_in: str | None = None
+) -> threading.Event:
     """Record every fsync of ``path`` in ``events`` as "synced" (the real fsync runs); the
-    event returned is set by each."""
+    event returned is set by each.  With ``files_in``, an fsync of a file in that directory
+    is recorded too, as "synced file" (it does not set the event)."""
     real = os.fsync
     synced = threading.Event()
+    target = os.path.realpath(path)
+    folder = None if files_in is None else os.path.realpath(files_in)
 
     def fsync(fd: int) -> None:
         real(fd)
-        if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path):
+        at = os.path.realpath(f"/proc/self/fd/{fd}")
+        if at == target:
             events.append("synced")
             synced.set()
+        elif folder is not None and os.path.dirname(at) == folder:
+            events.append("synced file")
 
     mocker.patch("os.fsync", side_effect=fsync)
     return synced

@@ -98,6 +98,79 @@ def read_bytes(
         os.close(fd)
 
 
+#: how many spare files a directory of them holds (:func:`make_spares`)
+SPARES = 4
+_SPARE = ".spare-"
+
+
+def make_spares(directory: str, count: int = SPARES) -> int:
+    """Make the missing ones of ``count`` empty files in ``directory``, for
+    :func:`open_spare`; how many were made.  Never raises: a spare only saves time.
+
+    Why: creating a file allocates an inode, 0.2-0.3 ms on this machine's ext4 (a rename is
+    0.02 ms), and a Kata start creates two (its journal entry, the guest map's temp file).
+    Whoever has time after the start makes them: the agent after its pass, a hook that pins
+    in-process on a thread beside its pass.
+    """
+    made = 0
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError:
+        return 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for i in range(count):
+        try:
+            os.close(os.open(os.path.join(directory, f"{_SPARE}{i}"), flags, 0o600))
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+        made += 1
+    return made
+
+
+def open_spare(directory: str, dest: str, dest_dir_fd: int | None = None) -> int | None:
+    """Move a spare file from ``directory`` to ``dest`` (a name of the caller's own, new) and
+    open it for writing, as ``O_CREAT | O_EXCL`` would have made it; None when there is
+    none to take (or ``dest`` is on another filesystem): the caller creates its file.
+
+    Two takers never get the same spare (a rename has one winner).  A spare that is not an
+    empty regular file with one link, owned by this user, is not written (someone put it
+    there): it is removed under its new name (or, not a regular file at all, left where it is) and
+    the next one is tried.
+    """
+    for i in range(SPARES):
+        spare = os.path.join(directory, f"{_SPARE}{i}")
+        try:
+            st = os.lstat(spare)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # (a directory would take dest's name for good; a link: never)
+            os.rename(spare, dest, dst_dir_fd=dest_dir_fd)
+        except FileNotFoundError:
+            continue  # taken, or never made
+        except OSError:
+            return None  # EXDEV: another filesystem (or no spare dir at all)
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dest_dir_fd)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            st = os.fstat(fd)
+            if (
+                stat.S_ISREG(st.st_mode)
+                and st.st_nlink == 1
+                and st.st_size == 0
+                and st.st_uid == os.geteuid()
+            ):
+                return fd
+            os.close(fd)
+        try:  # noqa: SIM105 (contextlib would cost every hook its import)
+            os.unlink(dest, dir_fd=dest_dir_fd)
+        except OSError:
+            pass
+    return None
+
+
 def fsync_path(path: str) -> None:
     """fsync the file or directory at ``path`` (a directory: the renames and creations in
     it); OSError as the kernel gives it."""
