@@ -109,3 +109,18 @@ def test_hook_without_an_agent_reports_a_failed_sync(
         os.strerror(errno.EIO)
     )
     assert sys.getswitchinterval() == pytest.approx(0.005)  # given back
+
+
+def test_hook_pinning_in_process_keeps_the_wal_short(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """The hook's own pass (no agent) checkpoints a short WAL: it leaves unclosed, and the
+    next start without an agent reads the whole WAL again (Store.keep_wal_short)."""
+    from vmpin.state.store import SHORT_WAL, Store
+
+    cid, data, _, _ = _prestart(paths, tmp_path, mocker)
+    spy = mocker.spy(Store, "keep_wal_short")
+    assert hook.run(paths, "prestart", data) == cid
+    spy.assert_called_once()
+    store = spy.call_args.args[0]
+    assert store.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == SHORT_WAL

@@ -274,3 +274,26 @@ def test_an_event_file_a_crash_left_empty_or_cut_short_is_never_applied(
         assert [c.id for c in store.containers()] == ["c2"]
     assert name in capsys.readouterr().err
     assert pending(paths.state_dir) == []
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_hooks_connection_keeps_the_wal_short(tmp_path: Path, short: bool) -> None:
+    """keep_wal_short: a connection that dies unclosed (a hook) checkpoints every SHORT_WAL
+    pages, so the next lone opener rebuilds the WAL's index from a few frames, not ~1,000."""
+    from vmpin.state.store import SHORT_WAL, ContainerRec, SandboxRec
+
+    with Store(str(tmp_path)) as store:
+        store.put_sandbox(SandboxRec("s", "kata"))
+        store.put_container(ContainerRec("c", "s", False, name="app"))
+        store.defer_durability()
+        if short:
+            store.keep_wal_short()
+        from vmpin.core.cpuset import CpuSet
+
+        for i in range(200):
+            store.set_container_cpus("c", CpuSet({i % 2}), "update")
+        frames = store.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+    if short:
+        assert frames <= SHORT_WAL + 16, frames  # (+ the last commit's pages)
+    else:
+        assert frames > 4 * SHORT_WAL, frames  # SQLite's default lets it grow

@@ -226,6 +226,7 @@ def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) ->
     # (Store.ingest), and bookkeeping the next pass redoes from the host.  The event's own
     # file is synced beside this pass, before the hook returns (run()).
     store.defer_durability()
+    store.keep_wal_short()  # the next start without an agent reads all of it again
     # Another process may have applied our event already: then re-pin our sandbox anyway.
     touched = store.ingest(budget=INGEST_BUDGET, durable=False) or ([sandbox] if sandbox else [])
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
