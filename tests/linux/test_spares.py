@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vmpin.linux.files import SPARES, make_spares, open_spare, restock_spares
+from vmpin.linux.files import SPARES, make_spares, open_spare
 from vmpin.linux.paths import HostPaths
 from vmpin.state.journal import append, journal_dir
 
@@ -97,25 +97,3 @@ def test_the_journal_and_the_guest_map_write_into_spares(paths: HostPaths, tmp_p
     published = os.stat(map_path(paths, sid))
     assert published.st_ino in ino and stat.S_IMODE(published.st_mode) == 0o644
     assert len(spares(Path(paths.spare_dir))) == SPARES - 2
-
-
-def test_a_replaced_map_is_freed_at_the_restock_not_in_the_publish(
-    paths: HostPaths, tmp_path: Path
-) -> None:
-    """The old map's inode outlives the rename over it (a link in the spare dir) until the
-    next restock: freeing it was the rename's cost on ext4."""
-    from vmpin.runtimes.publish import map_path, publish_map
-
-    sid = "kept"
-    restock_spares(paths.spare_dir)
-    Path(paths.publish_dir, sid, "mounts").mkdir(parents=True)
-    doc = {"version": 1, "sandbox": sid, "vcpu_to_host": {"0": 1}, "containers": {}}
-    assert publish_map(paths, sid, doc).written
-    first = os.stat(map_path(paths, sid))
-    assert publish_map(paths, sid, {**doc, "vcpu_to_host": {"0": 0}}).written
-    assert os.stat(map_path(paths, sid)).st_ino != first.st_ino
-    kept = [n for n in spares(Path(paths.spare_dir)) if n.startswith(".trash-")]
-    assert len(kept) == 1
-    assert os.stat(os.path.join(paths.spare_dir, kept[0])).st_ino == first.st_ino
-    assert restock_spares(paths.spare_dir) == 2  # (the two maps were spares)
-    assert spares(Path(paths.spare_dir)) == [f".spare-{i}" for i in range(SPARES)]

@@ -52,14 +52,7 @@ import time
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import (
-    identity,
-    keep_until_restock,
-    load_json,
-    open_spare,
-    read_bytes,
-    remember,
-)
+from vmpin.linux.files import identity, load_json, open_spare, read_bytes, remember
 from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
 from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
@@ -291,9 +284,8 @@ def _write_atomically(
     dir_fd: int, directory: str, path: str, doc: Mapping[str, Any], spares: str | None = None
 ) -> None:
     """Temp file + rename, relative to ``dir_fd``: the guest sees the old map or the new one
-    (no fsync: see the module's docstring).  With ``spares`` (on the same filesystem), the
-    temp file is a spare from there and the old map is freed later, off this path
-    (vmpin.linux.files.open_spare, keep_until_restock)."""
+    (no fsync: see the module's docstring).  The temp file is a spare from ``spares`` when
+    there is one on the same filesystem (vmpin.linux.files.open_spare)."""
     data = wire.to_json(doc)
     fname = os.path.basename(path)
     tmp = f".{fname}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -313,13 +305,7 @@ def _write_atomically(
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
-        kept = None if spares is None else keep_until_restock(fname, dir_fd, spares)
-        try:
-            os.replace(tmp, fname, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except OSError:
-            if kept is not None:
-                os.unlink(kept)  # (the map it links to is still the current one)
-            raise
+        os.replace(tmp, fname, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as err:
         try:  # noqa: SIM105 (contextlib stays off the Kata hook's path)
             os.unlink(tmp, dir_fd=dir_fd)

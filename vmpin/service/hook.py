@@ -149,14 +149,14 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
                 reconcile_here(settings or Settings.from_env(), paths, sandbox)
             return sandbox
         # No agent: the syncs run on a thread while this process loads the store and pins,
-        # and then make the next start's files ahead (vmpin.linux.files.restock_spares).
-        def sync_and_restock() -> None:
-            from vmpin.linux.files import restock_spares
+        # and then make the next start's files ahead (vmpin.linux.files.make_spares).
+        def sync_and_make_spares() -> None:
+            from vmpin.linux.files import make_spares
 
             sync()
-            restock_spares(paths.spare_dir)
+            make_spares(paths.spare_dir)
 
-        join = _meanwhile(sync_and_restock)
+        join = _meanwhile(sync_and_make_spares)
         try:
             reconcile_here(settings or Settings.from_env(), paths, sandbox)
         finally:
