@@ -72,12 +72,3 @@ class HostPaths(NamedTuple):
     @property
     def control_socket(self) -> str:
         return os.path.join(self.state_dir, "control.sock")
-
-    @property
-    def spare_dir(self) -> str:
-        return spare_dir(self.state_dir)
-
-
-def spare_dir(state_dir: str) -> str:
-    """Empty files made ahead for the writers on a start's path (vmpin.linux.files)."""
-    return os.path.join(state_dir, "spare")

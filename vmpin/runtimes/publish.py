@@ -52,7 +52,7 @@ import time
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import identity, load_json, open_spare, read_bytes, remember
+from vmpin.linux.files import identity, load_json, read_bytes, remember
 from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
 from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
@@ -259,7 +259,7 @@ def publish_map(
         _PUBLISHED.pop(path, None)
         doc = render(new, old, now)
         _remove_stale_temps(dir_fd, fname)
-        _write_atomically(dir_fd, directory, path, doc, paths.spare_dir)
+        _write_atomically(dir_fd, directory, path, doc)
         return Published(path, True, doc["generation"], "written")
     finally:
         os.close(dir_fd)  # releases the flock
@@ -280,20 +280,15 @@ def _remove_stale_temps(dir_fd: int, fname: str) -> None:
                 pass
 
 
-def _write_atomically(
-    dir_fd: int, directory: str, path: str, doc: Mapping[str, Any], spares: str | None = None
-) -> None:
+def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, Any]) -> None:
     """Temp file + rename, relative to ``dir_fd``: the guest sees the old map or the new one
-    (no fsync: see the module's docstring).  The temp file is a spare from ``spares`` when
-    there is one on the same filesystem (vmpin.linux.files.open_spare)."""
+    (no fsync: see the module's docstring)."""
     data = wire.to_json(doc)
     fname = os.path.basename(path)
     tmp = f".{fname}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = None if spares is None else open_spare(spares, tmp, dir_fd)
-        if fd is None:
-            fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+        fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
     except OSError as err:
         raise _translate(err, os.path.join(directory, tmp), "create") from err
     try:

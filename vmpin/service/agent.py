@@ -77,7 +77,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vmpin import __version__
 from vmpin.core.errors import IdError, StateError, VmpinError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import make_spares
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 from vmpin.service.logs import log, log_event, setup_logging
@@ -676,10 +675,8 @@ class Agent:
             with self._pass_cond:
                 if self._waiters:
                     self._pass_cond.notify_all()
-        # then the pass's journal events made durable, their files removed, and the files
-        # the next start's hook and maps will write made ahead
+        # then the pass's journal events made durable, their files removed
         self._settle(store)
-        make_spares(self.paths.spare_dir)
 
     def _publish_maps(self, reconciler: Reconciler, number: int) -> None:
         """The guest maps of pass ``number`` (and those before it) published."""

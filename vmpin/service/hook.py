@@ -148,15 +148,8 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
             if not done:
                 reconcile_here(settings or Settings.from_env(), paths, sandbox)
             return sandbox
-        # No agent: the syncs run on a thread while this process loads the store and pins,
-        # and then make the next start's files ahead (vmpin.linux.files.make_spares).
-        def sync_and_make_spares() -> None:
-            from vmpin.linux.files import make_spares
-
-            sync()
-            make_spares(paths.spare_dir)
-
-        join = _meanwhile(sync_and_make_spares)
+        # No agent: the syncs run on a thread while this process loads the store and pins.
+        join = _meanwhile(sync)
         try:
             reconcile_here(settings or Settings.from_env(), paths, sandbox)
         finally:

@@ -39,8 +39,8 @@ import time
 
 from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import fsync_path, open_spare
-from vmpin.linux.paths import HostPaths, spare_dir
+from vmpin.linux.files import fsync_path
+from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
 from vmpin.wire.jsonio import dumps
 
@@ -261,10 +261,8 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
     tmp = os.path.join(d, f".{name}.tmp")
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
-        fd = open_spare(spare_dir(state_dir), tmp)
-        if fd is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
     except OSError as err:
         raise StateError(f"{tmp}: cannot journal the event: {err.strerror}") from None
     try:
