@@ -1049,6 +1049,14 @@ def test_blocking_dirty_publishes_the_guest_map_before_or_after_its_answer(
         return real_publish(*args, **kw)
 
     mocker.patch.object(publish, "publish_map", side_effect=gated)
+    deferred: list[bool] = []  # per pass: were its maps kept for after the answers?
+    real_reconcile = Reconciler.reconcile
+
+    def reconcile(rec: Reconciler, *args: Any, **kw: Any) -> Any:
+        deferred.append(rec.maps_later is not None)
+        return real_reconcile(rec, *args, **kw)
+
+    mocker.patch.object(Reconciler, "reconcile", autospec=True, side_effect=reconcile)
     # vmpin update's wait: the answer comes while the map's write is held
     with Store(paths.state_dir) as store:
         store.set_container_cpus(f"{sid}-app", CpuSet.parse("1"), "update")
@@ -1056,6 +1064,7 @@ def test_blocking_dirty_publishes_the_guest_map_before_or_after_its_answer(
     assert control.request(paths, msg, 15) == {"ok": True, "queued": 1, "done": True}
     assert all_on(vmm.pid, "1"), affinities(vmm.pid)
     assert entered.wait(30) and host_of_vcpu0() == 0  # held: not written yet
+    assert deferred == [True]
     release.set()
     assert wait_until(lambda: host_of_vcpu0() == 1, 20), map_file
     # a hook's wait: no answer while the map's write is held, and the map is there with it
@@ -1075,6 +1084,8 @@ def test_blocking_dirty_publishes_the_guest_map_before_or_after_its_answer(
         waiter.join(40)
     assert replies == [{"ok": True, "queued": 1, "done": True}]
     assert host_of_vcpu0() == 0, map_file.read_text()
+    # no one waiting for the pins alone: the maps were written in the pass, as made
+    assert deferred == [True, False]
 
 
 def test_blocking_dirty_refuses_a_bad_guest_map_order(
