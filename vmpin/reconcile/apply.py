@@ -273,15 +273,15 @@ def publish_maps(paths: HostPaths, maps: list[tuple[str, dict[str, Any] | None]]
 
     A failure is the map's alone (the pins stand, and the next pass writes it again).
     """
+    if not maps:
+        return
+    from vmpin.runtimes.publish import publish_map, remove_map
+
     for sid, guest_map in maps:
         try:
             if guest_map is None:
-                from vmpin.runtimes.publish import remove_map
-
                 remove_map(paths, sid)
             else:
-                from vmpin.runtimes.publish import publish_map
-
                 publish_map(paths, sid, guest_map)
         except VmpinError:
             continue

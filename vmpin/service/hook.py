@@ -141,19 +141,16 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
 
         # The invariant is to hold when the hook returns: the agent replies "done" only after
         # a node pass that started after this request (so it ingested our event) has ended.
+        # (An agent that took the request ran the syncs; a "done" implies it took it.)
         done = notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT, meanwhile=sync)
-        if done or synced:
-            if not synced:
-                sync()
+        # No agent: the syncs run on a thread while this process loads the store and pins.
+        join = None if synced else _meanwhile(sync)
+        try:
             if not done:
                 reconcile_here(settings or Settings.from_env(), paths, sandbox)
-            return sandbox
-        # No agent: the syncs run on a thread while this process loads the store and pins.
-        join = _meanwhile(sync)
-        try:
-            reconcile_here(settings or Settings.from_env(), paths, sandbox)
         finally:
-            join()
+            if join is not None:
+                join()
         return sandbox
     append(paths.state_dir, event)
     if sandbox is not None:
