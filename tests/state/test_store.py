@@ -314,6 +314,51 @@ def test_threads_keyed_by_vmm(store: Store) -> None:
     assert list(store.threads("sb1", 100, 7)) == [101]
 
 
+def test_rows_read_share_their_repeated_strings(store: Store) -> None:
+    """The agent keeps every row read between passes (issue 14's RSS budget): a sandbox id,
+    pod, namespace, role or label read many times is one string, not one per row."""
+    uid, ns = "8c5f0e4e-1f4a-4f55-9a53-2b6cfb3c9e1d", "prod"
+    for sid in ("sb1", "sb2"):
+        store.put_sandbox(SandboxRec(sid, "kata", pod_uid=uid, pod_namespace=ns))
+        for cid in (sid, f"{sid}-app"):
+            store.put_container(
+                ContainerRec(cid, sid, cid == sid, name="app", pod_uid=uid, pod_namespace=ns,
+                             cpus_source="spec", mems="0")
+            )  # fmt: skip
+        store.save_threads(sid, 100, 7, [ThreadRec(t, "vcpu", t, f"CPU {t}/KVM", "qmp")
+                                         for t in (0, 1)])  # fmt: skip
+    store.set_meta("orig-affinity:a", "0-63")
+    store.set_meta("orig-affinity:b", "0-63")
+    ctrs = store.containers()
+    sbs = store.sandboxes()
+    for field in ("sandbox_id", "pod_uid", "pod_namespace", "name", "cpus_source", "mems"):
+        first = getattr(ctrs[0], field)
+        assert len({id(getattr(c, field)) for c in ctrs if getattr(c, field) == first}) == 1, field
+    assert {id(s.pod_uid) for s in sbs} == {id(ctrs[0].pod_uid)}
+    # the same across tables: the sandbox's own id, its containers' sandbox_id, its threads' key
+    threads = store.all_threads()
+    assert sbs[0].id is ctrs[0].sandbox_id is next(k for k in threads if k[0] == "sb1")[0]
+    recs = [t for by_tid in threads.values() for t in by_tid.values()]
+    assert len({id(t.role) for t in recs}) == len({id(t.layer) for t in recs}) == 1
+    assert len({id(t.label) for t in recs}) == 2  # "CPU 0/KVM" and "CPU 1/KVM", each shared
+    (_, a), (_, b) = store.meta_prefix("orig-affinity:")
+    assert a is b
+
+
+def test_page_cache_is_bounded(state_dir: Path) -> None:
+    """Every connection caches CACHE_KIB of pages, not SQLite's 2,000 KiB default: the agent
+    holds three for its life (issue 14's RSS budget), and the read-only one of commands."""
+    from vmpin.state.store import CACHE_KIB
+
+    with Store(str(state_dir)) as s:
+        assert s.db.execute("PRAGMA cache_size").fetchone()[0] == -CACHE_KIB
+    ro = Store.open_readonly(str(state_dir))
+    try:
+        assert ro.db.execute("PRAGMA cache_size").fetchone()[0] == -CACHE_KIB
+    finally:
+        ro.close()
+
+
 def test_meta(store: Store) -> None:
     assert store.meta("k") is None
     store.set_meta("k", "v")

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from stat import S_ISREG
+from sys import intern as _intern
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
@@ -57,6 +58,11 @@ INGEST_BATCH = 500
 SETTLE_AFTER = 64
 #: WAL pages past which a hook's connection checkpoints (:meth:`Store.keep_wal_short`)
 SHORT_WAL = 64
+#: each connection's page cache, KiB (SQLite's default is 2,000).  The agent holds three
+#: connections for its life, and at 2,000 sandboxes their caches filled to ~3.4 MB of its
+#: 50 MB budget (issue 14) for pages the OS page cache holds anyway: a pass that reads the
+#: tables again reads each page once (an idle pass reads none), so a miss is one pread.
+CACHE_KIB = 512
 
 
 def state_error(path: str, err: BaseException) -> StateError:
@@ -177,6 +183,17 @@ _SANDBOX_COLS = list(SandboxRec._fields)
 
 _CPUS_AT = _CONTAINER_COLS.index("cpus")
 _SANDBOX_AT = _CONTAINER_COLS.index("is_sandbox")
+#: text columns whose values repeat across rows (a sandbox's id and pod in each of its
+#: containers, a namespace in every pod): read as one shared string each, see _shared()
+_SHARED_CONTAINER = tuple(
+    _CONTAINER_COLS.index(c)
+    for c in ("sandbox_id", "name", "pod_uid", "pod_name", "pod_namespace", "cpus_source",
+              "mems", "runtime_seen", "kubelet_seen")
+)  # fmt: skip
+_SHARED_THREAD = tuple(ThreadRec._fields.index(c) for c in ("role", "label", "layer"))
+_SHARED_SANDBOX = tuple(
+    _SANDBOX_COLS.index(c) for c in ("id", "runtime", "pod_uid", "pod_name", "pod_namespace")
+)
 _PARSED: dict[str, CpuSet] = {}
 
 
@@ -193,10 +210,26 @@ def _cpus(text: str | None) -> CpuSet | None:
     return cpus
 
 
+def _shared(values: list[Any], at: tuple[int, ...]) -> list[Any]:
+    """``values`` with the strings at ``at`` made the one interned copy of their text.
+
+    Why: the agent keeps the store's rows between passes (an idle pass reads no table), and
+    SQLite hands out a new string per row and column.  At 2,000 sandboxes the same sandbox
+    ids, pod names, namespaces, thread roles and labels were ~30,000 copies, ~2 MB of the
+    agent's 50 MB budget (issue 14).  ``sys.intern``: one copy across tables and passes, and
+    freed once no row holds it.
+    """
+    for i in at:
+        v = values[i]
+        if type(v) is str:
+            values[i] = _intern(v)
+    return values
+
+
 def _container(row: sqlite3.Row) -> ContainerRec:
     if len(row) != len(_CONTAINER_COLS):
         raise StateError(f"containers row has {len(row)} columns, not {len(_CONTAINER_COLS)}")
-    values = list(row)
+    values = _shared(list(row), _SHARED_CONTAINER)
     values[_SANDBOX_AT] = bool(values[_SANDBOX_AT])
     values[_CPUS_AT] = _cpus(values[_CPUS_AT])
     return ContainerRec._make(values)
@@ -205,7 +238,7 @@ def _container(row: sqlite3.Row) -> ContainerRec:
 def _sandbox(row: sqlite3.Row) -> SandboxRec:
     if len(row) != len(_SANDBOX_COLS):
         raise StateError(f"sandboxes row has {len(row)} columns, not {len(_SANDBOX_COLS)}")
-    return SandboxRec._make(row)
+    return SandboxRec._make(_shared(list(row), _SHARED_SANDBOX))
 
 
 class Store:
@@ -249,6 +282,7 @@ class Store:
         try:
             self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
             self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+            self.db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             self._ensure_schema()
         except sqlite3.Error as err:
             try:  # noqa: SIM105 (contextlib stays off the hook's path)
@@ -323,6 +357,7 @@ class Store:
                 uri = f"file:{_uri_path(path)}?mode=ro"
                 self.db = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
                 self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+                self.db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
                 version = self.db.execute("PRAGMA user_version").fetchone()[0]
                 if version not in (0, SCHEMA_VERSION):
                     raise StateError(
@@ -954,8 +989,8 @@ class Store:
             key = row[:3]  # (sandbox, pid, start)
             found = out.get(key)
             if found is None:
-                found = out[key] = {}
-            found[row[3]] = make(row[3:])
+                found = out[(*_shared([key[0]], (0,)), *key[1:])] = {}
+            found[row[3]] = make(_shared(list(row[3:]), _SHARED_THREAD))
         return out
 
     def save_threads(
@@ -981,7 +1016,8 @@ class Store:
         rows = self.db.execute(
             "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix)
         ).fetchall()
-        return [(str(r[0]), str(r[1])) for r in rows]
+        # (the values repeat: an original affinity per thread, mostly the same few sets)
+        return [(str(r[0]), _intern(str(r[1]))) for r in rows]
 
     def delete_meta(self, keys: Iterable[str]) -> None:
         with self.transaction() as db:
