@@ -499,3 +499,139 @@ def test_pairs_stay_on_cores_for_every_mask_shape(name: str, boot: int) -> None:
 def test_place_vcpus_refuses_a_count_mismatch() -> None:
     with pytest.raises(TopologyError):
         load("no-smt-server").place_vcpus([0, 1], CpuSet.parse("0-2"))
+
+
+# -- the cache in the state dir (read_topology(cache=...)) -------------------------------------
+
+
+def _core_id_file(root: Path, cpu: int) -> Path:
+    return root / f"devices/system/cpu/cpu{cpu}/topology/core_id"
+
+
+def test_cache_is_read_back_while_its_key_holds(tmp_path: Path) -> None:
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    cache = tmp_path / "state" / "topology.json"
+    cache.parent.mkdir()
+    first = read_topology(str(root), cache=str(cache))
+    assert first == read_topology(str(root))
+    assert json.loads(cache.read_text())["v"] == 1
+    # A file changed in place behind the key's back is not seen: proof that it was not read.
+    # (sysfs never does that: a CPU's topology changes only with a new topology dir.)
+    _core_id_file(root, 5).write_text("99\n")
+    assert read_topology(str(root), cache=str(cache)) == first
+    assert read_topology(str(root)).cpus[5].core_id == 99
+
+
+def test_a_cpu_back_online_is_read_again(tmp_path: Path) -> None:
+    """Offline and online again between two reads: the lists read the same, but sysfs made
+    the CPU a new topology dir (a new inode)."""
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    cache = str(tmp_path / "topology.json")
+    read_topology(str(root), cache=cache)
+    topo_dir = _core_id_file(root, 5).parent
+    shutil.move(topo_dir, tmp_path / "aside")
+    shutil.copytree(tmp_path / "aside", topo_dir)
+    (topo_dir / "core_id").write_text("99\n")
+    assert read_topology(str(root), cache=cache).cpus[5].core_id == 99
+
+
+def test_another_online_list_is_read_again(tmp_path: Path) -> None:
+    root = _copy("offline-isolated", tmp_path)
+    cache = str(tmp_path / "topology.json")
+    before = read_topology(str(root), cache=cache)
+    online = root / "devices/system/cpu/online"
+    shutil.rmtree(root / "devices/system/cpu/cpu5/topology")
+    online.write_text(str(before.online - CpuSet([5])) + "\n")
+    after = read_topology(str(root), cache=cache)
+    assert 5 not in after.cpus and after.online == before.online - CpuSet([5])
+
+
+def test_another_boot_is_read_again(tmp_path: Path) -> None:
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    proc = tmp_path / "proc"
+    boot_id = proc / "sys/kernel/random/boot_id"
+    boot_id.parent.mkdir(parents=True)
+    boot_id.write_text("11111111-1111-1111-1111-111111111111\n")
+    cache = str(tmp_path / "topology.json")
+    read_topology(str(root), cache=cache, proc_root=str(proc))
+    _core_id_file(root, 5).write_text("99\n")
+    assert read_topology(str(root), cache=cache, proc_root=str(proc)).cpus[5].core_id != 99
+    boot_id.write_text("22222222-2222-2222-2222-222222222222\n")
+    assert read_topology(str(root), cache=cache, proc_root=str(proc)).cpus[5].core_id == 99
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"",
+        b"{not json",
+        b'{"v": 2}',
+        b"[1, 2]",
+        # the right key, but rows cut short, of the wrong type, or some CPUs missing
+        None,
+        "short",
+        "types",
+        "subset",
+    ],
+)
+def test_a_bad_cache_is_replaced_by_sysfs(tmp_path: Path, garbage: bytes | str | None) -> None:
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    cache = tmp_path / "topology.json"
+    truth = read_topology(str(root), cache=str(cache))
+    good = cache.read_text()
+    doc = json.loads(good)
+    if isinstance(garbage, bytes):
+        cache.write_bytes(garbage)
+    elif garbage == "short":
+        doc["cpus"][3] = doc["cpus"][3][:5]
+        cache.write_text(json.dumps(doc))
+    elif garbage == "types":
+        doc["cpus"][3][2] = "three"
+        cache.write_text(json.dumps(doc))
+    elif garbage == "subset":
+        doc["cpus"] = doc["cpus"][1:]
+        cache.write_text(json.dumps(doc))
+    else:
+        cache.unlink()
+    assert read_topology(str(root), cache=str(cache)) == truth
+    assert cache.read_text() == good  # (written again)
+
+
+def test_cache_not_written_when_told_or_when_it_cannot_be(tmp_path: Path) -> None:
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    cache = tmp_path / "topology.json"
+    truth = read_topology(str(root))
+    assert read_topology(str(root), cache=str(cache), save=False) == truth
+    assert not cache.exists()
+    # a state dir that does not exist (or is read-only): sysfs is read, nothing fails
+    missing = tmp_path / "no-such-dir" / "topology.json"
+    assert read_topology(str(root), cache=str(missing)) == truth
+    assert list(tmp_path.iterdir()) == [root]
+
+
+def test_cache_on_this_machine(tmp_path: Path) -> None:
+    cache = str(tmp_path / "topology.json")
+    fresh = read_topology("/sys")
+    assert read_topology("/sys", cache=cache) == fresh  # (written)
+    assert read_topology("/sys", cache=cache) == fresh  # (read back)
+    key = json.loads(Path(cache).read_text())["key"]
+    assert key[0] == "/sys" and len(key[-1]) == len(fresh.online)
+
+
+def test_a_pass_keeps_the_cache_in_the_state_dir_and_a_view_only_reads_it(tmp_path: Path) -> None:
+    from vmpin.linux.paths import HostPaths
+    from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.state.store import Store
+
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    paths = HostPaths(state_dir=str(tmp_path / "state"), sys=str(root))
+    Store(paths.state_dir).close()  # (a state dir, as a writer leaves it)
+    view = Store.open_readonly(paths.state_dir)
+    try:
+        assert Reconciler(paths, view).topology == read_topology(str(root))
+        assert not Path(paths.topology_cache).exists()  # a read-only view writes nothing
+    finally:
+        view.close()
+    with Store(paths.state_dir) as store:
+        assert Reconciler(paths, store).topology == read_topology(str(root))
+    assert json.loads(Path(paths.topology_cache).read_text())["key"][0] == str(root)

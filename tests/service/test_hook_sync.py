@@ -121,3 +121,56 @@ def test_hook_pinning_in_process_keeps_the_wal_short(
     spy.assert_called_once()
     store = spy.call_args.args[0]
     assert store.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == SHORT_WAL
+
+
+def test_hook_without_an_agent_applies_its_own_event_written_on_the_thread(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """No agent's socket: the event's file is written on the thread while this process loads
+    what its pass needs, and the pass applies the journal only once the file is in place:
+    a slow disk must not make the pass miss the event it is for."""
+    from vmpin.state.store import Store
+
+    cid, data, events, _ = _prestart(paths, tmp_path, mocker)
+    real = hook.append
+
+    def slow_append(*args: Any, **kwargs: Any) -> str:
+        events.append("appending")
+        assert threading.current_thread() is not threading.main_thread()
+        threading.Event().wait(0.3)  # the disk is slow; the pass is ready long before
+        name = real(*args, **kwargs)
+        events.append("appended")
+        return name
+
+    mocker.patch.object(hook, "append", side_effect=slow_append)
+    ingest = mocker.spy(Store, "ingest")
+    assert hook.run(paths, "prestart", data) == cid
+    assert events.index("appended") < events.index("synced"), events
+    ingest.assert_called_once()
+    with Store(paths.state_dir, ingest=False) as store:
+        assert store.container(cid) is not None  # applied by the hook's own pass
+        assert store.sandbox(cid) is not None
+
+
+def test_hook_without_an_agent_whose_event_cannot_be_written_does_not_pin(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """The file could not be written (a full disk): the hook's one-line error says the
+    event was not recorded, its pass never applied the journal, and no temp file is left."""
+    from vmpin.state.store import Store
+
+    _, data, _, _ = _prestart(paths, tmp_path, mocker)
+    real = os.write
+
+    def write(fd: int, chunk: Any) -> int:
+        if os.path.realpath(f"/proc/self/fd/{fd}").endswith(".json.tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, chunk)
+
+    mocker.patch("os.write", side_effect=write)
+    ingest = mocker.spy(Store, "ingest")
+    with pytest.raises(StateError, match="event not recorded: No space left on device"):
+        hook.run(paths, "prestart", data)
+    ingest.assert_not_called()
+    assert os.listdir(journal_dir(paths.state_dir)) == []
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # given back

@@ -72,3 +72,8 @@ class HostPaths(NamedTuple):
     @property
     def control_socket(self) -> str:
         return os.path.join(self.state_dir, "control.sock")
+
+    @property
+    def topology_cache(self) -> str:
+        """The host's CPU topology as last read from sysfs (vmpin.linux.sysfs.read_topology)."""
+        return os.path.join(self.state_dir, "topology.json")

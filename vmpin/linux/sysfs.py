@@ -9,6 +9,10 @@ Files read, all under ``<root>/devices/system``:
 - ``cpu/cpuN/cache/indexK/{level,shared_cpu_list}``: the L3 group (AMD EPYC has several
   per socket; Intel usually one);
 - ``node/nodeN/cpulist``: NUMA nodes (a machine without NUMA has no ``node`` dir: node 0).
+
+That is ~9 files per CPU, ~800 on a 96-CPU node, read by every process that plans (a Kata
+hook without an agent, every command).  :func:`read_topology` with ``cache`` keeps what it
+read in a file of the state dir and reads it back while its key holds (:func:`_cache_key`).
 """
 
 from __future__ import annotations
@@ -66,11 +70,121 @@ def _int(path: str, default: int | None = None) -> int:
         raise TopologyError(f"{path}: not a number: {text!r}") from None
 
 
-def read_topology(sys_root: str = "/sys") -> Topology:
+#: the cache file's layout; another is not read
+_CACHE_FORMAT = 1
+
+
+def read_topology(
+    sys_root: str = "/sys",
+    *,
+    cache: str | None = None,
+    proc_root: str = "/proc",
+    save: bool = True,
+) -> Topology:
+    """The host's CPU topology; with ``cache``, read back from that file while it is current,
+    and (with ``save``) written there after a full read: best effort, a read-only state dir
+    only means reading sysfs every time."""
     cpu_dir = os.path.join(sys_root, "devices/system/cpu")
-    online = _cpus(os.path.join(cpu_dir, "online"))
-    offline = _cpus(os.path.join(cpu_dir, "offline"), EMPTY)
-    isolated = _cpus(os.path.join(cpu_dir, "isolated"), EMPTY)
+    texts = [_read(os.path.join(cpu_dir, name)) for name in ("online", "offline", "isolated")]
+    if texts[0] is None:
+        raise TopologyError(f"{os.path.join(cpu_dir, 'online')}: missing")
+    online = _parse(texts[0], os.path.join(cpu_dir, "online"))
+    offline = EMPTY if texts[1] is None else _parse(texts[1], os.path.join(cpu_dir, "offline"))
+    isolated = EMPTY if texts[2] is None else _parse(texts[2], os.path.join(cpu_dir, "isolated"))
+    key = None
+    if cache is not None:
+        key = _cache_key(sys_root, proc_root, texts, online)
+        found = _load_cache(cache, key, online) if key is not None else None
+        if found is not None:
+            return Topology.build(found, online, offline, isolated)
+    infos = _read_cpus(sys_root, online)
+    if cache is not None and key is not None and save:
+        _save_cache(cache, key, infos)
+    return Topology.build(infos, online, offline, isolated)
+
+
+def _parse(text: str, path: str) -> CpuSet:
+    try:
+        return CpuSet.parse(text)
+    except CpuSetError as err:
+        raise TopologyError(f"{path}: {err}") from err
+
+
+def _cache_key(
+    sys_root: str, proc_root: str, texts: list[str | None], online: CpuSet
+) -> list[object] | None:
+    """What the cached topology is valid for; None when it cannot be told (no cache then).
+
+    The boot, the three CPU lists, and for each online CPU its ``topology`` directory's inode
+    and mtime: sysfs creates that directory when the CPU comes online and removes it when it
+    goes offline, with a new inode each time, so a CPU hot-unplugged and brought back (or
+    replaced) between two reads is a new key even when the lists read the same.  Siblings,
+    L3 groups and NUMA lists change only with the online list.  One ``stat`` per CPU, against
+    ~9 files read.
+    """
+    try:
+        boot = _read(os.path.join(proc_root, "sys/kernel/random/boot_id")) or ""
+    except (TopologyError, UnicodeDecodeError):
+        return None
+    dirs = []
+    cpu_dir = os.path.join(sys_root, "devices/system/cpu")
+    for cpu in online:
+        try:
+            st = os.stat(os.path.join(cpu_dir, f"cpu{cpu}", "topology"))
+        except OSError:
+            return None  # the full read says what is missing
+        dirs.append([st.st_ino, st.st_mtime_ns])
+    return [os.path.abspath(sys_root), boot, *texts, dirs]
+
+
+def _load_cache(path: str, key: list[object], online: CpuSet) -> list[CpuInfo] | None:
+    """The cached CPUs when the file holds ``key``'s; None otherwise (missing, stale, or not a
+    file this module wrote: it is then read from sysfs and written again)."""
+    from vmpin.linux.files import read_bytes
+    from vmpin.wire.jsonio import loads
+
+    try:
+        doc = loads(read_bytes(path, limit=1 << 22))
+        if not isinstance(doc, dict) or doc.get("v") != _CACHE_FORMAT or doc.get("key") != key:
+            return None
+        infos = []
+        for row in doc["cpus"]:
+            *numbers, siblings = row
+            cpu, core, core_id, socket, die, numa, l3 = (int(v) for v in numbers)
+            infos.append(
+                CpuInfo(cpu, core, core_id, socket, die, numa, l3, CpuSet.parse(siblings))
+            )
+        return infos if CpuSet(i.cpu for i in infos) == online else None
+    except Exception:  # a cache is never a reason to fail: sysfs is read instead
+        return None
+
+
+def _save_cache(path: str, key: list[object], infos: list[CpuInfo]) -> None:
+    from vmpin.wire.jsonio import dumps
+
+    rows = [[i.cpu, i.core, i.core_id, i.socket, i.die, i.numa, i.l3, i.siblings.to_list()]
+            for i in infos]  # fmt: skip
+    data = dumps({"v": _CACHE_FORMAT, "key": key, "cpus": rows}).encode()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # readers see the old file or the new one
+    except OSError:
+        try:  # noqa: SIM105 (contextlib stays off the hook's path)
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _read_cpus(sys_root: str, online: CpuSet) -> list[CpuInfo]:
+    """Every online CPU's place, from sysfs (the full read)."""
+    cpu_dir = os.path.join(sys_root, "devices/system/cpu")
     numa_of = _numa_map(sys_root)
 
     raw: dict[int, tuple[int, int, int, CpuSet, int | None]] = {}
@@ -104,7 +218,7 @@ def read_topology(sys_root: str = "/sys") -> Topology:
                 siblings=siblings,
             )
         )
-    return Topology.build(infos, online, offline, isolated)
+    return infos
 
 
 def _l3_key(cpu_dir: str, cpu: int) -> int | None:

@@ -123,7 +123,13 @@ class Reconciler:
         if self._topology is None:
             from vmpin.linux.sysfs import read_topology
 
-            self._topology = read_topology(self.paths.sys)
+            # (a read-only view leaves the state dir as it found it: it reads the cache only)
+            self._topology = read_topology(
+                self.paths.sys,
+                cache=self.paths.topology_cache,
+                proc_root=self.paths.proc,
+                save=not self.store.readonly,
+            )
         return self._topology
 
     @property

@@ -52,6 +52,7 @@ from vmpin.state.journal import sync as journal_sync
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
 
@@ -126,6 +127,20 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         or (sandbox is None and stage == "poststop")
         or _vms_present(paths)
     ):
+        import os
+
+        if not os.path.lexists(paths.control_socket):
+            # No agent to tell: the event's file is written, renamed into place and synced
+            # on a thread while this process loads what its own pass needs (~7 ms of
+            # imports and the store's opening); the pass waits only for the rename before it
+            # applies the journal.  (On ext4 the file's creation alone was ~0.5 ms of the
+            # start, issue 14.)
+            written, synced_ = _journal_aside(paths.state_dir, event)
+            try:
+                reconcile_here(settings or Settings.from_env(), paths, sandbox, written)
+            finally:
+                synced_()
+            return sandbox
         from vmpin.service.control import notify
 
         # The event's file is whole before the agent hears of it; it and the journal's
@@ -143,7 +158,8 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         # a node pass that started after this request (so it ingested our event) has ended.
         # (An agent that took the request ran the syncs; a "done" implies it took it.)
         done = notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT, meanwhile=sync)
-        # No agent: the syncs run on a thread while this process loads the store and pins.
+        # No agent answered: the syncs run on a thread while this process loads the store
+        # and pins.
         join = None if synced else _meanwhile(sync)
         try:
             if not done:
@@ -202,8 +218,47 @@ def _meanwhile(work: Callable[[], None]) -> Callable[[], None]:
     return join
 
 
-def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) -> None:
-    """No agent answered: apply the journal and re-plan the sandbox in this process."""
+def _journal_aside(
+    state_dir: str, event: dict[str, Any]
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Journal ``event`` durably on a thread (:func:`_meanwhile`): the functions returned wait
+    until its file is in place (a reader of the journal sees it), and until it is synced;
+    each raises the StateError of a write that failed (nothing then was journaled)."""
+    import _thread
+
+    placed = _thread.allocate_lock()
+    placed.acquire()
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            name = append(state_dir, event, durable=False)
+        except BaseException as err:
+            failed.append(err)
+            raise
+        finally:
+            placed.release()
+        journal_sync(state_dir, name)
+
+    def written() -> None:
+        with placed:
+            pass
+        if failed:
+            raise failed[0]
+
+    return written, _meanwhile(work)
+
+
+def reconcile_here(
+    settings: Settings,
+    paths: HostPaths,
+    sandbox: str | None,
+    written: Callable[[], None] | None = None,
+) -> None:
+    """No agent answered: apply the journal and re-plan the sandbox in this process.
+
+    ``written``: waits until this hook's own event is in the journal (its file is written
+    on a thread meanwhile, :func:`_journal_aside`), and raises when that failed."""
     from vmpin.service.settings import build_reconciler
     from vmpin.state.store import Store
 
@@ -217,6 +272,8 @@ def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) ->
     # file is synced beside this pass, before the hook returns (run()).
     store.defer_durability()
     store.keep_wal_short()  # the next start without an agent reads all of it again
+    if written is not None:
+        written()
     # Another process may have applied our event already: then re-pin our sandbox anyway.
     touched = store.ingest(budget=INGEST_BUDGET, durable=False) or ([sandbox] if sandbox else [])
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone

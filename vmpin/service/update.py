@@ -84,7 +84,7 @@ def update_container(
             raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
         from vmpin.linux.sysfs import read_topology
 
-        topo = read_topology(paths.sys)
+        topo = read_topology(paths.sys, cache=paths.topology_cache, proc_root=paths.proc)
         topo.check_online(cpus, f"container {container_id}")
         old = rec
         # Committed without waiting for the disk, and synced while the agent's pass runs

@@ -279,6 +279,8 @@ class Store:
             raise StateError(f"{self.path}: not a regular file (a symlink?): refused")
         self._masks: Mapping[str, CpuSet] = MappingProxyType({})
         self._masks_key: tuple[int, int] | None = None
+        #: opened by :meth:`open_readonly`: nothing in the state dir is to be written
+        self.readonly = False
         try:
             self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
             self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
@@ -350,6 +352,7 @@ class Store:
             raise StateError(f"no vmpin state at {state_dir}")
         self = cls.__new__(cls)
         self.state_dir, self.path, self._depth = state_dir, path, 0
+        self.readonly = True
         self._masks = MappingProxyType({})
         self._masks_key = None
         try:
