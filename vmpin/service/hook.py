@@ -49,11 +49,6 @@ from vmpin.service.settings import Settings
 from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog, build
 from vmpin.state.journal import sync as journal_sync
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
-if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
-
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
 
 
@@ -127,26 +122,12 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         or (sandbox is None and stage == "poststop")
         or _vms_present(paths)
     ):
-        import os
-
-        if not os.path.lexists(paths.control_socket):
-            # No agent to tell: the event's file is written, renamed into place and synced
-            # on a thread while this process loads what its own pass needs (~7 ms of
-            # imports and the store's opening); the pass waits only for the rename before it
-            # applies the journal.  (On ext4 the file's creation alone was ~0.5 ms of the
-            # start, issue 14.)
-            written, synced_ = _journal_aside(paths.state_dir, event)
-            try:
-                reconcile_here(settings or Settings.from_env(), paths, sandbox, written)
-            finally:
-                synced_()
-            return sandbox
         from vmpin.service.control import notify
 
         # The event's file is whole before the agent hears of it; it and the journal's
-        # directory are synced while the pass runs (a disk's two syncs, ~0.6 ms, off the
-        # start's path) and before this hook says the event is recorded, i.e. returns
-        # (issue 14).
+        # directory are synced while the agent's pass runs (a disk's two syncs, ~0.5 ms,
+        # off the start's path) and always before this hook says the event is recorded,
+        # i.e. returns (issue 14).
         name = append(paths.state_dir, event, durable=False)
         synced = []
 
@@ -158,15 +139,16 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         # a node pass that started after this request (so it ingested our event) has ended.
         # (An agent that took the request ran the syncs; a "done" implies it took it.)
         done = notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT, meanwhile=sync)
-        # No agent answered: the syncs run on a thread while this process loads the store
-        # and pins.
-        join = None if synced else _meanwhile(sync)
         try:
             if not done:
                 reconcile_here(settings or Settings.from_env(), paths, sandbox)
         finally:
-            if join is not None:
-                join()
+            # No agent took the request: synced here, after this process's own pass (a
+            # failure is then the hook's one line, and the pins stand).  A thread that synced
+            # beside the pass was measured too (issue 14): on this machine no faster on ext4,
+            # and ~0.02x slower on tmpfs (its GIL hand-offs), so there is none.
+            if not synced:
+                sync()
         return sandbox
     append(paths.state_dir, event)
     if sandbox is not None:
@@ -183,82 +165,8 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     return sandbox
 
 
-def _meanwhile(work: Callable[[], None]) -> Callable[[], None]:
-    """Run ``work`` on a thread of its own; the function returned waits for it and raises
-    what it raised.  For a disk's syncs (they release the GIL) beside this thread's work.
-
-    ``_thread``, not ``threading``: it is built in, ``threading`` is ~1 ms of imports.  The
-    switch interval is cut while both run, so the syncing thread gets the GIL back within
-    0.5 ms of each sync, not the default 5 ms of another thread's computing.
-    """
-    import _thread
-
-    finished = _thread.allocate_lock()
-    finished.acquire()
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as err:  # (handed to the waiter)
-            failed.append(err)
-        finally:
-            finished.release()
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, 0.0005))
-    _thread.start_new_thread(run, ())
-
-    def join() -> None:
-        finished.acquire()
-        sys.setswitchinterval(interval)
-        if failed:
-            raise failed[0]
-
-    return join
-
-
-def _journal_aside(
-    state_dir: str, event: dict[str, Any]
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Journal ``event`` durably on a thread (:func:`_meanwhile`): the functions returned wait
-    until its file is in place (a reader of the journal sees it), and until it is synced;
-    each raises the StateError of a write that failed (nothing then was journaled)."""
-    import _thread
-
-    placed = _thread.allocate_lock()
-    placed.acquire()
-    failed: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            name = append(state_dir, event, durable=False)
-        except BaseException as err:
-            failed.append(err)
-            raise
-        finally:
-            placed.release()
-        journal_sync(state_dir, name)
-
-    def written() -> None:
-        with placed:
-            pass
-        if failed:
-            raise failed[0]
-
-    return written, _meanwhile(work)
-
-
-def reconcile_here(
-    settings: Settings,
-    paths: HostPaths,
-    sandbox: str | None,
-    written: Callable[[], None] | None = None,
-) -> None:
-    """No agent answered: apply the journal and re-plan the sandbox in this process.
-
-    ``written``: waits until this hook's own event is in the journal (its file is written
-    on a thread meanwhile, :func:`_journal_aside`), and raises when that failed."""
+def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) -> None:
+    """No agent answered: apply the journal and re-plan the sandbox in this process."""
     from vmpin.service.settings import build_reconciler
     from vmpin.state.store import Store
 
@@ -272,8 +180,6 @@ def reconcile_here(
     # file is synced beside this pass, before the hook returns (run()).
     store.defer_durability()
     store.keep_wal_short()  # the next start without an agent reads all of it again
-    if written is not None:
-        written()
     # Another process may have applied our event already: then re-pin our sandbox anyway.
     touched = store.ingest(budget=INGEST_BUDGET, durable=False) or ([sandbox] if sandbox else [])
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
