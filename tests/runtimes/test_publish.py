@@ -150,6 +150,21 @@ def test_failed_rename_keeps_old_map(paths: HostPaths, shared: Path, mocker: Any
     assert os.listdir(os.path.dirname(first.path)) == ["guest-map.json"]
 
 
+def test_map_preallocated_and_written_where_preallocation_fails(
+    paths: HostPaths, shared: Path, mocker: Any
+) -> None:
+    """Its blocks are allocated before the write (ext4 has nothing to flush at the rename
+    over the old map); a filesystem that cannot preallocate gets the same whole map."""
+    spy = mocker.spy(publish.os, "posix_fallocate")
+    first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    (_fd, offset, length), _ = spy.call_args
+    assert (offset, length) == (0, os.path.getsize(first.path))
+    mocker.patch.object(publish.os, "posix_fallocate", side_effect=OSError(95, "not supported"))
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert res.written and guest.read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
+    assert os.listdir(os.path.dirname(first.path)) == ["guest-map.json"]
+
+
 def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path) -> None:
     (shared / "vmpin").mkdir()
     stale = shared / "vmpin" / ".guest-map.json.999999.deadbeef.tmp"
