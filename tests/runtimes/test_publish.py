@@ -153,16 +153,39 @@ def test_failed_rename_keeps_old_map(paths: HostPaths, shared: Path, mocker: Any
 def test_map_preallocated_and_written_where_preallocation_fails(
     paths: HostPaths, shared: Path, mocker: Any
 ) -> None:
-    """Its blocks are allocated before the write (ext4 has nothing to flush at the rename
-    over the old map); a filesystem that cannot preallocate gets the same whole map."""
+    """A map that replaces one has its blocks allocated before the write (ext4 then has
+    nothing to flush at the rename over the old map); the first map, renamed to a new name,
+    needs none; a filesystem that cannot preallocate gets the same whole map."""
     spy = mocker.spy(publish.os, "posix_fallocate")
     first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    spy.assert_not_called()
+    second = publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
     (_fd, offset, length), _ = spy.call_args
-    assert (offset, length) == (0, os.path.getsize(first.path))
+    assert second.generation == 2 and (offset, length) == (0, os.path.getsize(first.path))
     mocker.patch.object(publish.os, "posix_fallocate", side_effect=OSError(95, "not supported"))
-    res = publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
-    assert res.written and guest.read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert res.written and guest.read_map(res.path).containers["a"]["guest_cpus"] == "0-1"
     assert os.listdir(os.path.dirname(first.path)) == ["guest-map.json"]
+
+
+def test_first_map_in_a_new_dir_still_counts_a_racing_writers_map(
+    paths: HostPaths, shared: Path, mocker: Any
+) -> None:
+    """This call made the map's directory, but another writer put a map in it before this
+    one took the lock: that map is read, and the generation moves on from it."""
+    real_flock = publish.fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        # the other writer, between this call's mkdir and its lock
+        if not (shared / "vmpin" / "guest-map.json").exists():
+            mocker.stopall()
+            publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+        real_flock(fd, op)
+
+    mocker.patch.object(publish.fcntl, "flock", side_effect=flock)
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert res.written and res.generation == 2
+    assert guest.read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
 
 
 def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path) -> None:

@@ -231,9 +231,11 @@ def publish_map(
         if not os.path.lexists(shared):
             return Published(path, False, None, f"not shared with a guest: {shared} does not exist")
         raise
+    created = False
     try:
         try:
             os.mkdir(name, 0o755, dir_fd=shared_fd)
+            created = True
         except FileExistsError:
             pass
         except FileNotFoundError:
@@ -249,6 +251,13 @@ def publish_map(
         fcntl.flock(dir_fd, fcntl.LOCK_EX)
         fname = os.path.basename(path)
         ident = identity(fname, dir_fd)
+        if created and ident is None:
+            # A directory this call made, where no other writer put a map before this one
+            # took the lock: nothing to compare, no temp file to sweep (a node's first pass
+            # makes one per sandbox, issue 14).
+            doc = render(new, None, now)
+            _write_atomically(dir_fd, directory, path, doc, replacing=False)
+            return Published(path, True, doc["generation"], "written")
         old = read_published(fname, dir_fd)
         if old is not None and _strip(old) == new:
             gen = old.get("generation")
@@ -259,7 +268,7 @@ def publish_map(
         _PUBLISHED.pop(path, None)
         doc = render(new, old, now)
         _remove_stale_temps(dir_fd, fname)
-        _write_atomically(dir_fd, directory, path, doc)
+        _write_atomically(dir_fd, directory, path, doc, replacing=ident is not None)
         return Published(path, True, doc["generation"], "written")
     finally:
         os.close(dir_fd)  # releases the flock
@@ -280,9 +289,11 @@ def _remove_stale_temps(dir_fd: int, fname: str) -> None:
                 pass
 
 
-def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, Any]) -> None:
+def _write_atomically(
+    dir_fd: int, directory: str, path: str, doc: Mapping[str, Any], *, replacing: bool = True
+) -> None:
     """Temp file + rename, relative to ``dir_fd``: the guest sees the old map or the new one
-    (no fsync: see the module's docstring)."""
+    (no fsync: see the module's docstring).  ``replacing``: a file is there to rename over."""
     data = wire.to_json(doc)
     fname = os.path.basename(path)
     tmp = f".{fname}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -295,14 +306,16 @@ def _write_atomically(dir_fd: int, directory: str, path: str, doc: Mapping[str, 
         try:
             # 0644 whatever the umask: the guest reads it through virtio-fs/9p as another user.
             os.fchmod(fd, 0o644)
-            # Blocks allocated before the write: ext4 then has no delayed allocation to
-            # flush when the rename below replaces the old map (its auto_da_alloc), ~0.1 of
-            # the rename's ~0.35 ms here (issue 14); the rest is freeing the old file.  A
-            # filesystem that cannot preallocate just writes.
-            try:  # noqa: SIM105 (contextlib stays off the Kata hook's path)
-                os.posix_fallocate(fd, 0, len(data))
-            except OSError:
-                pass
+            if replacing:
+                # Blocks allocated before the write: ext4 then has no delayed allocation to
+                # flush when the rename below replaces the old map (its auto_da_alloc), ~0.1
+                # of the rename's ~0.35 ms here (issue 14); the rest is freeing the old file.
+                # (A rename to a new name flushes nothing.)  A filesystem that cannot
+                # preallocate just writes.
+                try:  # noqa: SIM105 (contextlib stays off the Kata hook's path)
+                    os.posix_fallocate(fd, 0, len(data))
+                except OSError:
+                    pass
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
