@@ -177,7 +177,7 @@ def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) ->
     # Nothing here waits for the disk (Store.defer_durability): what this pass writes is the
     # journal's events, whose files stay until the next agent or command settles them
     # (Store.ingest), and bookkeeping the next pass redoes from the host.  The event's own
-    # file is synced beside this pass, before the hook returns (run()).
+    # file is synced after this pass, before the hook returns (run()).
     store.defer_durability()
     store.keep_wal_short()  # the next start without an agent reads all of it again
     # Another process may have applied our event already: then re-pin our sandbox anyway.
