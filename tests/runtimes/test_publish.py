@@ -188,6 +188,27 @@ def test_first_map_in_a_new_dir_still_counts_a_racing_writers_map(
     assert guest.read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
 
 
+def test_a_replaced_map_can_be_held_open_for_its_caller_to_free(
+    paths: HostPaths, shared: Path
+) -> None:
+    """``hold``: the map replaced stays open (freed at the caller's close, not in the
+    rename); nothing is held for a first map, and never more than HOLD_MAX."""
+    held: list[int] = []
+    first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}), hold=held)
+    assert held == []  # nothing was replaced
+    old_ino = os.stat(first.path).st_ino
+    publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}), hold=held)
+    (fd,) = held
+    st = os.fstat(fd)
+    assert st.st_ino == old_ino and st.st_nlink == 0  # the old map, unlinked, still open
+    assert json.loads(os.pread(fd, 1 << 16, 0))["containers"]["a"]["guest_cpus"] == "0-1"
+    assert guest.read_map(first.path).containers["a"]["guest_cpus"] == "2-3"
+    os.close(fd)
+    full = list(range(publish.HOLD_MAX))  # (stand-ins: a full list takes no more)
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}), hold=full)
+    assert full == list(range(publish.HOLD_MAX))
+
+
 def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path) -> None:
     (shared / "vmpin").mkdir()
     stale = shared / "vmpin" / ".guest-map.json.999999.deadbeef.tmp"

@@ -1088,6 +1088,58 @@ def test_blocking_dirty_publishes_the_guest_map_before_or_after_its_answer(
     assert deferred == [True, False]
 
 
+@pytest.mark.multi_cpu
+def test_a_pass_frees_the_maps_it_replaced_after_its_answers(
+    paths: HostPaths,
+    fake_vmms: Callable[..., fakevmm.FakeVmm],
+    inproc_agent: Callable[..., Agent],
+    mocker: Any,
+) -> None:
+    """The guest map a pass replaces is held open until the pass has answered (the file
+    is freed then, not in the rename a hook waits on: issue 14), and never after."""
+    from vmpin.runtimes import publish
+    from vmpin.service.server import Reply
+
+    sid = new_id("hm")
+    fake_vmms(sid, vcpus=1)
+    Path(paths.publish_dir, sid, "mounts").mkdir(parents=True)
+    map_file = Path(paths.publish_dir, sid, "mounts", "vmpin", "guest-map.json")
+    with Store(paths.state_dir) as store:
+        register(store, sid, "0")
+    inproc_agent()
+    assert wait_until(map_file.exists, 20), map_file
+    old_ino = map_file.stat().st_ino
+    held_at_answer: list[list[int]] = []
+    real_send = Reply.send
+
+    def send(self: Reply, reply: dict[str, Any]) -> None:
+        # the old map is open in this process while the waiter is answered
+        held_at_answer.append(sorted(_open_inodes(old_ino)))
+        real_send(self, reply)
+
+    mocker.patch.object(Reply, "send", send)
+    spy = mocker.spy(publish, "publish_map")
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse("1"), "update")
+    assert dirty_wait(paths, [sid], 30)["done"] is True
+    assert map_file.stat().st_ino != old_ino
+    assert spy.call_args.kwargs["hold"] is not None
+    assert held_at_answer and held_at_answer[0] == [old_ino], held_at_answer
+    assert wait_until(lambda: not _open_inodes(old_ino), 10)  # then freed
+
+
+def _open_inodes(ino: int) -> list[int]:
+    """The inode ``ino`` when this process holds it open (once per descriptor)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino == ino:
+                found.append(ino)
+        except OSError:
+            continue
+    return found
+
+
 def test_blocking_dirty_refuses_a_bad_guest_map_order(
     paths: HostPaths, inproc_agent: Callable[..., Agent]
 ) -> None:

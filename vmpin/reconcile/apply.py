@@ -75,6 +75,7 @@ class Applier:
         publish: bool = True,
         domains: DomainSource | None = None,
         maps_later: list[tuple[str, dict[str, Any] | None]] | None = None,
+        hold: list[int] | None = None,
     ):
         self.paths = paths
         self.affinity = affinity
@@ -83,6 +84,8 @@ class Applier:
         #: when a list, the guest maps to publish go there instead (:func:`publish_maps`
         #: later): a caller that answers a waiter first, as the agent does for an update
         self.maps_later = maps_later
+        #: when a list, replaced guest maps are held open there (publish_map's ``hold``)
+        self.hold = hold
 
     def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
         """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
@@ -265,11 +268,16 @@ class Applier:
         if self.maps_later is not None:
             self.maps_later.extend(publish)
         else:
-            publish_maps(self.paths, publish)
+            publish_maps(self.paths, publish, self.hold)
 
 
-def publish_maps(paths: HostPaths, maps: list[tuple[str, dict[str, Any] | None]]) -> None:
-    """Publish (a map) or withdraw (None) each sandbox's guest map.
+def publish_maps(
+    paths: HostPaths,
+    maps: list[tuple[str, dict[str, Any] | None]],
+    hold: list[int] | None = None,
+) -> None:
+    """Publish (a map) or withdraw (None) each sandbox's guest map; ``hold``: see
+    :func:`vmpin.runtimes.publish.publish_map`.
 
     A failure is the map's alone (the pins stand, and the next pass writes it again).
     """
@@ -282,7 +290,7 @@ def publish_maps(paths: HostPaths, maps: list[tuple[str, dict[str, Any] | None]]
             if guest_map is None:
                 remove_map(paths, sid)
             else:
-                publish_map(paths, sid, guest_map)
+                publish_map(paths, sid, guest_map, hold=hold)
         except VmpinError:
             continue
 

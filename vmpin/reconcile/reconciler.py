@@ -17,6 +17,7 @@ harmless and running it after a crash repairs what the crash interrupted.
 from __future__ import annotations
 
 import gc
+import os
 
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
@@ -108,6 +109,9 @@ class Reconciler:
         #: False: a pass does not apply the journal first (its caller just did, without
         #: waiting for the disk: the agent's pass, the Kata hook's own; Store.ingest)
         self.ingest_first = True
+        #: a list: the guest maps a pass replaces are held open there until
+        #: :meth:`release_maps` (the agent, after its answers: publish_map's ``hold``)
+        self.held_maps: list[int] | None = None
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -219,6 +223,7 @@ class Reconciler:
                 publish=self.publish,
                 domains=self.domains,
                 maps_later=self.maps_later,
+                hold=self.held_maps,
             ).apply(self.store, plan)
         conflicts: dict[str, list[dict[str, Any]]] = {}
         for c in plan.conflicts:
@@ -247,7 +252,17 @@ class Reconciler:
         from vmpin.reconcile.apply import publish_maps
 
         maps, self.maps_later[:] = list(self.maps_later), []
-        publish_maps(self.paths, maps)
+        publish_maps(self.paths, maps, self.held_maps)
+
+    def release_maps(self) -> None:
+        """Close the replaced guest maps held since the last call (``held_maps``): the
+        filesystem frees them now, off the path of whoever waited on the pass."""
+        held, self.held_maps = self.held_maps, ([] if self.held_maps is not None else None)
+        for fd in held or ():
+            try:  # noqa: SIM105 (contextlib stays off the Kata hook's path)
+                os.close(fd)
+            except OSError:
+                pass
 
     def reconcile_sandbox(
         self, rec: SandboxRec, *, apply: bool = True, scope: Scope | None = None

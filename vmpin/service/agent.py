@@ -612,6 +612,9 @@ class Agent:
             reconciler = self.reconciler_factory(store)
             # the live pod's annotations win over the OCI ones (once the API is attached)
             reconciler.api_annotations = self._api_annotations
+            # a replaced guest map is freed after the pass's answers, not in its rename
+            # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
+            reconciler.held_maps = []
         except VmpinError as err:
             log_event(logging.ERROR, "planner cannot start", error=str(err))
             self.metrics.errors.labels("internal").inc()
@@ -683,6 +686,8 @@ class Agent:
             with self._pass_cond:
                 if self._waiters:
                     self._pass_cond.notify_all()
+        # the maps the pass replaced, freed now that no one waits (Reconciler.held_maps)
+        reconciler.release_maps()
         # then the pass's journal events made durable, their files removed
         self._settle(store)
 
