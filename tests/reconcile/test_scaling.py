@@ -224,3 +224,20 @@ def test_an_idle_pass_rereads_and_replans_only_what_changed(
         reconciler.reconcile()
         assert planned.call_count == 2 and counter.sets == 1
         assert os.sched_getaffinity(vcpu.tid) == set(vcpu.desired)
+
+
+def test_a_first_pass_lists_each_vmms_threads_once(
+    paths: HostPaths, vmms: Callable[[str], fakevmm.FakeVmm], mocker: MockerFixture
+) -> None:
+    """A VMM's first classification takes the ``task/`` listing its observation just made
+    (one listing per VMM in a node's start-up pass, not two), and still finds every thread."""
+    from vmpin.linux import procfs
+
+    with Store(paths.state_dir) as store:
+        _register(store, vmms, 3)
+        listed = mocker.spy(procfs, "tids")
+        reports = Reconciler(paths, store, affinity=CountingAffinity(), publish=False).reconcile()
+    pids = [c.args[1] for c in listed.call_args_list]
+    assert len(pids) == len(set(pids)) == 3, pids
+    assert all(len(r.threads) >= 2 and all(t.role != "unknown" for t in r.threads)
+               for r in reports), reports  # fmt: skip

@@ -547,11 +547,15 @@ class Observer:
             return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
         from vmpin.runtimes.threads import VmmThread, classify
 
+        listed: set[int] | None = current  # (the task/ listing classify may take over)
         if not vmm.cmdline:
             # classifying reads the command line (iothread ids, debug-threads)
+            was = (vmm.pid, vmm.start)
             vmm = find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
             if vmm is None:
                 return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
+            if (vmm.pid, vmm.start) != was:
+                listed = None  # another process: its threads are listed anew
             at = orig_prefix(rec.id, vmm.pid, vmm.start)
             remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
@@ -566,6 +570,7 @@ class Observer:
             {t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer) for t in remembered.values()},
             qmp_timeout=self.qmp_timeout,
             vhost_kthreads=recorded.vhost,
+            tids=listed,
         )
         threads = tuple(
             self._thread(

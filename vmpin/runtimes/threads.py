@@ -244,12 +244,15 @@ def classify(
     kvm_retries: int = 5,
     kvm_retry_delay: float = 0.01,
     vhost_kthreads: Mapping[int, Sequence[tuple[int, str]]] | None = None,
+    tids: Iterable[int] | None = None,
 ) -> Classification:
     """Classify every thread of ``vmm`` (see the module docstring for the layers).
 
     ``remembered`` is an earlier pass's result for this same VMM, keyed by tid.
     ``vhost_kthreads`` (from :func:`find_vhost_kthreads`) lets a caller classifying many VMMs
-    scan the kernel threads once per pass; when None it is scanned here.
+    scan the kernel threads once per pass; when None it is scanned here.  ``tids``: the
+    VMM's ``task/`` as the caller just listed it (a node's first pass classifies every VMM:
+    one listing each, not two); the start time checked here then vouches for it.
     Raises :class:`ProcessGone` when the VMM itself is gone or its pid was reused; threads
     that exit during the pass are skipped with a note.
     """
@@ -257,7 +260,7 @@ def classify(
     try:
         if procfs.start_time(paths.proc, vmm.pid) != vmm.start:
             raise ProcessGone(f"pid {vmm.pid} is no longer the VMM started at {vmm.start}")
-        st.tids = procfs.tids(paths.proc, vmm.pid)
+        st.tids = sorted(tids) if tids is not None else procfs.tids(paths.proc, vmm.pid)
     except (ValueError, IndexError) as err:
         raise ProcessGone(f"pid {vmm.pid}: unreadable stat") from err
     for tid in st.tids:
