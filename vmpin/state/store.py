@@ -59,7 +59,7 @@ SETTLE_AFTER = 64
 #: WAL pages past which a hook's connection checkpoints (:meth:`Store.keep_wal_short`)
 SHORT_WAL = 64
 #: each connection's page cache, KiB (SQLite's default is 2,000).  The agent holds three
-#: connections for its life, and at 2,000 sandboxes their caches filled to ~3.4 MB of its
+#: connections for its life, and at 2,000 sandboxes their caches filled to ~3.3 MiB of its
 #: 50 MB budget (issue 14) for pages the OS page cache holds anyway: a pass that reads the
 #: tables again reads each page once (an idle pass reads none), so a miss is one pread.
 CACHE_KIB = 512
@@ -215,9 +215,9 @@ def _shared(values: list[Any], at: tuple[int, ...]) -> list[Any]:
 
     Why: the agent keeps the store's rows between passes (an idle pass reads no table), and
     SQLite hands out a new string per row and column.  At 2,000 sandboxes the same sandbox
-    ids, pod names, namespaces, thread roles and labels were ~30,000 copies, ~2 MB of the
-    agent's 50 MB budget (issue 14).  ``sys.intern``: one copy across tables and passes, and
-    freed once no row holds it.
+    ids, pod names, namespaces, thread roles and labels were tens of thousands of copies,
+    ~1.8 MiB of the agent's 50 MB budget (issue 14).  ``sys.intern``: one copy across tables
+    and passes, and freed once no row holds it.
     """
     for i in at:
         v = values[i]
