@@ -70,7 +70,8 @@ def _int(path: str, default: int | None = None) -> int:
         raise TopologyError(f"{path}: not a number: {text!r}") from None
 
 
-#: the cache file's layout; another is not read
+#: the cache file's layout and meaning; another is not read (a change to what _read_cpus
+#: makes of sysfs bumps it, so that no vmpin reads another's conclusions)
 _CACHE_FORMAT = 1
 
 

@@ -267,6 +267,7 @@ def publish_map(
             # A directory this call made, where no other writer put a map before this one
             # took the lock: nothing to compare, no temp file to sweep (a node's first pass
             # makes one per sandbox, issue 14).
+            _PUBLISHED.pop(path, None)  # (a map of an earlier directory by that name)
             doc = render(new, None, now)
             _write_atomically(dir_fd, directory, path, doc, replacing=False)
             return Published(path, True, doc["generation"], "written")

@@ -992,7 +992,7 @@ class Store:
             key = row[:3]  # (sandbox, pid, start)
             found = out.get(key)
             if found is None:
-                found = out[(*_shared([key[0]], (0,)), *key[1:])] = {}
+                found = out[tuple(_shared(list(key), (0,)))] = {}
             found[row[3]] = make(_shared(list(row[3:]), _SHARED_THREAD))
         return out
 
