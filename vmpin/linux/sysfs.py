@@ -52,10 +52,7 @@ def _cpus(path: str, default: CpuSet | None = None) -> CpuSet:
         if default is None:
             raise TopologyError(f"{path}: missing")
         return default
-    try:
-        return CpuSet.parse(text)
-    except CpuSetError as err:
-        raise TopologyError(f"{path}: {err}") from err
+    return _parse(text, path)
 
 
 def _int(path: str, default: int | None = None) -> int:
@@ -141,11 +138,10 @@ def _cache_key(
 def _load_cache(path: str, key: list[object], online: CpuSet) -> list[CpuInfo] | None:
     """The cached CPUs when the file holds ``key``'s; None otherwise (missing, stale, or not a
     file this module wrote: it is then read from sysfs and written again)."""
-    from vmpin.linux.files import read_bytes
-    from vmpin.wire.jsonio import loads
+    from vmpin.linux.files import load_json, read_bytes
 
     try:
-        doc = loads(read_bytes(path, limit=1 << 22))
+        doc = load_json(read_bytes(path, limit=1 << 22), path)
         if not isinstance(doc, dict) or doc.get("v") != _CACHE_FORMAT or doc.get("key") != key:
             return None
         infos = []

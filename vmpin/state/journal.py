@@ -247,9 +247,9 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
     StateError naming the file (the hook prints it; ``--strict`` fails the start).
 
     ``durable=False`` renames the whole file into place without either sync: the caller must
-    :func:`sync` it before it reports the event recorded, and does so while the work it
-    waits for runs (a Kata hook: the agent's pass, or its own; a disk's two syncs are
-    ~0.6 ms of every start, issue 14).  Readers never see a partial file (the rename comes
+    :func:`sync` it before it reports the event recorded (a Kata hook: while the agent's
+    pass runs, or after its own when no agent answers; a disk's two syncs are ~0.5 ms of
+    every start, issue 14).  Readers never see a partial file (the rename comes
     after the writes); a crash before the sync may lose the event, or leave its file empty
     or cut short, which ingest quarantines and never applies.  Nothing was promised then:
     the hook had not returned.
