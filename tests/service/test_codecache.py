@@ -37,8 +37,23 @@ def report(code):
     loaders = {n: type(m.__spec__.loader).__name__ for n, m in list(sys.modules.items())
                if n.startswith("vmpin.") and getattr(m, "__spec__", None) is not None}
     marker = getattr(sys.modules.get("vmpin.state.journal"), "CACHE_TEST_MARKER", None)
+    # what the import statement calls for a module not yet loaded
+    fast = getattr(sys.modules["_frozen_importlib"]._find_and_load, "__name__", "")
+    # each vmpin module as the ordinary import leaves it: where it came from, its package,
+    # an attribute of its parent package
+    wrong = []
+    for n, m in list(sys.modules.items()):
+        if not n.startswith("vmpin."):
+            continue
+        parent, _, child = n.rpartition(".")
+        package = n if hasattr(m, "__path__") else parent
+        if (m.__file__ != m.__spec__.origin or m.__loader__ is not m.__spec__.loader
+                or m.__package__ != package or getattr(sys.modules[parent], child) is not m
+                or (hasattr(m, "__path__") and m.__path__ != [os.path.dirname(m.__file__)])):
+            wrong.append(n)
     sys.stdout.write("LOADERS " + json.dumps({"code": code, "loaders": loaders,
-                                              "marker": marker}) + "\\n")
+                                              "marker": marker, "fast": fast,
+                                              "wrong": wrong}) + "\\n")
     sys.stdout.flush()
     real_exit(code)
 os._exit = report
@@ -103,6 +118,10 @@ def test_cache_is_written_once_then_serves_the_hook(
     assert served(second) == set(loaders) - {"vmpin.entry", "vmpin.service.codecache",
                                              "vmpin.service"}, loaders  # fmt: skip
     assert "vmpin.state.journal" in served(second)
+    # served around importlib's machinery (the module docstring), each module as importlib
+    # would have left it; the first hook, with nothing to serve, left importlib alone
+    assert (first["fast"], second["fast"]) == ("_find_and_load", "find_and_load")
+    assert first["wrong"] == second["wrong"] == []
     # a hit writes nothing
     after = cache_file(pkg).stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
@@ -159,3 +178,82 @@ def test_no_cache_written_when_python_is_told_not_to_write_bytecode(
     (pkg / "vmpin" / "__pycache__").write_text("")
     out = run_hook(pkg, env, tmp_path, 2)
     assert served(out) == set() and (pkg / "vmpin" / "__pycache__").is_file()
+
+
+SERVE = """
+import json, marshal, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import vmpin
+from vmpin.service import codecache as cc
+root = vmpin.__path__[0]
+texts = {
+    "vmpin.zz_ok": "import vmpin.zz_dep\\nY = vmpin.zz_dep.Z\\n",
+    "vmpin.zz_dep": "Z = 2\\n",
+    "vmpin.zz_boom": "import vmpin.zz_dep2\\nraise RuntimeError('boom')\\n",
+    "vmpin.zz_dep2": "",
+    "vmpin.zz_stale": "S = 'cached'\\n",
+    "vmpin.zz_thread": "T = 1\\n",
+    "vmpin.zzz_cut": "C = 1\\n",
+}
+codes = {}
+for name, text in texts.items():
+    path = os.path.join(root, name.split(".")[1] + ".py")
+    with open(path, "w") as f:
+        f.write(text)
+    st = os.stat(path)
+    codes[name] = (path, st.st_mtime_ns, st.st_size, False,
+                   marshal.dumps(compile(text, path, "exec")))
+os.makedirs(os.path.dirname(cc.cache_path(root)), exist_ok=True)
+with open(cc.cache_path(root), "wb") as f:
+    for chunk in cc._layout(root, codes):
+        f.write(chunk)
+cache = cc.install()
+assert cache is not None and cache.slow is not None
+slow, by_importlib = cache.slow, []
+cache.slow = lambda name, import_: (by_importlib.append(name), slow(name, import_))[1]
+out = {}
+import vmpin.zz_ok
+out["ok"] = [vmpin.zz_ok.Y, vmpin.zz_ok.__loader__ is cache, vmpin.zz_ok.__package__]
+try:
+    import vmpin.zz_boom
+except RuntimeError as err:
+    out["boom"] = [str(err), "vmpin.zz_boom" in sys.modules, hasattr(vmpin, "zz_boom"),
+                   "vmpin.zz_dep2" in sys.modules]
+with open(os.path.join(root, "zz_stale.py"), "w") as f:
+    f.write("S = 'source!'\\n")  # changed after the cache was made
+import vmpin.zz_stale
+out["stale"] = [vmpin.zz_stale.S, cache.missed]
+cache.missed = False
+with open(cc.cache_path(root), "r+b") as f:  # cut short after the hook opened it
+    f.truncate(os.fstat(f.fileno()).st_size - 2)
+import vmpin.zzz_cut
+out["cut"] = [vmpin.zzz_cut.C, cache.missed, "vmpin.zzz_cut" in cache.entries]
+go = threading.Event()
+t = threading.Thread(target=go.wait)
+t.start()
+import vmpin.zz_thread  # another thread runs: importlib, with its module locks
+go.set()
+t.join()
+out["thread"] = [vmpin.zz_thread.T, type(vmpin.zz_thread.__loader__).__name__]
+out["importlib"] = sorted(set(by_importlib) & set(texts))
+print(json.dumps(out))
+"""
+
+
+def test_the_cache_serves_imports_as_importlib_would_and_hands_it_what_it_cannot(
+    pkg: Path, tmp_path: Path
+) -> None:
+    """The cache's own import path: a module that raises is not left behind; a changed
+    source, a file cut short since it was opened, or a second thread go to importlib."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", SERVE, str(pkg)], capture_output=True,
+                          text=True, timeout=60, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ok"] == [2, True, "vmpin"]
+    # raised while it ran: gone from sys.modules and from its package; what it imported stays
+    assert out["boom"] == ["boom", False, False, True]
+    assert out["stale"] == ["source!", True]  # the new source ran
+    assert out["cut"] == [1, True, False]  # from source; the save after puts it back
+    assert out["thread"] == [1, "CodeCache"]  # importlib, through the cache's find_spec
+    assert out["importlib"] == ["vmpin.zz_stale", "vmpin.zz_thread", "vmpin.zzz_cut"]

@@ -18,11 +18,24 @@ file again after its work (once per install and hook path: ~5 ms), unless Python
 to write bytecode (``-B``, ``PYTHONDONTWRITEBYTECODE``). A file that cannot be written (a
 read-only install) only means ordinary imports.
 
+Served without the import system's machinery, where it can be (issue 14): importlib's own
+steps for one module (a module lock, the finders asked, the spec's attributes set one by one,
+``__cached__`` worked out from the path) were ~20 us warm and ~40-60 us on a hook's cold
+start, ~1-2 ms of a Kata hook that pins in-process, whose work is a few ms.  So while the
+cache is installed the interpreter's ``_find_and_load`` (what the ``import`` statement calls
+for a module not yet in :data:`sys.modules`) is :meth:`CodeCache.find_and_load`: a vmpin
+module whose entry checks out gets the module object the ordinary import would make
+(``__spec__``, ``__loader__``, ``__file__``, ``__package__``, a package's ``__path__``; in
+:data:`sys.modules` while its code runs, removed if that raises, bound on its parent package
+after), in a few steps; anything else -- another module, an entry that does not check out, a
+second thread running -- goes to importlib as before.
+
 Stdlib only, no ``typing`` at run time (the hook path).
 """
 
 from __future__ import annotations
 
+import _thread
 import marshal
 import os
 import stat
@@ -63,6 +76,8 @@ class CodeCache:
     protocol: ``find_spec``, ``create_module``, ``exec_module``)."""
 
     def __init__(self, root: str, entries: Entries, fd: int | None = None, base: int = 0) -> None:
+        #: importlib's ``_find_and_load``, for whatever :meth:`find_and_load` does not serve
+        self.slow: Any = None
         self.root = root
         self.entries = entries
         #: where the code objects start in the file (after the index)
@@ -74,27 +89,87 @@ class CodeCache:
         self.missed = False
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
+        entry = self._fresh(name)
+        return None if entry is None else self._spec(name, entry[0], entry[3])
+
+    def _fresh(self, name: str) -> tuple[str, int, int, bool, int, int] | None:
+        """The module's entry when it is ours and its source unchanged; else None (a miss:
+        the entry is dropped, and the save after the hook puts the new code in)."""
         if not name.startswith("vmpin."):
             return None
         entry = self.entries.get(name)
         if entry is None:
             self.missed = True
             return None
-        origin, mtime, size, is_package = entry[:4]
         try:
-            st = os.stat(origin)
+            st = os.stat(entry[0])
         except (OSError, ValueError):
             st = None
-        if st is None or st.st_mtime_ns != mtime or st.st_size != size:
-            del self.entries[name]  # (the save after the hook puts the new code in)
+        if st is None or st.st_mtime_ns != entry[1] or st.st_size != entry[2]:
+            del self.entries[name]
             self.missed = True
             return None
+        return entry
+
+    def _spec(self, name: str, origin: str, is_package: bool) -> Any:
         spec_type: Any = sys.modules["_frozen_importlib"].ModuleSpec
         spec = spec_type(name, self, origin=origin, is_package=is_package)
         spec.has_location = True  # __file__, as the ordinary import sets it
         if is_package:
             spec.submodule_search_locations = [os.path.dirname(origin)]
         return spec
+
+    def serve_imports(self) -> bool:
+        """Have the import statement call :meth:`find_and_load` (the module docstring);
+        False where this interpreter's import system has no ``_find_and_load`` to stand in
+        for (then importlib serves through :meth:`find_spec` alone)."""
+        bootstrap: Any = sys.modules["_frozen_importlib"]
+        slow = getattr(bootstrap, "_find_and_load", None)
+        if not callable(slow):
+            return False
+        self.slow = slow
+        bootstrap._find_and_load = self.find_and_load
+        return True
+
+    def find_and_load(self, name: str, import_: Any) -> Any:
+        """Import ``name`` (absent from :data:`sys.modules`): served from the cache when it
+        is a vmpin module whose entry checks out, else by importlib (see the module
+        docstring).  What the import statement calls, with the same arguments."""
+        modules = sys.modules
+        entry = None
+        if name.startswith("vmpin.") and name not in modules and not _thread._count():
+            entry = self._fresh(name)
+        if entry is None:
+            return self.slow(name, import_)
+        parent, _, child = name.rpartition(".")
+        if parent not in modules:
+            import_(parent)
+            if name in modules:  # (the parent's code imported it)
+                return modules[name]
+        try:
+            code = marshal.loads(self.code(name))
+        except (OSError, ImportError, EOFError, ValueError, TypeError):
+            del self.entries[name]  # cut short or garbled since install: read from source
+            self.missed = True
+            return self.slow(name, import_)
+        origin, is_package = entry[0], entry[3]
+        spec = self._spec(name, origin, is_package)
+        module = type(sys)(name)
+        attrs = module.__dict__
+        attrs.update(__spec__=spec, __loader__=self, __file__=origin)
+        if is_package:
+            attrs.update(__path__=spec.submodule_search_locations, __package__=name)
+        else:
+            attrs["__package__"] = parent
+        modules[name] = module
+        try:
+            exec(code, attrs)
+        except BaseException:
+            modules.pop(name, None)
+            raise
+        module = modules[name]  # (a module may have put another object in its place)
+        setattr(modules[parent], child, module)
+        return module
 
     def create_module(self, spec: object) -> None:
         return None  # the default module object
@@ -177,6 +252,8 @@ def install() -> CodeCache | None:
             entries, base = found
     cache = CodeCache(root, entries, fd, base)
     sys.meta_path.insert(0, cache)
+    if entries:
+        cache.serve_imports()
     return cache
 
 
