@@ -297,3 +297,19 @@ def test_a_hooks_connection_keeps_the_wal_short(tmp_path: Path, short: bool) -> 
         assert frames <= SHORT_WAL + 16, frames  # (+ the last commit's pages)
     else:
         assert frames > 4 * SHORT_WAL, frames  # SQLite's default lets it grow
+
+
+def test_a_create_looks_its_container_up_by_id_once(paths: HostPaths, tmp_path: Path) -> None:
+    """A create's state id is its container's id: one lookup by id, then by bundle (the
+    container is new), not the same query twice (issue 14: the agent's pass a Kata hook
+    waits for ingests it)."""
+    store = Store(paths.state_dir)
+    statements: list[str] = []
+    store.db.set_trace_callback(statements.append)
+    append(paths.state_dir, event(paths, "createRuntime", "c1", bundle(tmp_path, "c1")))
+    assert store.ingest() == ["pod"]
+    by_id = [s for s in statements if s.startswith("SELECT") and "WHERE id='c1'" in s]
+    by_bundle = [s for s in statements if "WHERE bundle=" in s]
+    assert (len(by_id), len(by_bundle)) == (2, 1), statements  # (put_container's created_at)
+    assert [c.id for c in store.containers()] == ["c1"]
+    store.close()

@@ -410,7 +410,9 @@ class Store:
         # A record found by id is this container only if its bundle agrees: a container's
         # bundle never changes, so another bundle means another container (Kata's sandbox id
         # with a container's bundle) or a new one reusing the id.
-        for cid in (ident["container_id"] if ident else None, ev["id"]):
+        by_ident = ident["container_id"] if ident else None
+        # (a create's state id is its container id: looked up once)
+        for cid in (by_ident, ev["id"] if ev["id"] != by_ident else None):
             rec = self.container(cid) if cid else None
             if rec is not None and (not bundle or rec.bundle in (None, bundle)):
                 return rec
