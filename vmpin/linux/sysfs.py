@@ -72,6 +72,12 @@ def _int(path: str, default: int | None = None) -> int:
 _CACHE_FORMAT = 1
 
 
+def online_text(sys_root: str = "/sys") -> str | None:
+    """The online CPU list as sysfs has it (None without one): a process that keeps a
+    topology for its life compares it before each use (CPU hotplug changes it)."""
+    return _read(os.path.join(sys_root, "devices/system/cpu/online"))
+
+
 def read_topology(
     sys_root: str = "/sys",
     *,

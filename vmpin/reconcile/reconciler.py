@@ -112,6 +112,13 @@ class Reconciler:
         #: a list: the guest maps a pass replaces are held open there until
         #: :meth:`release_maps` (the agent, after its answers: publish_map's ``hold``)
         self.held_maps: list[int] | None = None
+        #: True (set before the first pass): the topology read from sysfs is read again
+        #: once the online CPU list changes (CPU hotplug), checked at each use: for the
+        #: agent, which plans for its whole life; a command's pass lasts milliseconds
+        self.follow_hotplug = False
+        #: the online list the topology read from sysfs was read after (None: not read
+        #: here, or given to the constructor)
+        self._online_seen: str | None = None
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -124,9 +131,17 @@ class Reconciler:
 
     @property
     def topology(self) -> Topology:
-        if self._topology is None:
-            from vmpin.linux.sysfs import read_topology
+        if self._topology is not None and self._online_seen is not None and self.follow_hotplug:
+            from vmpin.linux.sysfs import online_text
 
+            if online_text(self.paths.sys) != self._online_seen:
+                self._topology = None  # a CPU came or went: its place is read anew
+        if self._topology is None:
+            from vmpin.linux.sysfs import online_text, read_topology
+
+            # (read before the topology: a CPU that comes or goes meanwhile is seen at the
+            # next use)
+            seen = online_text(self.paths.sys) if self.follow_hotplug else None
             # (a read-only view leaves the state dir as it found it: it reads the cache only)
             self._topology = read_topology(
                 self.paths.sys,
@@ -134,6 +149,7 @@ class Reconciler:
                 proc_root=self.paths.proc,
                 save=not self.store.readonly,
             )
+            self._online_seen = seen
         return self._topology
 
     @property

@@ -615,6 +615,9 @@ class Agent:
             # a replaced guest map is freed after the pass's answers, not in its rename
             # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
             reconciler.held_maps = []
+            # the agent plans for its whole life: a CPU hot(un)plugged is planned for at the
+            # next pass (one read of the online list each)
+            reconciler.follow_hotplug = True
         except VmpinError as err:
             log_event(logging.ERROR, "planner cannot start", error=str(err))
             self.metrics.errors.labels("internal").inc()
