@@ -241,7 +241,7 @@ print(json.dumps(out))
 
 
 def test_the_cache_serves_imports_as_importlib_would_and_hands_it_what_it_cannot(
-    pkg: Path, tmp_path: Path
+    pkg: Path,
 ) -> None:
     """The cache's own import path: a module that raises is not left behind; a changed
     source, a file cut short since it was opened, or a second thread go to importlib."""
