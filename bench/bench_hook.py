@@ -20,8 +20,8 @@ Each measurement is a pair, hook and bare interpreter back to back (their order 
 so machine noise hits both; a series' figure is the median of its pair ratios, the path's
 figure the median of all pair ratios.  Agents and QEMUs are started here and stopped by pid.
 
-    python bench/bench_hook.py [--path all] [--runs 100] [--series 3] [--vmpin PATH] [--json]
-                               [--tmpdir DIR] [--no-code-cache]
+    python bench/bench_hook.py [--path all|PATH[,PATH...]] [--runs 100] [--series 3]
+                               [--vmpin PATH] [--json] [--tmpdir DIR] [--no-code-cache]
 
 The Kata sandbox has Kata's shared dir (``<publish>/<id>/mounts``), so each timed prestart
 publishes the guest map as on a node (before 2026-11-25 it had none, and the Kata figures
@@ -251,9 +251,23 @@ def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str,
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _paths(text: str) -> list[str]:
+    """``--path``: ``all`` or a comma-separated list of paths, in the order given."""
+    if text == "all":
+        return list(PATHS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PATHS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown path {', '.join(unknown) or repr(text)}: choose all or {', '.join(PATHS)}"
+        )
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--path", choices=[*PATHS, "all"], default="all")
+    ap.add_argument("--path", type=_paths, default="all",
+                    help=f"all, or one or more of {', '.join(PATHS)} (comma-separated)")
     ap.add_argument("--runs", type=int, default=100, help="pairs per series")
     ap.add_argument("--series", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5)
@@ -271,7 +285,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     vmpin = find_vmpin(args.vmpin)
-    results = [run_path(p, args, vmpin) for p in (PATHS if args.path == "all" else [args.path])]
+    results = [run_path(p, args, vmpin) for p in args.path]
     if args.json:
         print(json.dumps({"python": sys.executable, "vmpin": vmpin, "tmpdir": args.tmpdir,
                           "paths": results}))
