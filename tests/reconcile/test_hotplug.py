@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from tests.service.test_agent import dirty_wait
 from tests.support.make_sysfs import SYSFS_FIXTURES as SYSFS
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
-from vmpin.service import control
 from vmpin.state.store import Store
 
 
@@ -67,18 +67,14 @@ def test_the_agent_plans_for_a_cpu_unplugged_while_it_runs(
                   metrics_port=0)  # fmt: skip
     agent.start()
     try:
-        assert _pass(paths)
+        assert dirty_wait(paths, [], 20)["done"] is True
         assert reads.call_count == 1 and 15 in reads.spy_return.cpus
         unplug(root, 15)
-        assert _pass(paths)
+        assert dirty_wait(paths, [], 20)["done"] is True
         assert reads.call_count == 2 and 15 not in reads.spy_return.cpus
-        assert _pass(paths) and reads.call_count == 2  # (read once per change)
+        assert dirty_wait(paths, [], 20)["done"] is True
+        assert reads.call_count == 2  # (read once per change)
     finally:
         agent.request_stop()
         agent.shutdown()
 
-
-def _pass(paths: HostPaths) -> bool:
-    """A node pass of the agent's, waited for."""
-    reply = control.request(paths, {"op": "dirty", "sandboxes": [], "wait": 20}, 30)
-    return bool(reply and reply.get("done"))
