@@ -162,9 +162,11 @@ def test_hook_bad_input_fails_open(env: dict[str, str], tmp_path: Path) -> None:
         assert strict.returncode == 1 and words in strict.stderr
     bad_stage = vmpin(env, "hook", "--strict", "prestop", stdin=good_state, check=False)
     assert bad_stage.returncode == 1 and "bad stage" in bad_stage.stderr
-    # bad input left no state behind: the read-only listing says there is none
+    # bad input left no state behind: the read-only listing shows a node with nothing on it
     listed = vmpin(env, "containers", "--json", check=False)
-    assert listed.returncode == 2 and "no vmpin state at" in listed.stderr
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []
+    assert "nothing recorded at" in listed.stderr
+    assert not (Path(env["VMPIN_STATE_DIR"]) / "state.db").exists()
 
 
 def test_hundred_concurrent_hooks_lose_nothing(env: dict[str, str], tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from vmpin.runtimes.kubelet import (
     Checkpoint,
     CheckpointReader,
     cpus_for,
+    is_infra,
     parse_checkpoint,
     read_checkpoint,
 )
@@ -62,7 +63,31 @@ def test_v1_entries_are_keyed_by_container_id() -> None:
     assert cp.entries == {}
     cid = "0a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b"
     assert cp.by_container_id == {cid: CpuSet.parse("4-5")}
+    # applied by container id (issue 25: accepted and never applied, the container got the pool)
+    assert cpus_for(cp, POD_A, "app", cid) == CpuSet.parse("4-5")
+    assert cpus_for(cp, POD_A, None, cid) == CpuSet.parse("4-5")
+    # any other container of a pod runs on the shared pool
+    assert cpus_for(cp, POD_A, "app", "f" * 64) == CpuSet.parse("0-3,6-7")
     assert cpus_for(cp, POD_A, "app") == CpuSet.parse("0-3,6-7")
+
+
+@pytest.mark.parametrize(
+    ("is_sandbox", "pod_uid", "name", "infra"),
+    [
+        (True, POD_A, "POD", True),  # CRI-O: ContainerType sandbox, container name POD
+        (False, POD_A, "POD", True),  # CRI-O's name alone (a hook that missed the type)
+        (True, POD_A, None, True),  # containerd: container-type sandbox, no container name
+        (False, POD_A, "app", False),  # an app or init container
+        (False, POD_A, None, False),
+        (True, None, None, False),  # plain `runc run`: its own sandbox, and a workload
+        (True, None, "web", False),
+        (False, POD_A, "pod", False),  # names are DNS labels: only kubelet's "POD" is infra
+    ],
+)
+def test_infra_container_is_never_assigned(
+    is_sandbox: bool, pod_uid: str | None, name: str | None, infra: bool
+) -> None:
+    assert is_infra(is_sandbox, pod_uid, name) is infra
 
 
 def test_policy_none_says_nothing() -> None:

@@ -51,11 +51,32 @@ def test_empty_listings(env: dict[str, str], command: str) -> None:
 @pytest.mark.parametrize("args", [["containers"], ["sandboxes"], ["show", "x"],
                                   ["guest-map", "x"], ["audit"]])
 def test_read_only_commands_need_existing_state(env: dict[str, str], args: list[str]) -> None:
-    """A mistyped --state-dir is an error, not a new empty store (issue 9)."""
+    """A mistyped --state-dir is an error, not a new empty store (issue 9), and the error says
+    what is missing and what would create it (issue 25)."""
+    env = {**env, "VMPIN_STATE_DIR": env["VMPIN_STATE_DIR"] + "-typo"}
     out = vmpin(env, *args)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert f"no vmpin state at {env['VMPIN_STATE_DIR']}" in out.stderr
-    assert list(Path(env["VMPIN_STATE_DIR"]).iterdir()) == []
+    line = out.stderr.strip()
+    assert line.count("\n") == 0, line
+    assert f"no vmpin state at {env['VMPIN_STATE_DIR']}" in line
+    assert "--state-dir" in line and "vmpin reconcile --once" in line
+    assert not Path(env["VMPIN_STATE_DIR"]).exists()
+
+
+@pytest.mark.parametrize("command", ["containers", "sandboxes", "audit"])
+def test_fresh_node_lists_an_empty_node(env: dict[str, str], command: str) -> None:
+    """The node's state dir exists (the DaemonSet, the unit made it) and nothing ran yet:
+    an empty node, and one line on stderr saying why (issue 25: exit 2 told nobody why)."""
+    out = vmpin(env, command, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    if command == "audit":
+        assert data["ok"] is True and data["violations"] == [] and data["sandboxes"] == 0
+    else:
+        assert data == []
+    assert "nothing recorded at" in out.stderr and "hooks" in out.stderr
+    assert out.stderr.count("\n") == 1
+    assert list(Path(env["VMPIN_STATE_DIR"]).iterdir()) == []  # and nothing written
 
 
 def test_empty_audit_and_reconcile(env: dict[str, str]) -> None:

@@ -170,6 +170,20 @@ class Scope:
 FULL = Scope()
 
 
+def leaves_alone(tracked: bool, policy: Policy) -> bool:
+    """Whether vmpin leaves some of a VMM's threads where they are (they then hold the CPUs
+    they run on, so every scope reads their affinity: see ``plan._left_alone``)."""
+    return not tracked or policy.vcpus == "none" or policy.helpers == "none"
+
+
+def _claiming(scope: Scope) -> Scope:
+    """``scope`` widened to read every thread's affinity of a sandbox whose threads are left
+    alone: other sandboxes' plans depend on where those threads run."""
+    if not scope.vmms or (scope.threads is None and scope.affinity):
+        return scope
+    return Scope(True, None, True, scope.guest_maps)
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     sandboxes: tuple[SandboxObs, ...]
@@ -395,6 +409,7 @@ class Observer:
             return SandboxObs(sid, "kata", self._policy(sid), None, errors=(str(err),))
         if vmm is None:
             return SandboxObs(sid, "kata", self._policy(sid), None, notes=("no VMM running",))
+        scope = _claiming(scope)  # its threads are left alone: they hold where they run
         threads = (
             self._vmm_threads_plain(sid, vmm.pid, vmm.start, originals, scope.affinity)
             if scope.reads_threads(sid)
@@ -435,6 +450,8 @@ class Observer:
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
                 policy_source=source, policy_problems=problems,
             )  # fmt: skip
+        if leaves_alone(True, policy):
+            scope = _claiming(scope)
         try:
             vmm, gone, notes = self._vmm(recorded, rec, scope)
         except VmpinError as err:
@@ -450,10 +467,13 @@ class Observer:
     # -- containers ----------------------------------------------------------------------------
     def _container(self, c: ContainerRec, runtime: str, cp: Checkpoint | None) -> ContainerObs:
         kubelet = None
-        if cp and c.pod_uid and c.name:
-            from vmpin.runtimes.kubelet import cpus_for
+        if cp and c.pod_uid and (c.name or cp.by_container_id):
+            from vmpin.runtimes.kubelet import cpus_for, is_infra
 
-            kubelet = cpus_for(cp, c.pod_uid, c.name)
+            # kubelet assigns CPUs to app and init containers only: the infra container has
+            # no answer in the checkpoint (it is not "the shared pool")
+            if not is_infra(c.is_sandbox, c.pod_uid, c.name):
+                kubelet = cpus_for(cp, c.pod_uid, c.name, c.id)
         if runtime != "runc":
             return ContainerObs(c, kubelet_cpus=kubelet)
         from vmpin.linux import cgroups

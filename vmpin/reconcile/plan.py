@@ -28,7 +28,16 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
-from vmpin.reconcile.observe import FULL, ContainerObs, Observation, SandboxObs, Scope, ThreadObs
+from vmpin.reconcile.observe import (
+    FULL,
+    ContainerObs,
+    Observation,
+    SandboxObs,
+    Scope,
+    ThreadObs,
+    leaves_alone,
+)
+from vmpin.runtimes.kubelet import is_infra
 from vmpin.state.store import ContainerRec
 
 TYPE_CHECKING = False
@@ -206,6 +215,52 @@ def refresh(c: ContainerObs, runtime: str) -> tuple[ContainerRec | None, list[Ad
     return rec, out
 
 
+def _own_cpus(rec: ContainerRec) -> CpuSet | None:
+    """The container's CPU set as the node plan counts it.
+
+    An infra (pause) container gets no CPUs from kubelet (:func:`is_infra`): a value adopted
+    from the checkpoint's shared pool by an older vmpin is not its own, so it follows the pool
+    like any container without a set.  A set its runtime gave it (CRI-O's
+    ``infra_ctr_cpuset``) stays: that is where its cgroup is.
+    """
+    if rec.cpus_source == "kubelet" and is_infra(rec.is_sandbox, rec.pod_uid, rec.name):
+        return None
+    return rec.cpus
+
+
+def _left_alone(s: SandboxObs, online: CpuSet) -> CpuSet:
+    """Where the threads of ``s`` that vmpin does not place run now: they hold those CPUs.
+
+    vmpin leaves a thread alone under the vCPU policy ``none`` (its vCPUs), the helper policy
+    ``none`` (the others), and in a VMM it does not track (another pinner's VM): wherever such
+    a thread runs, no other sandbox's vCPU may be pinned 1:1, or the two share a CPU for good
+    and no pass can clear it.  A thread whose affinity is unknown (it could not be read)
+    holds every online CPU.  Observe reads these threads' affinity in every scope
+    (:meth:`vmpin.reconcile.observe.Observer.leaves_alone`), so views plan alike.
+    """
+    if s.vmm is None or not leaves_alone(s.tracked, s.policy):
+        return EMPTY
+    out: list[CpuSet] = []
+    for t in s.vmm.threads:
+        if not s.tracked or (s.policy.vcpus if t.role == "vcpu" else s.policy.helpers) == "none":
+            out.append(t.actual if t.actual is not None else online)
+    return CpuSet.union_all(out)
+
+
+def _mask(recs: list[ContainerRec]) -> CpuSet:
+    """A sandbox's mask: the union of its app and init containers' CPU sets.
+
+    The infra container never widens it: kubelet assigns it nothing, and what its runtime put
+    in its spec (CRI-O's ``infra_ctr_cpuset``: the node's reserved CPUs) is housekeeping, not
+    the pod's.  Counting it made a Guaranteed Kata pod's mask its exclusive CPUs plus the whole
+    shared pool, and its vCPUs floated there.
+    """
+    return CpuSet.union_all(
+        r.cpus for r in recs
+        if r.cpus is not None and not is_infra(r.is_sandbox, r.pod_uid, r.name)
+    )  # fmt: skip
+
+
 # -- the node ------------------------------------------------------------------------------------
 def _pod(s: SandboxObs) -> str:
     if s.record is not None and s.record.pod_uid:
@@ -234,8 +289,9 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
                 forget.append(c.rec.id)
                 continue
             recs.append(rec)
-            desired = rec.cpus if rec.cpus is not None else pool
-            cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else rec.cpus, c))
+            cpus = _own_cpus(rec)
+            desired = cpus if cpus is not None else pool
+            cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else cpus, c))
         live[s.id], cplans[s.id] = recs, cps
 
     # Footprints: where each sandbox's threads may run once this plan is applied.
@@ -246,14 +302,13 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
     # kept off the pod's CPUs while they have CPUs of their own left (runc containers are not
     # moved: their cpuset is kubelet's to decide).
     crane = {
-        s.id: CpuSet.union_all(r.cpus for r in live[s.id] if r.cpus is not None)
-        for s in obs.sandboxes
+        s.id: _mask(live[s.id]) for s in obs.sandboxes
         if s.policy.cpuset == "exclusive" and s.runtime != "runc"
-    }
+    }  # fmt: skip
     crane_others = _Others(crane)
     kept_off: dict[str, CpuSet] = {}
     for s in obs.sandboxes:
-        mask = CpuSet.union_all(r.cpus for r in live[s.id] if r.cpus is not None)
+        mask = _mask(live[s.id])
         off = crane_others.without(s.id)
         if s.runtime != "runc" and mask & off and mask - off:
             kept_off[s.id] = mask & off
@@ -269,9 +324,13 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
             footprint[s.id] = fp if runs else EMPTY
         elif s.vmm is None:
             footprint[s.id] = EMPTY  # nothing runs
+        elif not s.tracked and s.vmm.threads:
+            footprint[s.id] = _left_alone(s, online)  # not vmpin's: where its threads run
         else:
             fp = mask or pool or online
-            footprint[s.id] = (fp - off) or fp
+            fp = (fp - off) or fp
+            held = _left_alone(s, online)
+            footprint[s.id] = fp | held if held else fp
 
     exclusive, conflicts = _claims(obs, live, pods, pool)
     conflicted = {sid for c in conflicts for sid in c.sandboxes()}
@@ -383,9 +442,18 @@ def _claims(
             for cpu in cpus:
                 exclusive.setdefault(cpu, claim)
                 claims.setdefault(cpu, []).append(claim)
+    if obs.checkpoint.by_container_id:  # a v1 checkpoint: entries keyed by container id
+        where = {r.id: (sid, r) for sid, recs in live.items() for r in recs}
+        for cid, cpus in obs.checkpoint.by_container_id.items():
+            sid, rec = where.get(cid, (None, None))
+            pod = pods[sid] if sid is not None else f"container:{cid}"
+            claim = Claim(sid, pod, (rec.name or cid) if rec is not None else cid, "kubelet")
+            for cpu in cpus:
+                exclusive.setdefault(cpu, claim)
+                claims.setdefault(cpu, []).append(claim)
     for sid, recs in live.items():
         for r in recs:
-            if r.cpus is None:
+            if r.cpus is None or is_infra(r.is_sandbox, r.pod_uid, r.name):
                 continue
             claim = Claim(sid, pods[sid], r.name or r.id, "vmpin")
             for cpu in r.cpus - pool:

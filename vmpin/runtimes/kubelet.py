@@ -398,20 +398,49 @@ def _dump_v1(name: str, policy: str, default: str, entries: dict[str, Any] | Non
     )
 
 
-def cpus_for(cp: Checkpoint, pod_uid: str, container_name: str) -> CpuSet | None:
-    """The CPUs kubelet gives a container, or None when the checkpoint does not say.
+#: the container name kubelet gives a pod's infra (pause) container (pkg/kubelet/leaky:
+#: ``PodInfraContainerName``); CRI-O labels its infra container with it.  A Kubernetes
+#: container name is a DNS label (lowercase), so no app or init container can be called this.
+INFRA_NAME = "POD"
 
+
+def is_infra(is_sandbox: bool, pod_uid: str | None, name: str | None) -> bool:
+    """A pod's infra (pause) container, however its runtime names it.
+
+    kubelet's CPU manager assigns CPUs to a pod's app and init containers only (its policy's
+    ``Allocate`` runs per ``v1.Container`` of the pod spec, and the checkpoint is keyed by
+    their names); the infra container is not one of them.  CRI-O names it ``POD``
+    (``io.kubernetes.container.name``, ContainerType ``sandbox``); containerd marks it
+    ``container-type: sandbox`` and gives it no container name.  Either way it is the
+    sandbox container of a pod (a pod uid).  A plain ``runc run`` container is its own
+    sandbox too, but has no pod uid: it is a workload, not an infra container.
+    """
+    return name == INFRA_NAME or (is_sandbox and bool(pod_uid))
+
+
+def cpus_for(
+    cp: Checkpoint, pod_uid: str, container_name: str | None, container_id: str | None = None
+) -> CpuSet | None:
+    """The CPUs kubelet gives a pod's app or init container, or None when the checkpoint does
+    not say.  Never ask it for an infra container (:func:`is_infra`): kubelet gives that none.
+
+    - a v1 entry for the container's id (kubelet < 1.12 keyed entries by container id):
+      its exclusive CPUs;
     - an entry for (pod uid, container name): its exclusive CPUs;
     - a pod-level entry (``podEntries``) for the pod: the pod's CPUs, which its containers
       without an exclusive assignment of their own share;
     - otherwise, under the static policy, ``defaultCpuSet``: the shared pool every container
       without an exclusive assignment runs on (the caller vouches that this is a pod's
-      container: the checkpoint lists only the exclusive ones, so it cannot tell a shared
-      container from one it never heard of);
+      app or init container: the checkpoint lists only the exclusive ones, so it cannot tell
+      a shared container from one it never heard of);
     - under any other policy ("none"), or when the shared pool is empty (kubelet has not
       initialised it): None, kubelet pins nothing and vmpin should not invent a set.
     """
-    exclusive = cp.entries.get(pod_uid, {}).get(container_name)
+    if container_id and cp.by_container_id:
+        by_id = cp.by_container_id.get(container_id)
+        if by_id:
+            return by_id
+    exclusive = cp.entries.get(pod_uid, {}).get(container_name) if container_name else None
     if exclusive:
         return exclusive
     pod = cp.pods.get(pod_uid)

@@ -72,8 +72,25 @@ class Ctx:
         return Store(self.paths.state_dir)
 
     def reader(self) -> Store:
-        """The store for read-only commands: never written; missing state is an error."""
-        return Store.open_readonly(self.paths.state_dir)
+        """The store for read-only commands: never written.
+
+        The node's state dir (the default one, or any that exists) holding nothing yet is a
+        fresh node: the views show the host with nothing tracked, and one line on stderr says
+        why.  A state dir named by hand that does not exist is an error (a typo must not read
+        as an empty node)."""
+        from vmpin.linux.paths import DEFAULTS
+
+        where = self.paths.state_dir
+        fresh = where == DEFAULTS["state_dir"] or os.path.isdir(where)
+        store = Store.open_readonly(where, fresh=fresh)
+        if store.fresh:
+            print(
+                f"vmpin: nothing recorded at {where} yet (no hook, update or pass has run on"
+                " this node): showing the host alone; install the hooks (docs/hooks.md) or"
+                " start the agent",
+                file=sys.stderr,
+            )
+        return store
 
     def domains(self) -> LibvirtDomains | None:
         """The libvirt domains on the configured connections (None: libvirt is off, or, for a

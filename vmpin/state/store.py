@@ -281,6 +281,8 @@ class Store:
         self._masks_key: tuple[int, int] | None = None
         #: opened by :meth:`open_readonly`: nothing in the state dir is to be written
         self.readonly = False
+        #: a read-only view of a node where vmpin has recorded nothing yet (empty, in memory)
+        self.fresh = False
         try:
             self.db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
             self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
@@ -337,22 +339,33 @@ class Store:
             pass
 
     @classmethod
-    def open_readonly(cls, state_dir: str, *, timeout: float = 30.0) -> Store:
+    def open_readonly(
+        cls, state_dir: str, *, timeout: float = 30.0, fresh: bool = False
+    ) -> Store:
         """Open existing state for reading only: no directory, file, schema or journal write.
 
-        Read-only commands use this, so that ``state.db`` stays byte-identical; a state dir
-        holding neither a database nor a journal is an error for them, not a new empty store.
+        Read-only commands use this, so that ``state.db`` stays byte-identical.  A state dir
+        holding neither a database nor a journal is a fresh node when ``fresh`` (the caller
+        knows it is the node's own state dir, not a mistyped one): an empty store in memory,
+        with :attr:`fresh` set so the command can say so; otherwise a :class:`StateError`
+        that says what is missing and what would create it.
         SQLite's ``mode=ro`` connection never checkpoints the WAL into the database file.
         Events the hooks journaled and no writer applied yet are applied to an in-memory
         copy (SQLite's backup API), leaving the journal files for the next writer.
         """
         path = os.path.join(state_dir, "state.db")
         pending = journal.pending(state_dir) if os.path.isdir(state_dir) else []
-        if not os.path.isfile(path) and not pending:
-            raise StateError(f"no vmpin state at {state_dir}")
+        empty = not os.path.isfile(path) and not pending
+        if empty and not fresh:
+            raise StateError(
+                f"no vmpin state at {state_dir}: no hook, update, reconcile or agent has"
+                " written there (check --state-dir / VMPIN_STATE_DIR; on a new node, install"
+                " the hooks or run `vmpin reconcile --once`)"
+            )
         self = cls.__new__(cls)
         self.state_dir, self.path, self._depth = state_dir, path, 0
         self.readonly = True
+        self.fresh = empty
         self._masks = MappingProxyType({})
         self._masks_key = None
         try:
