@@ -119,6 +119,21 @@ def test_annotation_change_through_the_api(
             )
             rep = sandbox_report(server, node)
             assert rep["mode"] == "float" and rep["policy"]["source"] == "api"
+
+            # one policy truth (issue 25): the CLI, with no API access of its own, plans with
+            # the policy the agent recorded from the API -- audit finds no drift, reconcile
+            # --once moves nothing back to 1:1, show says where the policy came from
+            audit = run_cli(env, "audit", "--json")
+            assert audit.returncode == 0, audit.stdout + audit.stderr
+            assert json.loads(audit.stdout)["violations"] == []
+            once = run_cli(env, "reconcile", "--once", "--json")
+            assert once.returncode == 0, once.stderr
+            assert [r["repaired"] for r in json.loads(once.stdout)] == [0], once.stdout
+            assert floating(q), vcpu_affinity(q)
+            shown = json.loads(run_cli(env, "show", s, "--json").stdout)
+            assert shown["mode"] == "float"
+            assert shown["policy"]["vcpus"] == "float" and shown["policy"]["source"] == "api"
+            assert shown["policy"]["recorded_at"] is not None
             assert rep["pod"] == {"namespace": "default", "name": pod, "uid": f"uid-{s}"}
 
             out = run_cli({**env, "VMPIN_KUBECONFIG": str(kubeconfig)}, "cluster", "--json")

@@ -519,3 +519,24 @@ def test_read_only_open_of_an_awkward_path(tmp_path: Path, name: str) -> None:
         assert [r.id for r in ro.sandboxes()] == ["sb1"]
     finally:
         ro.close()
+
+
+def test_policy_inputs_are_recorded_with_source_and_time(store: Store) -> None:
+    """Every policy input lives in the store (issue 25): the specs' per sandbox, the API's per
+    pod uid, each with when it was recorded; an older vmpin's bare map still reads."""
+    from vmpin.state.store import API_POLICY_META, POLICY_META
+
+    store.set_meta(POLICY_META + "old", '{"vmpin.io/vcpus": "float"}')  # before issue 25
+    store.set_meta(POLICY_META + "edited", "{not json")
+    store.record_api_policies({"uid-a": {"vmpin.io/vcpus": "none"}, "uid-b": {}})
+    oci, api = store.policy_records()
+    assert oci["old"].annotations == {"vmpin.io/vcpus": "float"} and oci["old"].at is None
+    assert oci["edited"].annotations == {}  # a hand edit: the node's policy, not a crash
+    assert api["uid-a"].annotations == {"vmpin.io/vcpus": "none"} and api["uid-a"].source == "api"
+    assert api["uid-a"].at is not None and api["uid-b"].annotations == {}
+    store.record_api_policies({"uid-a": None})
+    assert set(store.policy_records()[1]) == {"uid-b"}
+    assert store.meta(API_POLICY_META + "uid-a") is None
+    with pytest.raises(IdError):  # a pod uid is checked as any id the store keeps
+        store.record_api_policies({"../../x": {}})
+    assert set(store.policy_records()[1]) == {"uid-b"}  # and nothing was written

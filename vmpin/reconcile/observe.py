@@ -35,12 +35,16 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Container, Mapping, Sequence
+    from collections.abc import Container, Mapping, Sequence
     from dataclasses import dataclass, field
 
     from vmpin.linux.cgroups import CgroupRef
     from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
+    from vmpin.state.store import PolicyRecord
+
+    #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
+    _PolicyRecords = tuple[Mapping[str, PolicyRecord], Mapping[str, PolicyRecord]]
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     from vmpin.core._lean import dataclass, field
@@ -134,6 +138,8 @@ class SandboxObs:
     #: pod's annotations that could not be used
     policy_source: str = "node"
     policy_problems: tuple[str, ...] = ()
+    #: when that source's annotations were recorded in the store (None: node, or not known)
+    policy_at: float | None = None
 
     @property
     def tracked(self) -> bool:
@@ -275,9 +281,6 @@ class Observer:
         self.policy_for = dict(policy_for or {})
         self.qmp_timeout = qmp_timeout
         self._checkpoint_reader: CheckpointReader | None = None
-        #: pod uid -> the pod's annotations from the Kubernetes API (None: not seen there);
-        #: set by the agent when the API is configured
-        self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
         #: the last full observation's sandboxes by id (see observe)
         self._last: dict[str, SandboxObs] = {}
         #: (store, its version and the scope's reads, what was read): see _read_store
@@ -287,7 +290,7 @@ class Observer:
                 tuple[tuple[int, int], bool, bool],
                 _Recorded,
                 list[SandboxRec],
-                Mapping[str, Mapping[str, str]],
+                _PolicyRecords,
             ]
             | None
         ) = None
@@ -314,9 +317,9 @@ class Observer:
         from vmpin.reconcile.podpolicies import PodPolicies
 
         checkpoint, cp_error = self.checkpoint()
-        recorded, sandboxes, annotations = self._read_store(store, scope)
+        recorded, sandboxes, (oci, api) = self._read_store(store, scope)
         originals = recorded.originals
-        policies = PodPolicies(store, self.policy, self.api_annotations, recorded=annotations)
+        policies = PodPolicies(self.policy, oci, api)
         out: list[SandboxObs] = []
         seen: set[str] = set()
         # A sandbox observed as the last full pass saw it is given as that very object: the
@@ -349,7 +352,7 @@ class Observer:
 
     def _read_store(
         self, store: Store, scope: Scope
-    ) -> tuple[_Recorded, list[SandboxRec], Mapping[str, Mapping[str, str]]]:
+    ) -> tuple[_Recorded, list[SandboxRec], _PolicyRecords]:
         """The store's tables a pass reads, read again only when the store has changed
         (:meth:`Store.version`; an idle node's passes find it unchanged).  What is returned
         is only read, never changed, by the pass (the VMM-thread scan of ``vhost`` is the
@@ -367,12 +370,12 @@ class Observer:
                 key,
                 _Recorded.read(store, scope),
                 store.sandboxes(),
-                store.all_policy_annotations(),
+                store.policy_records(),
             )
             self._store_memo = memo
-        _, _, rec, sandboxes, annotations = memo
+        _, _, rec, sandboxes, policies = memo
         fresh = _Recorded(rec.containers, rec.threads, rec.missing, rec.originals)
-        return fresh, sandboxes, annotations
+        return fresh, sandboxes, policies
 
     def _vm_dir_ids(self, tracked: Container[str] = ()) -> list[str]:
         """The sandbox dirs in the VM dir, but for ``tracked`` ones (observed from the store:
@@ -440,15 +443,16 @@ class Observer:
         containers = tuple(
             self._container(c, runtime, cp) for c in recorded.containers.get(rec.id, ())
         )
+        at: float | None = None
         if rec.id in self.policy_for:
             policy, source, problems = self.policy_for[rec.id], "node", tuple[str, ...]()
         else:
-            r = policies.resolve(rec.id, rec.pod_uid, lookup=False)
-            policy, source, problems = r.policy, r.source, tuple(r.problems)
+            r = policies.resolve(rec.id, rec.pod_uid)
+            policy, source, problems, at = r.policy, r.source, tuple(r.problems), r.at
         if runtime != "kata" or not scope.vmms:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
-                policy_source=source, policy_problems=problems,
+                policy_source=source, policy_problems=problems, policy_at=at,
             )  # fmt: skip
         if leaves_alone(True, policy):
             scope = _claiming(scope)
@@ -458,10 +462,11 @@ class Observer:
             return SandboxObs(
                 rec.id, runtime, policy, rec, containers, became_kata=became_kata,
                 errors=(str(err),), policy_source=source, policy_problems=problems,
+                policy_at=at,
             )  # fmt: skip
         return SandboxObs(
             rec.id, runtime, policy, rec, containers, vmm, gone, became_kata, tuple(notes),
-            policy_source=source, policy_problems=problems,
+            policy_source=source, policy_problems=problems, policy_at=at,
         )  # fmt: skip
 
     # -- containers ----------------------------------------------------------------------------

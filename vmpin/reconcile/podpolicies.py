@@ -1,68 +1,60 @@
-"""Which policy each sandbox is planned with: its pod's, else the node's.
+"""Which policy each sandbox is planned with: its pod's, else the node's -- from the store only.
 
-A pod's policy annotations (the vocabulary: :mod:`vmpin.core.podpolicy`) come from two places:
-live from the Kubernetes API when the agent watches its pods (``api_annotations``, by pod
-uid), and from the OCI specs the hooks saw at create (kept per sandbox in the store).  The
-live view wins: it is what the operator set last.  A sandbox whose pod set nothing is
-planned with the node's policy.  Reading only: the store is not written here.
+A pod's policy annotations (the vocabulary: :mod:`vmpin.core.podpolicy`) come from two places,
+both recorded in the store with their source and time (:class:`vmpin.state.store.PolicyRecord`):
+the OCI specs the hooks saw at create (per sandbox, source ``oci``), and the pod as the
+Kubernetes API shows it (per pod uid, source ``api``), which the agent records before each
+pass.  The API's wins: it is what the operator set last (an API record with no policy key
+means the operator removed them: the node's policy, whatever the specs said).  A sandbox whose
+pod set nothing is planned with the node's policy.
+
+Every process -- a hook, ``audit``, ``reconcile --once``, the agent -- resolves from these
+records alone, so all of them plan with the same facts (issue 25: policy set through the API
+lived only in the agent, ``audit`` called the agent's choice drift and ``reconcile --once``
+reverted it).  Reading only: the store is not written here.
 """
 
 from __future__ import annotations
 
 from vmpin.core.planner import Policy
 from vmpin.core.podpolicy import policy_for
-from vmpin.state.store import Store
+from vmpin.state.store import PolicyRecord
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
 
 class Resolved:
-    __slots__ = ("policy", "problems", "source")
+    __slots__ = ("at", "policy", "problems", "source")
 
-    def __init__(self, policy: Policy, source: str, problems: list[str]) -> None:
-        #: source: node | oci | api
-        self.policy, self.source, self.problems = policy, source, problems
+    def __init__(
+        self, policy: Policy, source: str, problems: list[str], at: float | None = None
+    ) -> None:
+        #: source: node | oci | api; at: when that source's annotations were recorded
+        self.policy, self.source, self.problems, self.at = policy, source, problems, at
 
 
 class PodPolicies:
-    """sandbox id -> :class:`Policy`; ``get`` makes it usable where a mapping is expected."""
+    """sandbox id (and its pod uid) -> :class:`Resolved`, from the records of one store read."""
 
     def __init__(
         self,
-        store: Store,
         default: Policy,
-        api_annotations: Callable[[str], Mapping[str, str] | None] | None = None,
-        *,
-        recorded: Mapping[str, Mapping[str, str]] | None = None,
+        oci: Mapping[str, PolicyRecord],
+        api: Mapping[str, PolicyRecord],
     ) -> None:
-        self.store = store
         self.default = default
-        self.api_annotations = api_annotations
-        #: every sandbox's recorded OCI annotations, read once (a node pass resolves every
-        #: sandbox: one store query each made it grow with the node); None = ask the store
-        self.recorded = recorded
+        #: by sandbox id, from the specs
+        self.oci = oci
+        #: by pod uid, from the Kubernetes API
+        self.api = api
 
-    def resolve(
-        self, sandbox_id: str, pod_uid: str | None = None, *, lookup: bool = True
-    ) -> Resolved:
-        """The sandbox's policy; ``lookup=False``: ``pod_uid`` is already the recorded one."""
-        if pod_uid is None and lookup and self.api_annotations is not None:
-            rec = self.store.sandbox(sandbox_id)
-            pod_uid = rec.pod_uid if rec is not None else None
-        ann = self.api_annotations(pod_uid) if self.api_annotations and pod_uid else None
-        source = "api"
-        if ann is None:
-            source = "oci"
-            if self.recorded is not None:
-                ann = self.recorded.get(sandbox_id) or {}
-            else:
-                ann = self.store.policy_annotations(sandbox_id)
-        if not ann:
-            return Resolved(self.default, "node", [])
-        policy, problems = policy_for(ann, self.default)
-        return Resolved(policy, source, [str(p) for p in problems])
-
-    def get(self, sandbox_id: str, default: Policy | None = None) -> Policy:
-        return self.resolve(sandbox_id).policy
+    def resolve(self, sandbox_id: str, pod_uid: str | None) -> Resolved:
+        rec = self.api.get(pod_uid) if pod_uid else None
+        if rec is None:
+            rec = self.oci.get(sandbox_id)
+        if rec is None or not rec.annotations:
+            return Resolved(self.default, "node", [], rec.at if rec else None)
+        policy, problems = policy_for(rec.annotations, self.default)
+        return Resolved(policy, rec.source, [str(p) for p in problems], rec.at)

@@ -27,7 +27,7 @@ from vmpin.state.store import SandboxRec, Store
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable
     from typing import Any
 
     from vmpin.core.planner import Policy
@@ -93,10 +93,6 @@ class Reconciler:
         #: libvirt domains (vmpin.reconcile.domains), observed and applied beside the store's
         self.domains = domains
         self._observer: Observer | None = None
-        #: pod uid -> the pod's annotations from the Kubernetes API (None = not known there);
-        #: the agent sets it when the API is configured, else the OCI annotations the hooks
-        #: recorded are used (vmpin.reconcile.podpolicies)
-        self.api_annotations: Callable[[str], Mapping[str, str] | None] | None = None
         #: the last pass's plan (the agent's metrics and logs read its conflicts)
         self.last_plan: NodePlan | None = None
         #: a list: the guest maps a pass would publish are kept there for the caller to
@@ -165,7 +161,6 @@ class Reconciler:
     # -- the pass ------------------------------------------------------------------------
     def observe(self, scope: Scope | None = None) -> Observation:
         """The node now; a read-only view may narrow it (``scope``, see observe.Scope)."""
-        self.observer.api_annotations = self.api_annotations
         if scope is None:
             return self.observer.observe(self.store)
         return self.observer.observe(self.store, scope)

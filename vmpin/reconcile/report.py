@@ -103,6 +103,24 @@ class SandboxReport:
         self.policy: Policy | None = None
         self.policy_source = "node"
         self.policy_problems: list[str] = []
+        #: when the policy's source recorded it in the store (None: the node's, or unknown)
+        self.policy_at: float | None = None
+
+    def policy_json(self) -> dict[str, Any] | None:
+        """The policy in effect and where it came from, as ``show`` prints it."""
+        p = self.policy
+        if p is None:
+            return None
+        return {
+            "vcpus": p.vcpus,
+            "helpers": p.helpers,
+            "housekeeping": p.housekeeping.to_list() or None,
+            "guest": p.guest,
+            "cpuset": p.cpuset or None,
+            "source": self.policy_source,
+            "recorded_at": self.policy_at,
+            "problems": self.policy_problems,
+        }
 
     @property
     def changed(self) -> int:
@@ -117,6 +135,7 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
     report.mask, report.mode, report.reason = sp.mask, sp.mode, sp.reason
     report.policy, report.policy_source = s.policy, s.policy_source
     report.policy_problems = list(s.policy_problems)
+    report.policy_at = s.policy_at
     report.containers = [c.rec for c in sp.containers]
     report.plan, report.guest_map, report.vanished = sp.plan, sp.guest_map, sp.vanished
     report.notes = list(sp.notes)

@@ -72,6 +72,20 @@ class ThreadView(View):
     error: Optional[str] = None
 
 
+class PolicyView(View):
+    vcpus: str
+    helpers: str
+    housekeeping: CpuList
+    guest: str
+    cpuset: Optional[str]
+    source: Literal["node", "oci", "api"] = Field(
+        description="node: the node's settings; oci: the pod's annotations as its specs carry"
+        " them; api: the pod's annotations in the Kubernetes API (recorded by the agent)"
+    )
+    recorded_at: Optional[float] = Field(description="when the source was recorded (epoch s)")
+    problems: list[str]
+
+
 class ShowView(View):
     id: str
     runtime: str
@@ -81,6 +95,7 @@ class ShowView(View):
     reason: str
     threads: list[ThreadView]
     guest_map: Optional[dict[str, Any]]
+    policy: Optional[PolicyView] = None
 
 
 class GuestMapView(View):

@@ -224,6 +224,10 @@ class Agent:
         self._snapshot_cache: tuple[tuple[float, int], Snapshot] | None = None
         #: the Kubernetes link (vmpin.service.kube) when the API is configured
         self.kube: KubeLink | None = None
+        #: the pods' policy annotations as last recorded in the store (planner thread only;
+        #: None until the first pass reads them), and the link's version they came from
+        self._api_policies: dict[str, dict[str, str]] | None = None
+        self._api_policy_version = -1
         self.metrics.track_state(self._snapshot)
         self.metrics.track_queue(self.queue.depth, self.queue.running)
         self.metrics.track_journal(
@@ -610,8 +614,6 @@ class Agent:
             # writes reach the disk with the checkpoint after it (_settle)
             store.defer_durability()
             reconciler = self.reconciler_factory(store)
-            # the live pod's annotations win over the OCI ones (once the API is attached)
-            reconciler.api_annotations = self._api_annotations
             # a replaced guest map is freed after the pass's answers, not in its rename
             # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
             reconciler.held_maps = []
@@ -720,9 +722,39 @@ class Agent:
         self.store_error = str(err)
         self.metrics.errors.labels("internal").inc()
 
-    def _api_annotations(self, pod_uid: str) -> Mapping[str, str] | None:
+    def _record_api_policies(self, store: Store) -> None:
+        """The pods' policy annotations as the Kubernetes API shows them, into the store
+        when they changed since the last pass: every process then plans with them (issue 25:
+        they lived in the agent alone; ``audit`` called its choice drift and ``reconcile
+        --once`` reverted it)."""
         kube = self.kube
-        return None if kube is None else kube.annotations_for(pod_uid)
+        if kube is None:
+            return
+        shown = kube.policies(self._api_policy_version)
+        if shown is None:
+            return  # not listed yet, or nothing changed since the last pass
+        version, policies = shown
+        if self._api_policies is None:
+            self._api_policies = {
+                uid: dict(r.annotations) for uid, r in store.policy_records()[1].items()
+            }
+        known = self._api_policies
+        changes: dict[str, Mapping[str, str] | None] = {
+            uid: ann for uid, ann in policies.items() if known.get(uid) != ann
+        }
+        changes.update({uid: None for uid in known if uid not in policies})
+        if changes:
+            try:
+                store.record_api_policies(changes)
+            except StateError as err:
+                self._store_failed(err)
+                return
+            for uid, ann in changes.items():
+                if ann is None:
+                    known.pop(uid, None)
+                else:
+                    known[uid] = dict(ann)
+        self._api_policy_version = version
 
     def _ingest(self, store: Store, durable: bool = True) -> None:
         """Apply the journal; a store that cannot be written (read-only, full) is logged and
@@ -755,6 +787,7 @@ class Agent:
         t0 = time.monotonic()
         # once per pass: a plain container's hook journals its event and only notifies us
         self._ingest(store, durable=False)
+        self._record_api_policies(store)
         # each sandbox's generation before the pass (for drift), in one read
         recs = {rec.id: rec for rec in store.sandboxes()}
         ids = [w.sandbox_id for w in batch]

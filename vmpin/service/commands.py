@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, VmpinError
@@ -371,6 +372,7 @@ def show_json(r: SandboxReport) -> dict[str, Any]:
         "layers": r.layers,
         "threads": [t.to_json() for t in r.threads],
         "guest_map": r.guest_map,
+        "policy": r.policy_json(),
         "containers": [{"id": k.id, "name": k.name, "cpus": cpus(k.cpus)} for k in r.containers],
         "notes": r.notes,
         "errors": r.errors,
@@ -401,6 +403,13 @@ def _one(c: Ctx, sandbox: str) -> SandboxReport:
         return report
 
 
+_POLICY_SOURCES = {
+    "node": "the node's settings",
+    "oci": "the pod's annotations in its containers' specs",
+    "api": "the pod's annotations in the Kubernetes API",
+}
+
+
 def show(c: Ctx, sandbox: str, as_json: bool) -> int:
     r = _one(c, sandbox)
     if as_json:
@@ -411,6 +420,17 @@ def show(c: Ctx, sandbox: str, as_json: bool) -> int:
         f"mask {r.mask.to_list() or '-'}"
     )
     echo(f"plan    {r.mode}: {r.reason}")
+    pol = r.policy_json()
+    if pol is not None:
+        settings = ", ".join(
+            f"{k} {pol[k]}" for k in ("vcpus", "helpers", "guest", "cpuset") if pol[k]
+        )
+        since = ""
+        if pol["recorded_at"] is not None:
+            since = time.strftime(" %Y-%m-%dT%H:%M:%SZ", time.gmtime(pol["recorded_at"]))
+        echo(f"policy  {settings} (from {_POLICY_SOURCES[pol['source']]}{since})")
+        for problem in pol["problems"]:
+            echo(f"        {problem}")
     if r.layers:
         echo(f"threads classified by: {', '.join(r.layers)}")
     table(

@@ -71,6 +71,10 @@ class KubeLink:
         self._seen: set[str] = set()
         #: pod uid -> monotonic time its policy annotations last changed (for re-plan latency)
         self.changed_at: dict[str, float] = {}
+        #: bumped (under ``_lock``) when a pod's policy annotations change, a pod goes, or a
+        #: list completes: the agent records the policies again only then
+        self._policy_version = 0
+        self._listed = False
         self.replans = 0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -89,6 +93,17 @@ class KubeLink:
             pod = self._pods.get(pod_uid)
         return None if pod is None else pod.annotations
 
+    def policies(self, since: int) -> tuple[int, dict[str, dict[str, str]]] | None:
+        """Every pod's policy annotations (pod uid -> the ``vmpin.io/`` and Crane keys it
+        has, maybe none) with the version they are at; None before the first list completes
+        (the API has not said which pods exist) or when nothing changed since ``since``."""
+        with self._lock:
+            if not self._listed or self._policy_version == since:
+                return None
+            return self._policy_version, {
+                uid: _policy_annotations(pod) or {} for uid, pod in self._pods.items()
+            }
+
     def _on_pod(self, kind: str, pod: Pod) -> None:
         with self._lock:
             old = self._pods.get(pod.uid)
@@ -96,10 +111,12 @@ class KubeLink:
                 self._pods.pop(pod.uid, None)
             else:
                 self._pods[pod.uid] = pod
+            before, after = _policy_annotations(old), _policy_annotations(pod)
+            if kind == "DELETED" or before != after:
+                self._policy_version += 1
         if kind == "DELETED":
             self.events.forget(pod.uid)
             return
-        before, after = _policy_annotations(old), _policy_annotations(pod)
         if before == after:
             return
         _, problems = parse(after or {})
@@ -118,6 +135,8 @@ class KubeLink:
             gone = [u for u in self._pods if u not in uids]
             for u in gone:
                 del self._pods[u]
+            self._listed = True
+            self._policy_version += 1
         for u in gone:
             self.events.forget(u)
 

@@ -33,6 +33,8 @@ from vmpin.wire import jsonio as json  # json without re: the hook reaches this 
 
 #: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
 POLICY_META = "podpolicy:"
+#: meta key prefix of a pod's policy annotations as the Kubernetes API showed them (by pod uid)
+API_POLICY_META = "podpolicy-api:"
 
 #: types.MappingProxyType, without importing types (vmpin.state.sqlite: a hook that opens the
 #: store loads neither functools nor the modules it pulls in)
@@ -149,6 +151,39 @@ class ContainerRec(NamedTuple):
     kubelet_seen: str | None = None
     created_at: float = 0.0
     updated_at: float = 0.0
+
+
+class PolicyRecord(NamedTuple):
+    """A pod's policy annotations as one source gave them, and when vmpin recorded them."""
+
+    annotations: Mapping[str, str]
+    source: str  # oci (the hooks, from the specs) | api (the agent, from the Kubernetes API)
+    at: float | None = None
+
+
+def _policy_json(annotations: Mapping[str, str], at: float) -> str:
+    return json.dumps({"annotations": dict(annotations), "at": round(at, 3)}, sort_keys=True)
+
+
+def policy_record(raw: str, source: str) -> PolicyRecord:
+    """A recorded policy input; the bare annotation map older vmpins wrote reads with no time.
+
+    A value that is not what vmpin writes (a hand edit) reads as no annotations: the node's
+    policy applies to that pod, and the store stays readable.
+    """
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return PolicyRecord({}, source)
+    if not isinstance(doc, dict):
+        return PolicyRecord({}, source)
+    inner = doc.get("annotations")
+    if isinstance(inner, dict):
+        at = doc.get("at")
+        ann, when = inner, float(at) if isinstance(at, (int, float)) else None
+    else:
+        ann, when = doc, None
+    return PolicyRecord({k: v for k, v in ann.items() if isinstance(v, str)}, source, when)
 
 
 class SandboxRec(NamedTuple):
@@ -507,8 +542,8 @@ class Store:
     def _keep_policy_annotations(self, sandbox_id: str, annotations: Mapping[str, str]) -> None:
         """Record a sandbox's per-pod policy annotations as its containers' specs carry them.
 
-        containerd's ``pod_annotations`` / CRI-O's ``allowed_annotations`` pass the pod's
-        annotations into the OCI spec (hooks/); vmpin.core.podpolicy reads them.  Later
+        containerd's ``pod_annotations`` passes the pod's annotations into the OCI spec
+        (hooks/), and CRI-O copies them there itself; vmpin.core.podpolicy reads them.  Later
         containers' annotations add to the sandbox's, they never remove: a pod's annotations
         are the same in every one of its containers' specs.
         """
@@ -519,21 +554,51 @@ class Store:
             return
         key = POLICY_META + sandbox_id
         old = self.meta(key)
-        merged = {**(json.loads(old) if old else {}), **ours}
-        self.set_meta(key, json.dumps(merged, sort_keys=True))
+        before = policy_record(old, "oci").annotations if old else {}
+        merged = {**before, **ours}
+        if merged != before or old is None:
+            self.set_meta(key, _policy_json(merged, time.time()))
 
     def policy_annotations(self, sandbox_id: str) -> dict[str, str]:
         """The per-pod policy annotations recorded from the sandbox's OCI specs (may be {})."""
         raw = self.meta(POLICY_META + sandbox_id)
-        return dict(json.loads(raw)) if raw else {}
+        return dict(policy_record(raw, "oci").annotations) if raw else {}
 
-    def all_policy_annotations(self) -> dict[str, dict[str, str]]:
-        """:meth:`policy_annotations` of every sandbox that has some, in one query."""
-        return {
-            key.removeprefix(POLICY_META): dict(json.loads(raw))
+    def policy_records(self) -> tuple[dict[str, PolicyRecord], dict[str, PolicyRecord]]:
+        """Every recorded policy input, in two queries: the OCI specs' by sandbox id, and the
+        Kubernetes API's by pod uid (what every process plans from: issue 25)."""
+        oci = {
+            key.removeprefix(POLICY_META): policy_record(raw, "oci")
             for key, raw in self.meta_prefix(POLICY_META)
             if raw
         }
+        api = {
+            key.removeprefix(API_POLICY_META): policy_record(raw, "api")
+            for key, raw in self.meta_prefix(API_POLICY_META)
+            if raw
+        }
+        return oci, api
+
+    def record_api_policies(self, changes: Mapping[str, Mapping[str, str] | None]) -> None:
+        """Record pods' policy annotations as the Kubernetes API shows them now (pod uid ->
+        annotations; None: the API no longer has the pod), in one transaction.
+
+        The agent writes them, so that ``audit``, ``reconcile --once`` and the hooks plan with
+        the policy the operator set through the API, not only the agent (issue 25: the
+        agent's choice read as drift, and ``reconcile --once`` reverted it).
+        """
+        now = time.time()
+        rows = []
+        gone = []
+        for uid, shown in changes.items():
+            check_id(uid, "pod uid")
+            if shown is None:
+                gone.append((API_POLICY_META + uid,))
+            else:
+                rows.append((API_POLICY_META + uid, _policy_json(shown, now)))
+        with self.transaction() as db:
+            db.executemany("DELETE FROM meta WHERE key=?", gone)
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?,?)", rows)
 
     def _forget(self, ev: dict[str, Any]) -> str | None:
         """poststop: forget the container the event is about (see :meth:`_resolve`)."""
