@@ -101,10 +101,10 @@ def test_infra_cpus_from_an_older_vmpin_or_crio_never_widen_the_mask() -> None:
     for infra_cpus, source in (("0-1,6-111", "kubelet"), ("0-1", "spec")):
         ctrs = (
             ContainerObs(ContainerRec("g", "g", True, "POD", "uid-g", cpus=cs(infra_cpus),
-                                      cpus_source=source)),  # fmt: skip
+                                      cpus_source=source)),
             ContainerObs(ContainerRec("g-app", "g", False, "app", "uid-g", cpus=cs("2-5"),
                                       cpus_source="kubelet", kubelet_seen="2-5"),
-                         kubelet_cpus=cs("2-5")),  # fmt: skip
+                         kubelet_cpus=cs("2-5")),
         )
         g = SandboxObs("g", "kata", Policy(), SandboxRec("g", "kata", 100, 1, pod_uid="uid-g"),
                        ctrs, VmmObs(100, 1, tuple(threads)))  # fmt: skip
