@@ -99,6 +99,30 @@ def test_container_lifecycle(runc: RuncSession, env: dict[str, str]) -> None:
     assert json.loads(vmpin(env, "sandboxes", "--json").stdout) == []
 
 
+def test_drift_after_a_cpuless_runc_update_is_repaired(
+    runc: RuncSession, env: dict[str, str]
+) -> None:
+    """``runc update`` without ``--cpuset-cpus`` leaves ``cpuset_cpus: ""`` in runc's state;
+    a hand edit of the cgroup after it is drift, not runc's word (issue 26: vmpin took the
+    cgroup as runc's value, adopted the edit as ``source runc`` and audit exited 0)."""
+    cid = new_id("vmpin-e2e-l")
+    pid = runc.run(cid, cpus="1")
+    runc.cmd("update", "--memory", "64M", cid)
+    assert runc.state(cid)["status"] == "running"
+    vmpin(env, "reconcile", "--once")
+    assert containers(env)[cid]["cpus"] == "1" and cgroup_cpus(cid) == "1"
+
+    Path(f"/sys/fs/cgroup/cpuset/{cid}/cpuset.cpus").write_text("0-1")
+    audit = vmpin(env, "audit", "--json", check=False)
+    assert audit.returncode == 1, audit.stdout
+    assert {v["kind"] for v in json.loads(audit.stdout)["violations"]} == {"drift"}
+    vmpin(env, "reconcile", "--once")
+    assert cgroup_cpus(cid) == "1" and allowed(pid) == "1"
+    listed = containers(env)[cid]
+    assert (listed["cpus"], listed["cpus_source"]) == ("1", "spec")
+    assert vmpin(env, "audit").returncode == 0
+
+
 def test_container_gone_without_poststop_is_forgotten(
     runc: RuncSession, env: dict[str, str], paths: HostPaths
 ) -> None:

@@ -201,8 +201,9 @@ def refresh(c: ContainerObs, runtime: str) -> tuple[ContainerRec | None, list[Ad
     if runtime == "runc":
         if c.alive is False and c.runc_cpus is None:
             return None, out
-        if c.runc_cpus is not None and c.error is None:
-            want = CpuSet.parse(c.runc_cpus) if c.runc_cpus else None
+        if c.runc_cpus and c.error is None:
+            # ("" = runc's state holds no cpuset: runc says nothing, there is nothing to adopt)
+            want = CpuSet.parse(c.runc_cpus)
             a = adopt(rec, "runc", "runtime_seen", c.runc_cpus, want)
             if a.adopt or rec.runtime_seen != a.seen:
                 out.append(a)

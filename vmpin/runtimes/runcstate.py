@@ -23,12 +23,15 @@ The CPU list is at ``config.cgroups.cpuset_cpus``: runc's ``configs.Cgroup`` emb
 effect of runc 1.1, resets ``cpuset_mems`` to ``""`` when ``--cpuset-mems`` is not given; the
 cgroup's own cpuset.mems stays).
 
-``""`` does not mean "no CPU set": ``runc update --memory 64M CTR`` (any update without
-``--cpuset-cpus``) rewrites the state with ``cpuset_cpus: ""`` while the cgroup keeps its CPUs
-(runc skips empty fields when writing the cgroup), and a container created without a cpuset
-inherited its parent's.  Either way the cgroup is the truth, so :func:`runc_cpus` reads it
-(``cpuset.cpus``; on v2 ``cpuset.cpus.effective`` when empty).  A nested
-``config.cgroups.resources`` is read as a fallback in case a future runc names the struct.
+``""`` means "runc says nothing", not "no CPU set" nor "the cgroup's CPUs": ``runc update
+--memory 64M CTR`` (any update without ``--cpuset-cpus``) rewrites the state with
+``cpuset_cpus: ""`` while the cgroup keeps its CPUs (runc skips empty fields when writing the
+cgroup), and a container created without a cpuset inherited its parent's.  :func:`runc_cpus`
+returns ``""`` then, and the plan adopts nothing from it (``reconcile.plan.refresh``).  Taking
+the cgroup's own value as runc's (as vmpin did before issue 26) laundered drift: a hand edit
+of the cgroup after such an update was adopted as ``source runc`` and never repaired.  A
+nested ``config.cgroups.resources`` is read as a fallback in case a future runc names the
+struct.
 
 runc stores ``--cpuset-cpus`` verbatim and the kernel accepts more than the plain list
 ("0-7:2/4", "1,,0", "N"), so the value is parsed with the kernel's grammar
@@ -139,9 +142,10 @@ def _cgroup_config(state: dict[str, Any]) -> dict[str, Any]:
 def runc_cpus(paths: HostPaths, container_id: str) -> str | None:
     """The container's CPUs as runc last applied them, in the normal list form.
 
-    None when runc has no state for the container; ``""`` only when runc set no cpuset and
-    the container's cgroup cannot be read (its init is gone).  Raises
-    :class:`RuntimeKindError` naming the state file for a value the kernel would refuse.
+    None when runc has no state for the container; ``""`` when runc's state holds no cpuset
+    (created without one, or an update that did not touch it): runc says nothing about the
+    CPUs then.  Raises :class:`RuntimeKindError` naming the state file for a value the kernel
+    would refuse.
     """
     state = read_state(paths, container_id)
     if state is None:
@@ -154,39 +158,12 @@ def runc_cpus(paths: HostPaths, container_id: str) -> str | None:
     path = state_path(paths, container_id)
     if value is not None and not isinstance(value, str):
         raise RuntimeKindError(f"runc state {path}: config.cgroups.cpuset_cpus is not a string")
-    if value and value.strip():
-        try:
-            return CpuSet.parse_kernel(value, _nr_cpu_ids(paths)).to_list()
-        except CpuSetError as err:
-            raise RuntimeKindError(
-                f"runc state {path}: config.cgroups.cpuset_cpus: {err}"
-            ) from None
-    # "" after an update that did not touch the cpuset, or never set: the cgroup decides.
-    cpus = _cgroup_cpus(paths, container_id)
-    return "" if cpus is None else cpus.to_list()
-
-
-def _cgroup_cpus(paths: HostPaths, container_id: str) -> CpuSet | None:
-    from vmpin.linux import cgroups
-
-    pid = runc_init_pid(paths, container_id)
+    if not value or not value.strip():
+        return ""
     try:
-        ref = cgroups.cgroup_of_pid(paths, pid) if pid is not None else None
-    except ProcessGone:
-        return None
-    if ref is None:
-        return None
-    try:
-        cpus = cgroups.read_cpus(ref)
-        if not cpus and ref.version == 2:  # v2: empty cpuset.cpus inherits the parent's
-            cpus = cgroups.read_effective(ref)
-    except ProcessGone:
-        return None
-    except HostError as err:
-        if not os.path.isdir(ref.path):  # the container went away between the two reads
-            return None
-        raise RuntimeKindError(f"container {container_id}: {err}") from None
-    return cpus
+        return CpuSet.parse_kernel(value, _nr_cpu_ids(paths)).to_list()
+    except CpuSetError as err:
+        raise RuntimeKindError(f"runc state {path}: config.cgroups.cpuset_cpus: {err}") from None
 
 
 def _nr_cpu_ids(paths: HostPaths) -> int | None:
