@@ -123,6 +123,26 @@ def test_drift_after_a_cpuless_runc_update_is_repaired(
     assert vmpin(env, "audit").returncode == 0
 
 
+def test_doctor_recovers_runc_containers_through_a_search_list(
+    runc: RuncSession, env: dict[str, str], paths: HostPaths, tmp_path: Path
+) -> None:
+    """``--runc-root`` is a search list (the default: ``/run/runc:/run/containerd/runc/*``):
+    doctor reads every root it names (issue 26: it listed the option string as one directory,
+    recovered nothing, and said "rebuilt from the host")."""
+    cid = new_id("vmpin-e2e-d")
+    runc.run(cid, cpus="1")
+    env = {**env, "VMPIN_RUNC_ROOT": f"{tmp_path}/absent:{Path(paths.runc_root).parent}/*"}
+    assert cid in containers(env)
+    db = Path(paths.state_dir, "state.db")
+    for extra in ("-wal", "-shm"):
+        Path(str(db) + extra).unlink(missing_ok=True)
+    db.write_bytes(b"not a database" * 300)
+    fixed = vmpin(env, "doctor")
+    assert f"container {cid}: recovered from runc state" in fixed.stdout, fixed.stdout
+    assert "1 containers and sandboxes recovered" in fixed.stdout
+    assert containers(env)[cid]["cpus"] == "1"
+
+
 def test_container_gone_without_poststop_is_forgotten(
     runc: RuncSession, env: dict[str, str], paths: HostPaths
 ) -> None:

@@ -504,6 +504,9 @@ BAD_MAPS: dict[str, tuple[str, str]] = {
         json.dumps({"version": 1, "containers": {"c": {"guest_cpus": ""}}}),
         "gives no vCPU",
     ),
+    # issue 26: "unexpected RecursionError"
+    "deeply-nested": ('{"version": 1, "containers": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                      "nested too deeply"),
 }
 
 
@@ -551,6 +554,7 @@ def test_malformed_map(tmp_path: Path, victim: int, name: str) -> None:
         ('{"pid": 1}', "no container id"),
         ('{"id": "c", "pid": "12"}', "bad pid"),
         ('{"id": "c"}', "has no pid"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ],
 )
 def test_malformed_stdin(tmp_path: Path, victim: int, stdin: str, expect: str) -> None:

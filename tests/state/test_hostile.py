@@ -101,6 +101,26 @@ def test_hook_refuses_what_it_cannot_store(
     assert ids(env) == [c2]
 
 
+@pytest.mark.parametrize("key", ["io.kubernetes.pod.uid", "io.kubernetes.cri.sandbox-uid"])
+def test_pod_uid_is_checked_as_an_id(env: dict[str, str], tmp_path: Path, key: str) -> None:
+    """A pod uid ``../../x`` was stored, and every later audit exited 1 (issue 26)."""
+    cid = uid()
+    bad = make_bundle(tmp_path, cid, ann={key: "../../x", "io.kubernetes.container.name": "a"})
+    state = json.dumps({"id": cid, "pid": os.getpid(), "bundle": str(bad)})
+    opened = hook(env, "createRuntime", state)
+    assert opened.returncode == 0  # fail-open, one line naming what is wrong
+    line = one_line(opened.stderr)
+    assert "pod uid" in line and "../../x" in line
+    assert hook(env, "createRuntime", state, strict=True).returncode == 1
+    assert pending(env["VMPIN_STATE_DIR"]) == []
+    good = make_bundle(tmp_path, uid(), ann={key: "0f1e2d3c-aaaa-bbbb-cccc-000011112222"})
+    c2 = uid()
+    ok = hook(env, "createRuntime", json.dumps({"id": c2, "pid": os.getpid(), "bundle": str(good)}))
+    assert ok.returncode == 0 and ok.stderr == ""
+    assert ids(env) == [c2]
+    assert cli(env, "audit").returncode == 0
+
+
 def test_oversized_config_and_fifo_config_are_refused(env: dict[str, str], tmp_path: Path) -> None:
     big = make_bundle(tmp_path, uid())
     (big / "config.json").write_text(json.dumps({"annotations": {"k": "v" * (2 << 20)}}))

@@ -24,6 +24,11 @@ def _valid(value: object) -> bool:
             and _ID_CHARS.issuperset(value))
 
 
+def valid_id(value: object) -> bool:
+    """Whether ``value`` is an id vmpin keeps (what :func:`check_id` accepts)."""
+    return _valid(value)
+
+
 def check_id(value: str, what: str = "id") -> str:
     if not _valid(value):
         raise IdError(

@@ -164,6 +164,8 @@ def parse_state(data: bytes) -> State:
         raw = json.loads(data)
     except ValueError as err:
         raise GuestError(f"OCI state on stdin is not JSON: {err}") from None
+    except RecursionError:
+        raise GuestError("OCI state on stdin is JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise GuestError("OCI state on stdin is not a JSON object")
     cid = raw.get("id")
@@ -670,6 +672,8 @@ def read_record(path: str) -> Record:
         raise GuestError(f"cannot read record {path}: {_errno_text(err)}") from None
     except ValueError as err:
         raise GuestError(f"record {path} is not JSON: {err}") from None
+    except RecursionError:
+        raise GuestError(f"record {path} is JSON nested too deeply") from None
     if not isinstance(raw, dict) or raw.get("version") != RECORD_VERSION:
         raise GuestError(f"record {path} is not a version {RECORD_VERSION} record")
     cid, pid, born = raw.get("container"), _opt_int(raw.get("pid")), _opt_int(raw.get("start_time"))

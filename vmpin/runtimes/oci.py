@@ -309,11 +309,16 @@ def identify(container_id: str, annotations: dict[str, str]) -> Identity:
     elif not sandbox_id:
         sandbox_id = container_id
     check_id(sandbox_id, "annotation sandbox id")
+    pod_uid = _first(annotations, _POD_UID)
+    if pod_uid is not None:
+        # a pod uid names files and store keys too (the API's policy records, pod cgroup
+        # paths): "../../x" was stored and broke every later audit (issue 26)
+        check_id(pod_uid, "annotation pod uid")
     return Identity(
         container_id=container_id,
         sandbox_id=sandbox_id,
         is_sandbox=is_sandbox,
-        pod_uid=_first(annotations, _POD_UID),
+        pod_uid=pod_uid,
         pod_name=_first(annotations, _POD_NAME),
         pod_namespace=_first(annotations, _POD_NS),
         name=_first(annotations, _CTR_NAME),

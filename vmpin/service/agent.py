@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from vmpin import __version__
 from vmpin.core.errors import IdError, StateError, VmpinError
-from vmpin.core.ids import check_id
+from vmpin.core.ids import check_id, valid_id
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 from vmpin.service.logs import log, log_event, setup_logging
@@ -740,7 +740,7 @@ class Agent:
             }
         known = self._api_policies
         changes: dict[str, Mapping[str, str] | None] = {
-            uid: ann for uid, ann in policies.items() if known.get(uid) != ann
+            uid: ann for uid, ann in policies.items() if known.get(uid) != ann and valid_id(uid)
         }
         changes.update({uid: None for uid in known if uid not in policies})
         if changes:

@@ -78,10 +78,14 @@ def rebuild(paths: HostPaths, store: Store) -> list[str]:
     from vmpin.runtimes import runcstate, vmm
 
     out: list[str] = []
-    try:
-        ids = sorted(os.listdir(paths.runc_root))
-    except OSError:
-        ids = []
+    ids: list[str] = []
+    # runc_root is a search list ("/run/runc:/run/containerd/runc/*"): each root it names
+    # (issue 26: the raw option string was listed as one directory, so nothing was found)
+    for root in runcstate.runc_roots(paths):
+        try:
+            ids.extend(n for n in sorted(os.listdir(root)) if n not in ids)
+        except OSError:
+            continue
     for cid in ids:
         try:
             state = runcstate.read_state(paths, cid)
@@ -141,8 +145,15 @@ def doctor(paths: HostPaths, *, repair: bool = True) -> tuple[bool, list[str]]:
         aside = move_aside(db)
         lines.append(f"{db}: unusable ({why}): moved aside to {aside}")
         with Store(d, ingest=False) as store:
-            lines.extend(rebuild(paths, store))
-        lines.append(f"{db}: rebuilt from the host")
+            found = rebuild(paths, store)
+            lines.extend(found)
+            recovered = sum(1 for line in found if ": recovered from" in line)
+        lines.append(
+            f"{db}: rebuilt from the host ({recovered} containers and sandboxes recovered)"
+            if recovered
+            else f"{db}: rebuilt empty: the host showed no runc container or Kata VM"
+            f" (runc roots {paths.runc_root}, VM dir {paths.vm_dir})"
+        )
     pending = journal.backlog(d)
     bad = journal.quarantined(d)
     lines.append(f"{journal.journal_dir(d)}: {pending} entries pending")

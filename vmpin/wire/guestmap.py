@@ -165,6 +165,8 @@ def from_json(data: bytes | str, where: str = "guest map") -> GuestMap:
         raw = json.loads(data)
     except ValueError as err:
         raise WireError(f"{where} is not JSON: {err}") from None
+    except RecursionError:  # json's C decoder recurses: ~1,000 levels end it (issue 26)
+        raise WireError(f"{where} is JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise WireError(f"{where} is not a JSON object")
     version = raw.get("version")
