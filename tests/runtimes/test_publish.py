@@ -332,3 +332,47 @@ def test_a_settled_current_map_is_checked_without_reading_it(
     publish.publish_map(paths, SID, gm)  # (remembered again)
     path.unlink()
     assert publish.publish_map(paths, SID, gm).written
+
+
+def test_a_users_flock_on_the_map_dir_stalls_no_one(paths: HostPaths, shared: Path) -> None:
+    """An unprivileged user who can open ``vmpin/`` (0755: the guest reads it) and flock it
+    hung every Kata hook and the agent's planner (issue 26).  The publishers' lock is in the
+    owner-only state dir now: a publish goes through while the user holds the directory."""
+    import subprocess
+    import sys
+
+    publish.publish_map(paths, SID, sandbox_map({"c1": "8"}))
+    vmpin_dir = shared / "vmpin"
+    assert oct(vmpin_dir.stat().st_mode & 0o777) == "0o755"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         # opened before the privileges go: pytest's tmp dir is not traversable by nobody,
+         # where Kata's shared dir under /run is; the lock is then taken as nobody
+         "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+         "os.setgid(65534); os.setuid(65534)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\n"
+         "time.sleep(60)\n", str(vmpin_dir)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        out = publish.publish_map(paths, SID, sandbox_map({"c1": "9"}))
+        assert time.monotonic() - t0 < 1.0
+        assert out.written
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = Path(paths.state_dir, publish.LOCK_NAME)
+    assert oct(lock.stat().st_mode & 0o777) == "0o600"  # no one else can open it
+
+
+def test_a_lock_file_another_user_owns_is_refused(paths: HostPaths, shared: Path) -> None:
+    lock = Path(paths.state_dir, publish.LOCK_NAME)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    os.chown(lock, 65534, 65534)
+    with pytest.raises(HostError, match="another user could hold"):
+        publish.publish_map(paths, SID, sandbox_map({"c1": "8"}))

@@ -27,9 +27,12 @@ Rules this module keeps, and why:
   map whole (the kernel has every write it made). No fsync: what a sync adds is the map
   surviving the host's own crash, and a map describes a running VM, which does not survive
   it (nor does Kata's shared dir, on ``/run``, a tmpfs on a node). On a disk the two syncs
-  were 0.4-3 ms of every Kata start and update (docs/benchmarks.md). Writers of one sandbox
-  take ``flock`` on the directory, so the generation counts up by one per change even when
-  many hook processes publish at once.
+  were 0.4-3 ms of every Kata start and update (docs/benchmarks.md). Writers take ``flock``
+  on ``<state dir>/publish.lock``, so the generation counts up by one per change even when
+  many hook processes publish at once.  Never on anything another user can open: ``vmpin/``
+  must stay readable for the guest, and a user's ``flock`` on it hung every Kata hook and the
+  agent's planner (issue 26); the lock file lives in the owner-only state dir, is 0600, and
+  is refused unless vmpin's user owns it.
 - **Only on change**: a reconcile pass publishes every Kata sandbox; the map is rewritten
   only when its content (everything but the generation and timestamp) differs from the file
   there, so an idle node writes nothing and the guest's caches stay valid.
@@ -49,6 +52,7 @@ import errno
 import fcntl
 import os
 import time
+from stat import S_ISREG
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
@@ -259,8 +263,11 @@ def publish_map(
     finally:
         os.close(shared_fd)
     try:
-        # flock on the directory itself: no lock file for the guest to see.
-        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        lock_fd = _lock(paths)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    try:
         fname = os.path.basename(path)
         ident = identity(fname, dir_fd)
         if created and ident is None:
@@ -284,7 +291,36 @@ def publish_map(
         _write_atomically(dir_fd, directory, path, doc, replacing=ident is not None, hold=hold)
         return Published(path, True, doc["generation"], "written")
     finally:
-        os.close(dir_fd)  # releases the flock
+        os.close(dir_fd)
+        os.close(lock_fd)  # releases the flock
+
+
+#: the publishers' lock, in the state dir (see the module's rules)
+LOCK_NAME = "publish.lock"
+
+
+def _lock(paths: HostPaths) -> int:
+    """An exclusive ``flock`` on ``<state dir>/publish.lock``, a file only vmpin's user opens."""
+    os.makedirs(paths.state_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(paths.state_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise _translate(err, path, "open") from err
+    try:
+        st = os.fstat(fd)
+        if not S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PermissionDenied(
+                f"{path}: not a regular file of uid {os.geteuid()}: refused as a lock"
+                " another user could hold"
+            )
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _remove_stale_temps(dir_fd: int, fname: str) -> None:
