@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -347,15 +348,23 @@ def test_read_only_state_dir_one_line_and_reads_still_work(
 
 
 def test_leftovers_of_killed_hooks_are_swept(paths: HostPaths) -> None:
+    """Age by the monotonic stamp in the name, never by mtime (issue 26: a wall clock stepped
+    forward made a live hook's temp file look old; another process swept it mid-write)."""
     d = Path(journal_dir(paths.state_dir))
     d.mkdir(parents=True)
-    old = d / ".00000000000000000001-99.json.tmp"
+    now = time.monotonic_ns()
+    old = d / f".{now - 120 * 10**9:020d}-99.json.tmp"  # a hook killed two minutes ago
     old.write_bytes(b'{"v":1,')
-    os.utime(old, (1, 1))
-    fresh = d / ".00000000000000000002-98.json.tmp"  # a hook writing right now
-    fresh.write_bytes(b"{")
+    live = d / f".{now:020d}-98.json.tmp"  # a hook writing right now ...
+    live.write_bytes(b"{")
+    os.utime(live, (1, 1))  # ... whose mtime reads 1970 after a clock step
+    earlier_boot = d / f".{now + 3600 * 10**9:020d}-97.json.tmp"
+    earlier_boot.write_bytes(b"{")
+    stranger = d / ".notours.tmp"
+    stranger.write_bytes(b"")
     Store(paths.state_dir).close()
-    assert not old.exists() and fresh.exists()
+    assert not old.exists() and not earlier_boot.exists()
+    assert live.exists() and stranger.exists()
 
 
 # -- bounded journal, durable ingest --------------------------------------------------------------

@@ -288,9 +288,11 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
             pass
         if not isinstance(err, OSError):
             raise
+        # (the hint only where it is the cause: ENOSPC, EDQUOT, EROFS)
+        hint = " (the state dir's filesystem is full or read-only)" if err.errno in (
+            28, 122, 30) else ""
         raise StateError(
-            f"{os.path.join(d, name)}: event not recorded: {err.strerror}"
-            " (is the state dir's filesystem full or read-only?)"
+            f"{os.path.join(d, name)}: event not recorded: {err.strerror}{hint}"
         ) from None
     return name
 
@@ -315,21 +317,32 @@ def sync(state_dir: str, name: str) -> None:
         raise StateError(f"{path}: event not recorded durably: {err.strerror}") from None
 
 
-def sweep_tmp(state_dir: str, now: float | None = None) -> int:
-    """Remove temporary files of hooks killed mid-write (older than TMP_MAX_AGE); how many."""
+def sweep_tmp(state_dir: str, now_ns: int | None = None) -> int:
+    """Remove temporary files of hooks killed mid-write; how many.
+
+    Their age is read from their names: :func:`append` names a temp file after the
+    ``CLOCK_MONOTONIC`` time it was made, a clock no one sets.  The file's mtime is wall-clock
+    time, and a clock stepped forward made a live hook's file look a minute old: another
+    process swept it mid-write and the hook blamed a full or read-only disk (issue 26).  A
+    stamp ahead of the clock is from an earlier boot (a state dir on a disk).
+    """
     d = journal_dir(state_dir)
-    now = time.time() if now is None else now
+    now_ns = time.monotonic_ns() if now_ns is None else now_ns
     removed = 0
     try:
         names = [n for n in os.listdir(d) if n.startswith(".") and n.endswith(".tmp")]
     except OSError:
         return 0
     for n in names:
-        path = os.path.join(d, n)
+        stamp = n[1:].split("-", 1)[0]
+        if not stamp.isdigit():
+            continue  # not a name append() makes: not ours to remove
+        made = int(stamp)
+        if made <= now_ns and now_ns - made <= TMP_MAX_AGE * 1e9:
+            continue  # maybe a live hook's
         try:
-            if now - os.lstat(path).st_mtime > TMP_MAX_AGE:
-                os.unlink(path)
-                removed += 1
+            os.unlink(os.path.join(d, n))
+            removed += 1
         except OSError:
             pass  # gone meanwhile
     return removed
