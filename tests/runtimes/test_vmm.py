@@ -275,3 +275,49 @@ def test_read_pidfile_rereads_a_changed_pidfile(tmp_path: Path, mocker: Any) -> 
     assert read_pidfile(str(p)) is None
     p.mkdir()  # not a regular file: refused, as before
     assert read_pidfile(str(p)) is None
+
+
+@pytest.mark.qemu
+def test_a_process_posing_as_qemu_is_not_adopted(
+    qemu: Callable[..., QemuHandle], paths: HostPaths
+) -> None:
+    """The QEMU dies and leaves its pidfile; a user's process with QEMU's argv (``-name
+    sandbox-<id>``) is not the sandbox's VMM: it does not run as the sandbox's runner, the
+    VM dir's owner (issue 26: it was adopted, its threads pinned, the sandbox kept alive)."""
+    import subprocess
+
+    q = qemu(new_id("pose"), smp=1)
+    sid, dead = q.sandbox_id, q.pid
+    q.kill()
+    assert read_pidfile(os.path.join(paths.vm_dir, sid, "pid")) == dead  # left behind
+
+    def pose(uid: int | None) -> subprocess.Popen[bytes]:
+        def drop() -> None:
+            if uid is not None:
+                os.setgid(uid)
+                os.setuid(uid)
+
+        return subprocess.Popen(
+            [Q, "-c", "sleep 60; :", "qemu", "-name", f"sandbox-{sid}", "-smp", "1"],
+            executable="/bin/sh", preexec_fn=drop, start_new_session=True,
+        )  # fmt: skip
+
+    poser = pose(65534)
+    try:
+        assert wait_until(lambda: procfs.cmdline(paths.proc, poser.pid)[0] == Q, 5)
+        assert find_vmm(paths, sid, hint_pid=dead, scan=True) is None
+        assert find_vmm(paths, sid, hint_pid=poser.pid, scan=True) is None
+        assert not is_vmm_of(paths, poser.pid, sid)
+    finally:
+        os.killpg(poser.pid, signal.SIGKILL)  # the shell and its sleep: the group it leads
+        poser.wait()
+    # the same command line run by the VM dir's owner is found: the argv check still passes,
+    # the runner's uid is what told the two apart
+    twin = pose(None)
+    try:
+        assert wait_until(lambda: procfs.cmdline(paths.proc, twin.pid)[0] == Q, 5)
+        found = find_vmm(paths, sid, hint_pid=dead, scan=True)
+        assert found is not None and found.pid == twin.pid
+    finally:
+        os.killpg(twin.pid, signal.SIGKILL)
+        twin.wait()

@@ -155,17 +155,36 @@ def _looks_like_qemu(argv0: str) -> bool:
     return "qemu" in base or "kvm" in base
 
 
+def runner_uid(paths: HostPaths, sandbox_id: str) -> int:
+    """The user a sandbox's QEMU runs as: the owner of its VM dir (Kata makes it, and QEMU
+    writes its pidfile there: root, or the rootless runtime's user), else vmpin's own."""
+    try:
+        return os.lstat(os.path.join(paths.vm_dir, sandbox_id)).st_uid
+    except OSError:
+        return os.geteuid()
+
+
 def _read_vmm(paths: HostPaths, pid: int, sandbox_id: str) -> Vmm | None:
-    """The Vmm at ``pid`` if it is ``sandbox_id``'s QEMU, else None (gone, other process)."""
+    """The Vmm at ``pid`` if it is ``sandbox_id``'s QEMU, else None (gone, other process).
+
+    A command line is anyone's to write: a process counts as the sandbox's QEMU only when it
+    also runs as the sandbox's runner (:func:`runner_uid`).  Before (issue 26), once a QEMU
+    died leaving its pidfile, a user's process with argv ``qemu-system-x86_64 ... -name
+    sandbox-<id>`` was adopted as the VMM: its threads pinned, the dead sandbox kept alive.
+    """
     if pid <= 0:
         return None
     try:
         start = procfs.start_time(paths.proc, pid)
         args = tuple(procfs.cmdline(paths.proc, pid))
-        # the pid could have been reused between the two reads: the start time tells.
+        # /proc/PID is owned by the process's effective uid
+        uid = os.stat(os.path.join(paths.proc, str(pid))).st_uid
+        # the pid could have been reused between the reads: the start time tells.
         if procfs.start_time(paths.proc, pid) != start:
             return None
-    except (HostError, ValueError, IndexError):
+    except (OSError, HostError, ValueError, IndexError):
+        return None
+    if uid != runner_uid(paths, sandbox_id):
         return None
     if not args or not _looks_like_qemu(args[0]):
         return None
