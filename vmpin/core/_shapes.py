@@ -184,7 +184,7 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11)
 CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13):
+def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
     _set(self, "_a2", _p2)
@@ -199,9 +199,10 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11,
     _set(self, "_a11", _p11)
     _set(self, "_a12", _p12)
     _set(self, "_a13", _p13)
+    _set(self, "_a14", _p14)
 
 
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
+CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2):
@@ -224,15 +225,16 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4):
 CODE[('init', False, ('=', '=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4):
+def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
     _set(self, "_a2", _p2)
     _set(self, "_a3", _f3() if _p3 is _MISSING else _p3)
     _set(self, "_a4", _p4)
+    _set(self, "_a5", _p5)
 
 
-CODE[('init', True, ('=', '=', '=', 'f', '='))] = __init__.__code__
+CODE[('init', True, ('=', '=', '=', 'f', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8):
