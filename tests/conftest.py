@@ -73,6 +73,8 @@ def paths(state_dir: Path, vm_dir: Path, tmp_path: Path) -> HostPaths:
         runc_root=str(runc_root),
         kubelet_state=str(tmp_path / "cpu_manager_state"),
         publish_dir=str(publish),
+        # Kata's configuration: this test's own (none unless it writes one), never the host's
+        kata_config=str(tmp_path / "kata" / "configuration.toml"),
     )
 
 
@@ -86,6 +88,7 @@ def env(paths: HostPaths) -> dict[str, str]:
         VMPIN_RUNC_ROOT=paths.runc_root,
         VMPIN_KUBELET_STATE=paths.kubelet_state,
         VMPIN_PUBLISH_DIR=paths.publish_dir,
+        VMPIN_KATA_CONFIG=paths.kata_config,
         # no Kubernetes API unless a test brings its own (tests/support/kubeserver.py)
         KUBECONFIG=str(Path(paths.state_dir) / "no-kubeconfig"),
         # Domains on this host's libvirtd (another test's, another engineer's) are not this

@@ -90,6 +90,9 @@ def main(
     publish_dir: Annotated[
         Optional[str], typer.Option(*G["publish_dir"].flags, help=G["publish_dir"].help)
     ] = None,
+    kata_config: Annotated[
+        Optional[str], typer.Option(*G["kata_config"].flags, help=G["kata_config"].help)
+    ] = None,
     helper_policy: Annotated[
         Optional[str], typer.Option(*G["helpers"].flags, help=G["helpers"].help)
     ] = None,
@@ -122,6 +125,7 @@ def main(
         "runc_root": runc_root,
         "kubelet_state": kubelet_state,
         "publish_dir": publish_dir,
+        "kata_config": kata_config,
         "helpers": helper_policy,
         "housekeeping": housekeeping,
         "vcpus": vcpu_policy,

@@ -35,6 +35,7 @@ GLOBAL_OPTIONS = {
     "--runc-root": "runc_root",
     "--kubelet-state": "kubelet_state",
     "--publish-dir": "publish_dir",
+    "--kata-config": "kata_config",
 }
 
 

@@ -255,3 +255,54 @@ def test_helpers_avoid_isolated_cpus() -> None:
     only_isolated = plan_sandbox(t, "sb", cs("2-3"), threads(2))
     assert {p.desired for p in only_isolated.placements if p.role != "vcpu"} == {cs("2-3")}
     assert any("isolated" in n for n in only_isolated.notes)
+
+
+# -- Kata's own vCPU pinning (enable_vcpus_pinning) -----------------------------------------
+# Kata pins vCPU i to the i-th CPU of the sandbox's cpuset (ascending) when #vCPUs == |cpuset|.
+# On the Xeon (siblings n, n+56) topology order pairs 8 with 64: the two layouts differ.
+KATA_CASES = [
+    # name, mask, nvcpus, runtime_pins, mode, vCPU -> desired, runtime_map
+    ("kata-order-when-kata-pins", "8-9,64-65", 4, "8-9,64-65", "1:1",
+     {0: "8", 1: "9", 2: "64", 3: "65"}, {0: 8, 1: 9, 2: 64, 3: 65}),
+    ("topology-order-without", "8-9,64-65", 4, None, "1:1",
+     {0: "8", 1: "64", 2: "9", 3: "65"}, {}),
+    # more vCPUs than CPUs: Kata does not pin, vmpin's partial plan stands
+    ("kata-does-not-pin-partial", "8,64", 3, "8,64", "partial",
+     {0: "8,64", 1: "8", 2: "64"}, {}),
+    # fewer vCPUs than CPUs: neither pins
+    ("kata-does-not-pin-float", "8-11", 2, "8-11", "float", {0: "8-11", 1: "8-11"}, {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "mask", "nvcpus", "runtime", "mode", "want", "runtime_map"), KATA_CASES,
+    ids=[c[0] for c in KATA_CASES],
+)
+def test_kata_own_pinning_layout(
+    name: str, mask: str, nvcpus: int, runtime: str | None, mode: str, want: dict[int, str],
+    runtime_map: dict[int, int],
+) -> None:
+    plan = plan_sandbox(topo("xeon-gold-6258r-2s"), "s", cs(mask), threads(nvcpus),
+                        runtime_pins=None if runtime is None else cs(runtime))
+    assert plan.mode == mode
+    assert vcpu_pins(plan) == want
+    assert dict(plan.runtime_map) == runtime_map
+    if runtime_map and mode == "1:1":
+        assert dict(plan.vcpu_map) == runtime_map and "Kata's order" in plan.reason
+
+
+def test_kata_layout_where_vmpin_floats() -> None:
+    """CPUs shared with another sandbox: vmpin floats, but still says where Kata pins."""
+    plan = plan_sandbox(topo("xeon-gold-6258r-2s"), "s", cs("8-9"), threads(2),
+                        others=cs("9"), runtime_pins=cs("8-9"))
+    assert plan.mode == "float" and plan.vcpu_map == {}
+    assert dict(plan.runtime_map) == {0: 8, 1: 9}
+
+
+def test_runtime_layout() -> None:
+    from vmpin.core.planner import runtime_layout
+
+    assert runtime_layout([1, 0, 2], cs("4,2,9")) == {0: 2, 1: 4, 2: 9}
+    assert runtime_layout([0, 1], cs("4")) == {}  # counts differ: Kata does not pin
+    assert runtime_layout([0, None], cs("4-5")) == {}  # an index unknown: cannot tell
+    assert runtime_layout([], cs("")) == {}

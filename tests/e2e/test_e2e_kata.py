@@ -259,3 +259,60 @@ def test_sandbox_recorded_before_its_vm_is_upgraded(
     kata.vmpin("reconcile", "--once")
     assert json.loads(kata.vmpin("sandboxes", "--json").stdout)[0]["runtime"] == "kata"
     assert set(affinities(q.pid).values()) == {"1"}
+
+
+@pytest.mark.parametrize("vcpu_policy", ["auto", "float"])
+def test_kata_own_vcpu_pinning_is_left_alone(
+    qemu: Callable[..., QemuHandle], kata: Kata, paths: HostPaths, vcpu_policy: str
+) -> None:
+    """Kata's ``enable_vcpus_pinning`` pins vCPU i to the i-th CPU of the sandbox's cpuset at
+    its container events.  Played here with sched_setaffinity, as Kata's runtime does it:
+    ``reconcile --once`` moves no vCPU, ``audit`` passes and says why, ``doctor`` names the
+    file.  ``auto``: vmpin's 1:1 plan is Kata's layout; ``float``: vmpin would float the vCPUs
+    but leaves them where Kata pinned them."""
+    conf = Path(paths.kata_config)
+    conf.parent.mkdir(parents=True)
+    conf.write_text('[runtime]\nenable_vcpus_pinning = true\nsandbox_cgroup_only = true\n')
+    kata.env = {**kata.env, "VMPIN_VCPU_POLICY": vcpu_policy}
+    q = qemu(sid("kpin"), smp=2)
+    kata.create_sandbox(q)
+    kata.create_container(q, "kp", "0-1")
+    show = kata.show(q.sandbox_id)
+    vcpu = {t["index"]: t["tid"] for t in show["threads"]  # type: ignore[attr-defined]
+            if t["role"] == "vcpu"}
+    assert sorted(vcpu) == [0, 1]
+    for index, tid in vcpu.items():  # Kata: vCPU i on the i-th CPU of the cpuset "0-1"
+        os.sched_setaffinity(tid, {index})
+    before = affinities(q.pid)
+
+    out = json.loads(kata.vmpin("reconcile", "--once", "--json").stdout)
+    # (the report lists the threads that are not "ok")
+    actions = {t["tid"]: t["action"] for o in out for t in o["threads"]}
+    assert {actions.get(tid, "ok") for tid in vcpu.values()} == (
+        {"ok"} if vcpu_policy == "auto" else {"unmanaged"})
+    assert "pinned" not in actions.values()
+    assert affinities(q.pid) == before  # nothing moved, vCPUs least of all
+    if vcpu_policy == "auto":
+        assert "in Kata's order" in str(kata.show(q.sandbox_id)["reason"])
+
+    audit = kata.vmpin("audit", "--json")
+    result = json.loads(audit.stdout)
+    assert result["ok"] and result["violations"] == []
+    assert result["notes"][0].startswith(f"Kata configuration {conf}: [runtime]"
+                                         " enable_vcpus_pinning = true")
+    mine = [n for n in result["notes"] if n.startswith(f"sandbox {q.sandbox_id}: Kata pins")]
+    assert len(mine) == 1
+    assert ("Kata's layout" if vcpu_policy == "auto" else "left where Kata pinned") in mine[0]
+    text = kata.vmpin("audit").stdout
+    assert f"note      Kata configuration {conf}" in text and text.rstrip().endswith(
+        "0 violations")
+    doctor = kata.vmpin("doctor", "--dry-run").stdout
+    assert f"Kata configuration {conf}: [runtime] enable_vcpus_pinning = true" in doctor
+
+    # Kata's pinning off: the same vCPUs are vmpin's again, and float moves them (contrast)
+    conf.write_text('[runtime]\nenable_vcpus_pinning = false\n')
+    if vcpu_policy == "float":
+        assert kata.vmpin("audit", check=False).returncode == 1
+        kata.vmpin("reconcile", "--once")
+        assert {affinities(q.pid)[tid] for tid in vcpu.values()} == {"0-1"}
+    assert json.loads(kata.vmpin("audit", "--json").stdout)["notes"] == []

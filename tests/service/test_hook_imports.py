@@ -51,10 +51,11 @@ RECONCILE = ("_sqlite3", "vmpin.state.store", "vmpin.reconcile.reconciler")
 #: not even there: the sqlite3 package (its dbapi2 imports datetime; the store uses the C
 #: module _sqlite3 directly), functools and what it pulls in (_sqlite3 loads without it:
 #: vmpin.state.sqlite), re (thread names are parsed with str methods), contextlib,
-#: struct (QMP's peer credentials are read by hand)
+#: struct (QMP's peer credentials are read by hand), tomllib (Kata's configuration is parsed
+#: once per change and the answer kept in the state dir: vmpin.runtimes.kataconfig)
 NOT_EVEN_TO_RECONCILE = ("sqlite3", "sqlite3.dbapi2", "datetime", "re", "enum", "contextlib",
                          "struct", "functools", "collections", "collections.abc", "types",
-                         "operator", "reprlib")  # fmt: skip
+                         "operator", "reprlib", "tomllib")  # fmt: skip
 
 # Runs the launcher as the kernel would (its code as __main__), with os._exit (which the
 # launcher calls after a hook) reporting the modules first; imports nothing itself.
@@ -199,6 +200,28 @@ def test_kata_no_agent_reconciles_in_process(
     # the real work was done here: every QEMU thread is on CPU 1
     for tid in os.listdir(f"/proc/{q.pid}/task"):
         assert os.sched_getaffinity(int(tid)) == {1}, tid
+
+
+@pytest.mark.qemu
+@pytest.mark.multi_cpu
+def test_kata_pinning_configuration_known_from_the_state_dir(
+    env: dict[str, str], tmp_path: Path, qemu: Callable[..., QemuHandle], paths: HostPaths
+) -> None:
+    """A node whose Kata configuration turns on enable_vcpus_pinning: once a pass has read it
+    (here ``reconcile --once``; on a node, the agent), a hook that pins in-process follows
+    Kata's layout without parsing TOML (no tomllib, re or datetime)."""
+    conf = Path(paths.kata_config)
+    conf.parent.mkdir(parents=True)
+    conf.write_text("[runtime]\nenable_vcpus_pinning = true\n")
+    subprocess.run([sys.executable, "-m", "vmpin", "reconcile", "--once"], env=env,
+                   check=True, capture_output=True, timeout=60)
+    assert os.path.exists(paths.kata_config_cache)
+    q = qemu(new_id("leank"), smp=2, debug_threads=True)
+    b, ann = bundle(tmp_path, "c1", q.sandbox_id, "0-1")
+    loaded, err = hook(env, "prestart", state("c1", b, ann, q.pid))
+    assert err == ""
+    assert_lean(loaded, reconciled=True)
+    assert "vmpin.runtimes.kataconfig" in loaded
 
 
 @pytest.mark.qemu

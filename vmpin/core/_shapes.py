@@ -12,6 +12,13 @@ as such: its code, renamed per class, becomes a record's ``__new__`` or ``__init
 CODE = {}
 
 
+def __new__(_cls, _0):
+    return _tuple_new(_cls, (_0,))
+
+
+CODE[('new', 1)] = __new__.__code__
+
+
 def __new__(_cls, _0, _1):
     return _tuple_new(_cls, (_0, _1))
 
@@ -216,6 +223,27 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11,
 CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
+def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11, _p12, _p13, _p14):
+    _set(self, "_a0", _p0)
+    _set(self, "_a1", _p1)
+    _set(self, "_a2", _p2)
+    _set(self, "_a3", _p3)
+    _set(self, "_a4", _p4)
+    _set(self, "_a5", _p5)
+    _set(self, "_a6", _p6)
+    _set(self, "_a7", _p7)
+    _set(self, "_a8", _p8)
+    _set(self, "_a9", _p9)
+    _set(self, "_a10", _p10)
+    _set(self, "_a11", _p11)
+    _set(self, "_a12", _p12)
+    _set(self, "_a13", _p13)
+    _set(self, "_a14", _p14)
+
+
+CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
+
+
 def __init__(self, _p0, _p1, _p2):
     self._a0 = _p0
     self._a1 = _p1
@@ -236,15 +264,16 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4):
 CODE[('init', False, ('=', '=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4):
+def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
     _set(self, "_a2", _p2)
     _set(self, "_a3", _f3() if _p3 is _MISSING else _p3)
     _set(self, "_a4", _p4)
+    _set(self, "_a5", _p5)
 
 
-CODE[('init', True, ('=', '=', '=', 'f', '='))] = __init__.__code__
+CODE[('init', True, ('=', '=', '=', 'f', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8):

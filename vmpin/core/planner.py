@@ -16,6 +16,12 @@ The rules, and the failure each one prevents:
   for the containers, are pinned 1:1 and the boot vCPUs float over the mask, so every
   container CPU still has exactly one guest vCPU and the guest map stays exact.
   #vCPUs < |mask|: float (a 1:1 subset would leave container CPUs with no vCPU behind them).
+- **Kata's own pinning** (``enable_vcpus_pinning``, vmpin.runtimes.kataconfig): Kata pins
+  vCPU i to the i-th CPU of the sandbox's cpuset in ascending order whenever #vCPUs ==
+  |cpuset|, at each of its container events.  A 1:1 plan there takes Kata's layout
+  (:func:`runtime_layout`) instead of topology order, so both pinners write the same thing and
+  neither undoes the other; ``Plan.runtime_map`` says where Kata puts each vCPU, for the node
+  plan to leave Kata's pins alone where vmpin would not pin 1:1 itself (vmpin.reconcile.plan).
 - **isolcpus**: CPUs the kernel keeps free of general work are for vCPUs only; helper threads
   stay on the non-isolated part of their set whenever there is one.
 - **Emulator, iothreads, vhost**: policy ``share`` = the mask; ``isolate`` = the configured
@@ -31,7 +37,7 @@ from vmpin.core.topology import Topology
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
     from typing import NamedTuple
 else:
     from vmpin.core._lean import NamedTuple
@@ -100,6 +106,9 @@ class Plan(NamedTuple):
     #: vCPU index -> host CPU, for the vCPUs pinned 1:1.
     vcpu_map: Mapping[int, int] = {}
     notes: tuple[str, ...] = ()
+    #: vCPU index -> host CPU where the runtime pins the vCPUs itself (Kata's
+    #: enable_vcpus_pinning, when it applies and every vCPU's index is known); {} otherwise
+    runtime_map: Mapping[int, int] = {}
 
     def desired(self, tid: int) -> CpuSet | None:
         for p in self.placements:
@@ -113,6 +122,21 @@ def sandbox_mask(container_cpus: Mapping[str, CpuSet | None]) -> CpuSet:
     return CpuSet.union_all(c for c in container_cpus.values() if c is not None)
 
 
+def runtime_layout(indices: Iterable[int | None], cpus: CpuSet) -> dict[int, int]:
+    """Where Kata's own vCPU pinning (``enable_vcpus_pinning``) puts each vCPU: vCPU ``i`` on
+    the ``i``-th CPU of the sandbox's CPU set in ascending order (virtcontainers
+    ``checkVCPUsPinning``: ``cpuset.ToSlice()[i]``, ``i`` being QMP's cpu-index), and only
+    when there are as many vCPUs as CPUs.  {} when it does not apply, or when a vCPU's index
+    is unknown (then where Kata puts it cannot be told)."""
+    given = list(indices)
+    if not given or None in given or len(given) != len(cpus):
+        return {}
+    known = sorted(i for i in given if i is not None)
+    if len(set(known)) != len(known):
+        return {}
+    return dict(zip(known, cpus, strict=True))  # (a CpuSet iterates in ascending order)
+
+
 def plan_sandbox(
     topology: Topology,
     sandbox_id: str,
@@ -123,16 +147,22 @@ def plan_sandbox(
     others: CpuSet = EMPTY,
     others_exclusive: CpuSet = EMPTY,
     shared_pool: CpuSet | None = None,
+    runtime_pins: CpuSet | None = None,
 ) -> Plan:
     """Plan one VM sandbox.
 
     ``others`` is the union of every other sandbox's mask, ``others_exclusive`` the part of it
-    that no one else (and no shared pool) may use.
+    that no one else (and no shared pool) may use.  ``runtime_pins``: the CPU set over which
+    the runtime pins the vCPUs itself (Kata's ``enable_vcpus_pinning``: the sandbox's cpuset
+    as Kata computes it, the union of its containers' CPU sets); None when it does not.
     """
     policy.check()
     notes: list[str] = []
     vcpus = sorted((t for t in threads if t.role == "vcpu"), key=lambda t: (t.idx or 0, t.tid))
     n = len(vcpus)
+    runtime_map = (
+        runtime_layout((v.idx for v in vcpus), runtime_pins) if runtime_pins is not None else {}
+    )
     effective = mask
     floating_reason = ""
     if policy.cpuset == "none" and shared_pool:
@@ -186,6 +216,12 @@ def plan_sandbox(
     elif shared_with_others:
         mode = "float"
         reason = f"CPUs {shared_with_others} are shared with other sandboxes: no 1:1 pin there"
+    elif n == m and runtime_map and effective == runtime_pins:
+        # Kata pins these vCPUs itself at each of its container events: the same layout, or
+        # the two pinners would move them back and forth
+        mode = "1:1"
+        reason = f"{n} vCPUs on {m} CPUs, in Kata's order (enable_vcpus_pinning)"
+        vcpu_map = dict(runtime_map)
     elif n == m:
         mode, reason = "1:1", f"{n} vCPUs on {m} CPUs"
         vcpu_map = topology.place_vcpus(
@@ -239,7 +275,10 @@ def plan_sandbox(
             desired = helper_set
         placements.append(Placement(t.tid, t.role, t.idx, t.label, desired))
     _check_no_double_pin(vcpu_map)
-    return Plan(sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes))
+    return Plan(
+        sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes),
+        runtime_map,
+    )  # fmt: skip
 
 
 def _check_no_double_pin(vcpu_map: Mapping[int, int]) -> None:

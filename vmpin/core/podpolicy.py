@@ -3,8 +3,9 @@
 This module owns the words an operator writes on a pod and what each means to the planner.  It
 is pure (annotations in, a :class:`PodPolicy` and a list of problems out): the same function
 serves both ways annotations arrive -- at create, from the OCI annotations the hook records
-(containerd ``pod_annotations`` / CRI-O ``allowed_annotations`` pass them through, see
-hooks/), and live, from the pod object the agent watches through the Kubernetes API.
+(containerd passes them with a handler's ``pod_annotations``, hooks/containerd/; CRI-O copies
+a pod's annotations into every container's spec by itself: docs/hooks.md), and live, from the
+pod object the agent watches through the Kubernetes API.
 
 Vocabulary, version 1 (``vmpin.io/version: "1"``; absent means 1)::
 

@@ -27,6 +27,11 @@ DEFAULTS: dict[str, str] = {
     "runc_root": "/run/runc:/run/containerd/runc/*",
     "kubelet_state": "/var/lib/kubelet/cpu_manager_state",
     "publish_dir": "/run/kata-containers/shared/sandboxes",
+    # Kata's configuration files, for its own vCPU pinning (vmpin.runtimes.kataconfig): Kata's
+    # two default paths (the first that exists), then kata-deploy's one file per runtime class
+    "kata_config": "/etc/kata-containers/configuration.toml"
+    "|/usr/share/defaults/kata-containers/configuration.toml"
+    ":/opt/kata/share/defaults/kata-containers/configuration*.toml",
 }
 
 #: option name -> environment variable, the contract in DESIGN.md plus vmpin's own extras.
@@ -39,6 +44,7 @@ ENVVARS: dict[str, str] = {
     "runc_root": "VMPIN_RUNC_ROOT",
     "kubelet_state": "VMPIN_KUBELET_STATE",
     "publish_dir": "VMPIN_PUBLISH_DIR",
+    "kata_config": "VMPIN_KATA_CONFIG",
 }
 
 
@@ -51,6 +57,7 @@ class HostPaths(NamedTuple):
     runc_root: str = DEFAULTS["runc_root"]
     kubelet_state: str = DEFAULTS["kubelet_state"]
     publish_dir: str = DEFAULTS["publish_dir"]
+    kata_config: str = DEFAULTS["kata_config"]
 
     @classmethod
     def from_env(
@@ -77,3 +84,8 @@ class HostPaths(NamedTuple):
     def topology_cache(self) -> str:
         """The host's CPU topology as last read from sysfs (vmpin.linux.sysfs.read_topology)."""
         return os.path.join(self.state_dir, "topology.json")
+
+    @property
+    def kata_config_cache(self) -> str:
+        """What Kata's configuration files said, as last parsed (vmpin.runtimes.kataconfig)."""
+        return os.path.join(self.state_dir, "kata-config.json")

@@ -15,6 +15,11 @@
 - ``error``: an object that could not be read, or a plan that breaks the node rules.
 
 Every check reads ``actual`` values of the observation, i.e. straight from /proc and cgroupfs.
+
+``notes`` (additive; never a violation, ``ok`` does not depend on them): what the operator
+should know to read the result -- a Kata configuration that turns on Kata's own vCPU pinning
+(``enable_vcpus_pinning``) or could not be read, and each sandbox whose vCPUs vmpin therefore
+pins in Kata's layout or leaves where Kata pinned them (vmpin.reconcile.plan).
 """
 
 from __future__ import annotations
@@ -213,7 +218,18 @@ def _errors(sp: SandboxPlan) -> list[dict[str, Any]]:
     return out
 
 
-def audit(plan: NodePlan, checkpoint_error: str | None = None) -> dict[str, Any]:
+def notes(plan: NodePlan, node_notes: list[str] | None = None) -> list[str]:
+    """The node's notes, then each sandbox's Kata note (see the module docstring)."""
+    out = list(node_notes or ())
+    for sp in plan.sandboxes:
+        if sp.kata and not sp.vanished:
+            out.extend(f"sandbox {sp.id}: {n}" for n in sp.notes if n.startswith("Kata pins"))
+    return out
+
+
+def audit(
+    plan: NodePlan, checkpoint_error: str | None = None, node_notes: list[str] | None = None
+) -> dict[str, Any]:
     found = violations(plan)
     if checkpoint_error:
         found.append(_v("error", None, None, checkpoint_error))
@@ -224,4 +240,5 @@ def audit(plan: NodePlan, checkpoint_error: str | None = None) -> dict[str, Any]
         "sandboxes": len(live),
         "threads": sum(len(sp.threads) for sp in live),
         "errors": [f"{sp.id}: {e}" for sp in live for e in sp.errors],
+        "notes": notes(plan, node_notes),
     }

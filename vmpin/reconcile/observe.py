@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vmpin.linux.cgroups import CgroupRef
     from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
+    from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
     from vmpin.state.store import PolicyRecord
 
     #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
@@ -199,6 +200,14 @@ class Observation:
     originals: Mapping[str, str] = field(default_factory=dict)
     #: what was observed (a view's narrower scope, or everything)
     scope: Scope = FULL
+    #: Kata's configuration files and whether one turns on Kata's own vCPU pinning
+    #: (vmpin.runtimes.kataconfig); None when not read (a view that looks at no VMM)
+    kata: KataConfigs | None = None
+
+    @property
+    def kata_pinning(self) -> bool:
+        """Kata pins vCPUs itself where #vCPUs == |cpuset| (``enable_vcpus_pinning``)."""
+        return self.kata is not None and self.kata.pinning
 
     @property
     def shared_pool(self) -> CpuSet | None:
@@ -281,6 +290,7 @@ class Observer:
         self.policy_for = dict(policy_for or {})
         self.qmp_timeout = qmp_timeout
         self._checkpoint_reader: CheckpointReader | None = None
+        self._kata_reader: KataConfigReader | None = None
         #: the last full observation's sandboxes by id (see observe)
         self._last: dict[str, SandboxObs] = {}
         #: (store, its version and the scope's reads, what was read): see _read_store
@@ -311,12 +321,25 @@ class Observer:
         except VmpinError as err:  # unreadable (permissions): the host's problem, not the file's
             return None, f"kubelet checkpoint {self.paths.kubelet_state}: {err}"
 
+    # -- Kata --------------------------------------------------------------------------------
+    def kata_configs(self, save: bool = True) -> KataConfigs:
+        """Kata's configuration files as they say now (parsed again only when one changed;
+        ``save``: the answer may be kept in the state dir for the next process)."""
+        from vmpin.runtimes.kataconfig import KataConfigReader
+
+        if self._kata_reader is None:
+            self._kata_reader = KataConfigReader(
+                self.paths.kata_config, self.paths.kata_config_cache
+            )
+        return self._kata_reader.read(save=save)
+
     # -- the node ----------------------------------------------------------------------------
     def observe(self, store: Store, scope: Scope = FULL) -> Observation:
         """The node as the host and the store show it now (``scope``: see :class:`Scope`)."""
         from vmpin.reconcile.podpolicies import PodPolicies
 
         checkpoint, cp_error = self.checkpoint()
+        kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
         recorded, sandboxes, (oci, api) = self._read_store(store, scope)
         originals = recorded.originals
         policies = PodPolicies(self.policy, oci, api)
@@ -348,7 +371,7 @@ class Observer:
                 out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
         if scope is FULL:
             self._last = {s.id: s for s in out}
-        return Observation(tuple(out), checkpoint, cp_error, originals, scope)
+        return Observation(tuple(out), checkpoint, cp_error, originals, scope, kata)
 
     def _read_store(
         self, store: Store, scope: Scope

@@ -15,6 +15,13 @@ It owns the node-wide rules (issue 9's invariants), on top of the per-sandbox pl
 5. two pods claiming the same exclusive CPU is a :class:`Conflict` naming both claimants;
    it is never merged (both then float, as CPUs shared between sandboxes do).
 
+Kata's own vCPU pinning (``enable_vcpus_pinning`` in a Kata configuration vmpin reads,
+:mod:`vmpin.runtimes.kataconfig`) is never fought: where it applies to a Kata sandbox (as many
+vCPUs as CPUs in its cpuset), a 1:1 plan takes Kata's layout (vmpin.core.planner); where vmpin
+would not pin 1:1 (CPUs shared with others, a float policy, unknown vCPU indexes) and the
+vCPUs are pinned one per CPU of the cpuset, as Kata pins them, they are left as they are
+(``SandboxPlan.kata``); so are the vCPUs of an untracked Kata VMM pinned one per CPU.
+
 :func:`check_node` (the successor of ``planner.check_global``) runs on every plan.
 
 Desired CPU sets also come from sources that change behind vmpin's back (runc's state after
@@ -130,6 +137,10 @@ class SandboxPlan:
     guest_map: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    #: Kata's own vCPU pinning applies to this sandbox (#vCPUs == |cpuset|): "follows" (the
+    #: 1:1 plan is Kata's layout), "left" (vCPUs left where Kata pinned them), "expected"
+    #: (Kata's pins are not in place: planned as usual); "" when Kata does not pin them
+    kata: str = ""
 
     @property
     def pinned_cpus(self) -> dict[int, int]:
@@ -308,8 +319,13 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
     }  # fmt: skip
     crane_others = _Others(crane)
     kept_off: dict[str, CpuSet] = {}
+    # Kata's cpuset, over which it pins vCPUs itself when a configuration says so: the union
+    # of the containers' CPU sets, as vmpin's mask before anything is kept off it
+    kata_pins: dict[str, CpuSet] = {}
     for s in obs.sandboxes:
         mask = _mask(live[s.id])
+        if s.runtime == "kata" and obs.kata_pinning:
+            kata_pins[s.id] = mask
         off = crane_others.without(s.id)
         if s.runtime != "runc" and mask & off and mask - off:
             kept_off[s.id] = mask & off
@@ -368,6 +384,7 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
                 float_policy,
                 conflicted,
                 obs.scope,
+                kata_pins.get(s.id),
             )
         )
     plans = [
@@ -482,6 +499,7 @@ def _plan_sandbox(
     float_policy: str,
     conflicted: set[str],
     scope: Scope = FULL,
+    kata_pins: CpuSet | None = None,
 ) -> SandboxPlan:
     base = SandboxPlan(
         s.id, s.runtime, s, mask, footprint=footprint,
@@ -502,18 +520,25 @@ def _plan_sandbox(
         return base  # nothing runs, or a view that did not read this VMM's threads
     vthreads = s.vmm.threads
     if not s.tracked:
-        # Present in the VM dir, not vmpin's: it floats; give back whatever vmpin pinned.
+        # Present in the VM dir, not vmpin's: it floats; give back whatever vmpin pinned.  Its
+        # cpuset is unknown here; vCPUs pinned one per CPU while Kata's pinning is on are
+        # Kata's doing, and are left so.
+        left = kata_pins is not None and _one_per_cpu(vthreads)
         return _replace(
             base,
             mode="none",
             reason="not tracked by vmpin: floats over the shared pool when known, else left alone"
             " (pins vmpin made are undone)",
             threads=tuple(
-                _thread(t, pool, "undo" if t.original else "plan")
+                _thread(t, None, "none")
+                if left and t.role == "vcpu"
+                else _thread(t, pool, "undo" if t.original else "plan")
                 if pool
                 else _undo_or_none(t, None)
                 for t in vthreads
             ),
+            kata="left" if left else "",
+            notes=(*base.notes, KATA_LEFT_UNTRACKED) if left else base.notes,
         )
     try:
         plan = plan_sandbox(
@@ -525,20 +550,24 @@ def _plan_sandbox(
             others=others,
             others_exclusive=others_exclusive,
             shared_pool=pool,
+            runtime_pins=kata_pins,
         )
     except VmpinError as err:
         return _replace(base, errors=(*base.errors, str(err)))
     except Exception as err:  # a planner bug on one sandbox is an error on it, not the node's
         return _replace(base, errors=(*base.errors, f"planning: unexpected {err!r}"))
     by_tid = {t.tid: t for t in vthreads}
+    kata, kata_note = _kata(plan, vthreads, kata_pins)
     vplans: list[ThreadPlan] = []
     for p in plan.placements:
         t = by_tid[p.tid]
-        if p.desired is None:
+        if kata == "left" and t.role == "vcpu":
+            vplans.append(_thread(t, None, "none"))  # Kata's pin: neither moved nor undone
+        elif p.desired is None:
             vplans.append(_undo_or_none(t, pool))
         else:
             vplans.append(_thread(t, p.desired, "plan"))
-    notes = list(base.notes) + list(plan.notes)
+    notes = list(base.notes) + list(plan.notes) + ([kata_note] if kata_note else [])
     if s.id in conflicted:
         notes.append("claims an exclusive CPU another pod claims too: see the conflicts")
     guest_map: dict[str, Any] | None = None
@@ -552,8 +581,42 @@ def _plan_sandbox(
     return SandboxPlan(  # (not _replace(base, ...): a second record per sandbox of a pass)
         s.id, s.runtime, s, plan.mask, plan.mode, plan.reason, footprint=footprint, plan=plan,
         threads=tuple(vplans), containers=base.containers, guest_map=guest_map,
-        notes=tuple(notes), errors=base.errors,
+        notes=tuple(notes), errors=base.errors, kata=kata,
     )  # fmt: skip
+
+
+KATA_LEFT_UNTRACKED = (
+    "Kata pins the vCPUs itself (enable_vcpus_pinning): vCPUs left where Kata pinned them,"
+    " one per CPU"
+)
+
+
+def _one_per_cpu(threads: tuple[ThreadObs, ...], cpuset: CpuSet | None = None) -> bool:
+    """Every vCPU alone on a CPU of its own (together ``cpuset``, when given): pinned as
+    Kata's ``enable_vcpus_pinning`` pins them."""
+    actual = [t.actual for t in threads if t.role == "vcpu"]
+    singles = [a for a in actual if a is not None and len(a) == 1]
+    if not actual or len(singles) != len(actual):
+        return False
+    union = CpuSet.union_all(singles)
+    return len(union) == len(singles) and (cpuset is None or union == cpuset)
+
+
+def _kata(plan: Plan, threads: tuple[ThreadObs, ...], cpuset: CpuSet | None) -> tuple[str, str]:
+    """Whether Kata's own vCPU pinning applies to this sandbox, and how vmpin keeps out of
+    its way (``SandboxPlan.kata``), with the note that says so."""
+    n = plan.nvcpus
+    if cpuset is None or not n or n != len(cpuset):
+        return "", ""  # Kata pins only when #vCPUs == |cpuset|
+    why = f"Kata pins the {n} vCPUs itself (enable_vcpus_pinning, {n} vCPUs on {cpuset})"
+    if plan.runtime_map and plan.vcpu_map == plan.runtime_map:
+        return "follows", f"{why}: vmpin's 1:1 plan is Kata's layout, vCPU i on its i-th CPU"
+    if _one_per_cpu(threads, cpuset):
+        return "left", (
+            f"{why}: vCPUs left where Kata pinned them, one per CPU"
+            f" (vmpin's own plan: {plan.mode}, {plan.reason})"
+        )
+    return "expected", f"{why}, but they are not pinned so: planned as usual until Kata does"
 
 
 def _thread(

@@ -292,4 +292,5 @@ class Reconciler:
 
         with _GcPaused():
             obs = self.observe(scope)
-            return audit(self.plan(obs), obs.checkpoint_error)
+            kata = obs.kata.notes() if obs.kata is not None else []
+            return audit(self.plan(obs), obs.checkpoint_error, kata)

@@ -149,6 +149,12 @@ class AuditView(View):
     sandboxes: int
     threads: int
     errors: list[str]
+    notes: list[str] = Field(
+        [],
+        description="what to know to read the result, never a violation (ok does not depend"
+        " on it): e.g. Kata pins vCPUs itself (enable_vcpus_pinning) and how vmpin keeps out"
+        " of its way",
+    )
 
 
 class ReconcileItemView(View):

@@ -85,6 +85,11 @@ GLOBALS = (
         "[env: VMPIN_PUBLISH_DIR] Host dir shared with each guest, where guest maps are"
         " published (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox}"
         " template).", path=True),
+    Opt(("--kata-config",), "kata_config",
+        "[env: VMPIN_KATA_CONFIG] Kata's configuration files, read for its own vCPU pinning"
+        " ([runtime] enable_vcpus_pinning): ':'-separated, 'A|B' = the first of A and B that"
+        " exists, '*' in a file name; 'none' (default: Kata's and kata-deploy's paths).",
+        path=True),
     Opt(("--helper-policy",), "helpers",
         "[env: VMPIN_HELPER_POLICY] Emulator/iothread/vhost placement: share (the sandbox"
         " mask), isolate, none."),

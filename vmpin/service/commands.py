@@ -464,6 +464,8 @@ def audit(c: Ctx, as_json: bool) -> int:
             )
         for e in result["errors"]:
             echo(f"error     {e}")
+        for n in result["notes"]:
+            echo(f"note      {n}")
         echo(
             f"{'ok' if result['ok'] else 'FAIL'}: {result['sandboxes']} sandboxes, "
             f"{result['threads']} threads, {len(result['violations'])} violations"

@@ -14,6 +14,11 @@ vmpin's store is a cache of facts the host also holds, so a corrupt database is 
 Checks, each one line: the state dir is a real directory, writable, with free space; the
 database opens and passes ``PRAGMA quick_check``; how many journal events are pending,
 quarantined (``journal/bad/``) or left half-written by killed hooks.
+
+Then what the node's Kata configuration says about Kata's own vCPU pinning (one line per file
+``--kata-config`` lists, vmpin.runtimes.kataconfig): ``[runtime] enable_vcpus_pinning = true``
+means Kata pins vCPUs itself and vmpin follows its layout; a file that cannot be read is named
+with what is wrong.  These lines inform and never make the state dir unhealthy.
 """
 
 from __future__ import annotations
@@ -115,8 +120,20 @@ def rebuild(paths: HostPaths, store: Store) -> list[str]:
     return out
 
 
+def kata_lines(paths: HostPaths) -> list[str]:
+    """Kata's configuration files and their ``enable_vcpus_pinning``, read afresh."""
+    from vmpin.runtimes.kataconfig import read
+
+    return read(paths.kata_config).lines(paths.kata_config)
+
+
 def doctor(paths: HostPaths, *, repair: bool = True) -> tuple[bool, list[str]]:
     """(healthy after what was done, lines to print)."""
+    ok, lines = _state_dir(paths, repair)
+    return ok, lines + kata_lines(paths)
+
+
+def _state_dir(paths: HostPaths, repair: bool) -> tuple[bool, list[str]]:
     lines: list[str] = []
     ok = True
     d = paths.state_dir

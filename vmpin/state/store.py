@@ -542,8 +542,8 @@ class Store:
     def _keep_policy_annotations(self, sandbox_id: str, annotations: Mapping[str, str]) -> None:
         """Record a sandbox's per-pod policy annotations as its containers' specs carry them.
 
-        containerd's ``pod_annotations`` passes the pod's annotations into the OCI spec
-        (hooks/), and CRI-O copies them there itself; vmpin.core.podpolicy reads them.  Later
+        containerd's ``pod_annotations`` (hooks/containerd/) and CRI-O, by itself, pass the
+        pod's annotations into the OCI spec; vmpin.core.podpolicy reads them.  Later
         containers' annotations add to the sandbox's, they never remove: a pod's annotations
         are the same in every one of its containers' specs.
         """

@@ -1,0 +1,261 @@
+"""Kata's own vCPU pinning: which Kata configuration files turn on ``enable_vcpus_pinning``.
+
+Why: with ``[runtime] enable_vcpus_pinning = true`` in its ``configuration.toml``, Kata's
+runtime pins vCPU thread ``i`` to the ``i``-th CPU (ascending) of the sandbox's cpuset itself,
+at every container create, update and removal, and only when #vCPUs == |cpuset|
+(virtcontainers ``Sandbox.checkVCPUsPinning``; when the counts part again it puts the vCPUs
+back over the whole cpuset).  vmpin pins the same threads: two pinners on one thread undo
+each other.  The planner therefore follows Kata's layout where Kata's pinning applies
+(vmpin.core.planner, docs/design.md "Kata's own vCPU pinning"), and ``audit``/``doctor`` say
+which file turned it on.
+
+Where Kata reads its configuration, and so what ``--kata-config`` / ``VMPIN_KATA_CONFIG``
+lists by default (:data:`vmpin.linux.paths.DEFAULTS`): the first of
+``/etc/kata-containers/configuration.toml`` and
+``/usr/share/defaults/kata-containers/configuration.toml`` that exists, and, for kata-deploy,
+one file per runtime class under ``/opt/kata/share/defaults/kata-containers/``
+(``configuration-qemu.toml``, ...), which containerd's runtime option ``ConfigPath`` or the
+shim's ``KATA_CONF_FILE`` names.  Nothing on the host says which of them a running sandbox
+was started with, so the node's answer is "some Kata configuration vmpin reads pins vCPUs".
+
+The search list: entries separated by ``:``, each read; an entry of alternatives separated by
+``|`` reads only the first that exists (Kata's rule for its two default paths); a ``*`` in an
+entry's last component matches file names there (no other globbing).  ``none`` lists nothing.
+Symlinks are followed (kata-deploy links ``configuration.toml`` to a runtime class's file),
+and a file reached twice is read once.
+
+TOML is parsed with :mod:`tomllib` (Python >= 3.11; it imports ``re`` and ``datetime``, ~10 ms),
+which is not on the hook's path: the answer is kept in the state dir (``kata-config.json``,
+keyed by every file's identity, size and mtime) and read back while it holds, so a hook that
+pins in-process parses only after a configuration changed, and never when there is none.
+Lean otherwise, like every module the hook imports.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vmpin.core.errors import VmpinError
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    from vmpin.core._lean import NamedTuple
+
+#: the TOML table and key Kata reads (virtcontainers ``runtime.EnableVCPUsPinning``)
+TABLE = "runtime"
+KEY = "enable_vcpus_pinning"
+#: a Kata configuration is a few KiB (~30 KiB with all its comments)
+MAX_BYTES = 1 << 20
+#: the cache file's layout; another is not read
+_CACHE_FORMAT = 1
+
+
+class KataConfig(NamedTuple):
+    """One configuration file: whether it turns Kata's vCPU pinning on."""
+
+    path: str
+    #: True/False as the file says (absent = False, Kata's default); None when unreadable
+    pinning: bool | None
+    error: str | None = None
+
+    def line(self) -> str:
+        """One line for people (doctor, audit's notes)."""
+        if self.error is not None:
+            return f"Kata configuration {self.error}"
+        if self.pinning:
+            return (
+                f"Kata configuration {self.path}: [{TABLE}] {KEY} = true: Kata pins vCPU i to"
+                " the i-th CPU of the sandbox's cpuset itself when the counts match; vmpin"
+                " follows that layout and leaves vCPUs Kata placed"
+            )
+        return f"Kata configuration {self.path}: [{TABLE}] {KEY} is off: vmpin alone pins vCPUs"
+
+
+class KataConfigs(NamedTuple):
+    """Every Kata configuration file found (empty: no Kata configuration on the node)."""
+
+    files: tuple[KataConfig, ...] = ()
+
+    @property
+    def pinning(self) -> bool:
+        """Some configuration turns Kata's vCPU pinning on."""
+        return any(f.pinning for f in self.files)
+
+    def notes(self) -> list[str]:
+        """What audit says: the files that pin, and those it could not read."""
+        return [f.line() for f in self.files if f.pinning or f.error is not None]
+
+    def lines(self, spec: str) -> list[str]:
+        """What doctor says: every file, or that none was found."""
+        if not self.files:
+            return [f"Kata configuration: none found ({spec or 'none'}): vmpin alone pins vCPUs"]
+        return [f.line() for f in self.files]
+
+
+def candidates(spec: str) -> list[str]:
+    """The files the search list ``spec`` names now, each once (by its resolved path)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for entry in spec.split(":"):
+        entry = entry.strip()
+        if not entry or entry == "none":
+            continue
+        for alternative in entry.split("|"):
+            found = _expand(alternative.strip())
+            if found:
+                for path in found:
+                    real = os.path.realpath(path)
+                    if real not in seen:
+                        seen.add(real)
+                        out.append(path)
+                break  # alternatives: the first one that exists
+    return out
+
+
+def _expand(pattern: str) -> list[str]:
+    """Existing regular files (symlinks followed) matching ``pattern``, in name order."""
+    if not pattern:
+        return []
+    parent, name = os.path.split(pattern)
+    if "*" not in name:
+        return [pattern] if os.path.isfile(pattern) else []
+    try:
+        names = sorted(os.listdir(parent or "."))
+    except OSError:
+        return []
+    return [
+        os.path.join(parent, n)
+        for n in names
+        if _match(n, name) and os.path.isfile(os.path.join(parent, n))
+    ]
+
+
+def _match(name: str, pattern: str) -> bool:
+    """``*`` matches any run of characters (fnmatch imports re: not on the hook's path)."""
+    parts = pattern.split("*")
+    if not name.startswith(parts[0]) or len(name) < sum(len(p) for p in parts):
+        return False
+    pos = len(parts[0])
+    for part in parts[1:-1]:
+        found = name.find(part, pos)
+        if found < 0:
+            return False
+        pos = found + len(part)
+    return name.endswith(parts[-1]) and len(name) - len(parts[-1]) >= pos
+
+
+def read_file(path: str) -> KataConfig:
+    """One configuration file as Kata would read it; an error is one line naming the file."""
+    try:
+        import tomllib  # not on the hook's path unless a configuration changed (module doc)
+    except ImportError:  # Python 3.10
+        return KataConfig(path, None, f"{path}: not read: this Python has no tomllib (3.11+)")
+
+    from vmpin.linux.files import read_bytes
+
+    try:
+        data = read_bytes(os.path.realpath(path), limit=MAX_BYTES, what="Kata configuration")
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        return KataConfig(path, None, f"{path}: not UTF-8 text ({err.reason} at byte {err.start})")
+    except tomllib.TOMLDecodeError as err:
+        return KataConfig(path, None, f"{path}: not valid TOML: {err}")
+    except VmpinError as err:  # (UnsafeFile: names the path itself)
+        return KataConfig(path, None, str(err).removeprefix("Kata configuration "))
+    except OSError as err:
+        return KataConfig(path, None, f"{path}: {err.strerror or err}")
+    table = doc.get(TABLE, {})
+    if not isinstance(table, dict):
+        return KataConfig(path, None, f"{path}: [{TABLE}] is not a table")
+    value = table.get(KEY, False)
+    if not isinstance(value, bool):
+        return KataConfig(path, None, f"{path}: [{TABLE}] {KEY} = {value!r}: not a boolean")
+    return KataConfig(path, value)
+
+
+def read(spec: str, *, cache: str | None = None, save: bool = True) -> KataConfigs:
+    """Every configuration ``spec`` lists, read back from ``cache`` while it holds."""
+    return KataConfigReader(spec, cache).read(save=save)
+
+
+class KataConfigReader:
+    """Reads the configurations again only when one of them changed (or another appeared).
+
+    A process keeps one (the agent's observer: a stat per file per pass); a process that
+    runs once (a hook, a command) finds the last answer in ``cache``, a file in the state dir.
+    """
+
+    __slots__ = ("_key", "_last", "cache", "spec")
+
+    def __init__(self, spec: str, cache: str | None = None) -> None:
+        self.spec, self.cache = spec, cache
+        self._key: list[Any] | None = None
+        self._last = KataConfigs()
+
+    def read(self, *, save: bool = True) -> KataConfigs:
+        files = candidates(self.spec)
+        if not files:
+            self._key, self._last = [], KataConfigs()
+            return self._last
+        key = _key(files)
+        if key is not None and key == self._key:
+            return self._last
+        found = _load_cache(self.cache, key) if self.cache and key is not None else None
+        if found is None:
+            found = KataConfigs(tuple(read_file(p) for p in files))
+            if self.cache and key is not None and save:
+                _save_cache(self.cache, key, found)
+        self._key, self._last = key, found
+        return found
+
+
+def _key(files: list[str]) -> list[Any] | None:
+    """What an answer is valid for: each file's path and (device, inode, size, mtime) after
+    following links; None when one cannot be told (no cache then)."""
+    out: list[Any] = []
+    for path in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        out.append([path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _load_cache(path: str, key: list[Any]) -> KataConfigs | None:
+    from vmpin.linux.files import load_json, read_bytes
+
+    try:
+        doc = load_json(read_bytes(path, limit=1 << 20), path)
+        if not isinstance(doc, dict) or doc.get("v") != _CACHE_FORMAT or doc.get("key") != key:
+            return None
+        return KataConfigs(
+            tuple(KataConfig(str(p), None if v is None else bool(v), e) for p, v, e in doc["files"])
+        )
+    except Exception:  # a cache is never a reason to fail: the files are read instead
+        return None
+
+
+def _save_cache(path: str, key: list[Any], found: KataConfigs) -> None:
+    """Best effort (a read-only state dir only means parsing again next time)."""
+    from vmpin.wire.jsonio import dumps
+
+    doc = {"v": _CACHE_FORMAT, "key": key, "files": [list(f) for f in found.files]}
+    data = dumps(doc).encode()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # readers see the old file or the new one
+    except OSError:
+        try:  # noqa: SIM105 (contextlib stays off the hook's path)
+            os.unlink(tmp)
+        except OSError:
+            pass
