@@ -51,7 +51,8 @@ How sure the fallback is, and where it is blind:
   few times (bounded: ``kvm_retries`` x ``kvm_retry_delay``, and only when a vCPU is still
   unaccounted for).  A guest that keeps a vCPU 100% busy may never show it: ``remembered``
   carries it over from any pass that did, and ``missing_vcpus`` says which indexes are still
-  unknown.
+  unknown; the planner then pins no vCPU 1:1 for that VMM (the same plan whichever vCPUs a
+  pass happened to see: vmpin.core.planner).
 - A VM started paused (``-S``) or not yet started has no vCPU in KVM_RUN at all (and debugfs
   reads pid 0): nothing is found until it runs.
 - TCG has no KVM fds: without names or QMP, its vCPUs are emulator threads here.
