@@ -306,3 +306,61 @@ def test_runtime_layout() -> None:
     assert runtime_layout([0, 1], cs("4")) == {}  # counts differ: Kata does not pin
     assert runtime_layout([0, None], cs("4-5")) == {}  # an index unknown: cannot tell
     assert runtime_layout([], cs("")) == {}
+
+
+# -- an incomplete classification (issue 25) ----------------------------------------------------
+def seen_threads(nvcpus: int, seen: set[int]) -> tuple[list[Thread], list[int], list[int]]:
+    """What a pass that identified only the vCPUs ``seen`` hands the planner: the others are
+    emulator threads by default (layer none), as is the main loop (1000); the iothread (3000)
+    was identified.  Returns (threads, missing indexes, unidentified tids)."""
+    out = [Thread(1000, "emulator"), Thread(3000, "iothread", None, "io0")]
+    out += [
+        Thread(2000 + i, "vcpu", i) if i in seen else Thread(2000 + i, "emulator")
+        for i in range(nvcpus)
+    ]
+    missing = [i for i in range(nvcpus) if i not in seen]
+    return out, missing, [1000] + [2000 + i for i in missing]
+
+
+def placements(plan) -> dict[int, str | None]:  # type: ignore[no-untyped-def]
+    return {p.tid: None if p.desired is None else p.desired.to_list() for p in plan.placements}
+
+
+@pytest.mark.parametrize(
+    ("mask", "policy", "vcpu_set", "helper_set"),
+    [
+        ("8,64", Policy(), "8,64", "8,64"),  # 3 vCPUs on 2 CPUs: partial when complete
+        ("8-9,64", Policy(), "8-9,64", "8-9,64"),  # 3 on 3: 1:1 when complete
+        ("8-9,64", Policy("isolate", cs("0")), "8-9,64", "0"),
+        ("8-9,64", Policy(vcpus="1to1"), "8-9,64", "8-9,64"),
+        ("8-9,64", Policy(vcpus="none"), None, "8-9,64"),
+    ],
+)
+def test_incomplete_classification_plans_the_same_whichever_vcpus_were_seen(
+    mask: str, policy: Policy, vcpu_set: str | None, helper_set: str
+) -> None:
+    """A pass sees some vCPUs, another pass (the hook, audit, the agent) others: every such
+    incomplete pass plans the same, tid by tid, and pins no vCPU 1:1.  Before, the planner
+    counted what it saw: 2 of 3 vCPUs on 2 CPUs pinned vCPUs 0 and 1 (or 1 and 2) 1:1."""
+    t = topo("xeon-gold-6258r-2s")
+    plans = []
+    for seen in ({0, 1}, {0, 2}, {1, 2}, {0}, {2}, set()):
+        ths, missing, unidentified = seen_threads(3, seen)
+        plan = plan_sandbox(t, "sb", cs(mask), ths, policy, missing_vcpus=missing,
+                            unidentified=unidentified)  # fmt: skip
+        assert plan.vcpu_map == {}
+        assert plan.mode == ("none" if policy.vcpus == "none" else "float")
+        if policy.vcpus in ("auto", "1to1"):
+            assert f"vCPU {','.join(map(str, missing))} not identified" in plan.reason
+        assert any("threads of unknown role are placed as vCPUs" in n for n in plan.notes)
+        plans.append(placements(plan))
+    assert plans == [plans[0]] * len(plans)
+    # every vCPU (seen or not) and the main loop get the vCPUs' set; identified helpers theirs
+    assert plans[0] == {1000: vcpu_set, 2000: vcpu_set, 2001: vcpu_set, 2002: vcpu_set,
+                        3000: helper_set}  # fmt: skip
+    # once every vCPU is known the usual rules apply again, and the main loop is a helper
+    ths, _, _ = seen_threads(3, {0, 1, 2})
+    complete = plan_sandbox(t, "sb", cs(mask), ths, policy, missing_vcpus=(), unidentified=[1000])
+    assert placements(complete)[1000] == helper_set
+    if policy.vcpus in ("auto", "1to1"):
+        assert complete.mode == ("partial" if mask == "8,64" else "1:1")

@@ -237,6 +237,52 @@ def test_healthy_node_audits_clean_after_plan_is_applied() -> None:
     _all_ok(plan2, audit(plan2))
 
 
+def _incomplete_vmm(seen: set[int], actual: Callable[[int], str]) -> VmmObs:
+    """A 3-vCPU VMM (vCPU i = tid 101+i, main loop 100, KVM's named helper 110) as a pass that
+    identified only the vCPUs ``seen`` reports it; ``actual(tid)``: each thread's affinity."""
+    threads = [ThreadObs(100, "emulator", None, "qemu", "none", "qemu", cs(actual(100)))]
+    threads += [
+        ThreadObs(101 + i, "vcpu", i, None, "kvm-syscall", "qemu", cs(actual(101 + i)))
+        if i in seen
+        else ThreadObs(101 + i, "emulator", None, None, "none", "qemu", cs(actual(101 + i)))
+        for i in range(3)
+    ]  # fmt: skip
+    threads.append(ThreadObs(110, "emulator", None, "kvm-nx-lpage-re", "names", None,
+                             cs(actual(110))))  # fmt: skip
+    missing = tuple(i for i in range(3) if i not in seen)
+    return VmmObs(100, 1100, tuple(threads), True, missing)
+
+
+@pytest.mark.parametrize("helpers", ["share", "isolate"])
+def test_incomplete_classification_never_flips_between_processes(helpers: str) -> None:
+    """Issue 25: the hook's pass saw vCPUs 1 and 2 (vCPU 0 busy in the guest) and applied its
+    plan; audit's pass then saw 0 and 1, the agent's 0 and 2, another none: each plans the
+    same, so audit finds no drift.  Before, each counted what it saw (2 vCPUs on 2 CPUs: 1:1
+    of whichever two), so audit wanted vCPU 0 alone on a CPU the hook had let float."""
+    t = topo("no-smt-server")
+    policy = Policy(helpers, cs("0") if helpers == "isolate" else CpuSet())
+
+    def node(seen: set[int], actual: Callable[[int], str]) -> NodePlan:
+        sb = kata("a", "2-3", _incomplete_vmm(seen, actual))
+        return plan_node(Observation((SandboxObs(sb.id, sb.runtime, policy, sb.record,
+                                                 sb.containers, sb.vmm),)), t)  # fmt: skip
+
+    hook = node({1, 2}, lambda tid: "0-15")
+    want = desired(hook, "a")
+    helper = "0" if helpers == "isolate" else "2-3"
+    assert want == {100: "2-3", 101: "2-3", 102: "2-3", 103: "2-3", 110: helper}
+    for seen in ({0, 1}, {0, 2}, {0}, set()):
+        later = node(seen, lambda tid: "0-15")
+        assert desired(later, "a") == want, seen
+        # the hook's plan applied: this process's audit finds every thread where it should be
+        applied = node(seen, lambda tid: want[tid] or "0-15")
+        assert audit(applied)["ok"], audit(applied)["violations"]
+    assert modes(hook) == {"a": "float"} and hook.sandbox("a").pinned_cpus == {}  # type: ignore[union-attr]
+    assert "vCPU 0 not identified" in hook.sandbox("a").reason  # type: ignore[union-attr]
+    # once every vCPU is known: the usual rules (3 on 2 CPUs: partial), the one change
+    assert modes(node({0, 1, 2}, lambda tid: "0-15")) == {"a": "partial"}
+
+
 def test_runc_update_is_adopted_and_vanished_container_forgotten() -> None:
     r = runc("r", "2", "2", 500)
     c = r.containers[0]

@@ -26,15 +26,18 @@ from pytest_mock import MockerFixture
 from tests.support.capabilities import HOST_LACKS
 from tests.support.qemu_util import (
     QemuHandle,
+    debugfs_mount_points,
     hold_qmp,
+    launch,
     mounted_debugfs,
     qemu_factory,
+    spin_bios,
     start_qemu,
     wait_until,
 )
 from tests.support.session import new_id
 from vmpin.core.errors import ProcessGone, QmpError
-from vmpin.linux import procfs
+from vmpin.linux import debugfs, procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.qmp import QmpClient, QmpTimeout, query_vmm
 from vmpin.runtimes.threads import Classification, VmmThread, classify, find_vhost_kthreads
@@ -72,7 +75,8 @@ def in_kvm_run(q: QemuHandle, tid: int) -> bool:
 def idle_vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdleVm]:
     """One Kata-like VM (no names, running) shared by the fallback tests.
 
-    Its boot is itself the test of Kata's default case: from start, with QMP held by another
+    Its boot is itself the test of Kata's default case without any debugfs (an agent that
+    may not mount one: ``debugfs_ns_timeout=None``): from start, with QMP held by another
     client, classify() is polled until it has found every vCPU.  A diskless QEMU's SeaBIOS
     keeps vCPU 0 busy for ~5 s here (longer on a loaded host) before it halts, and that wait
     is paid once per module.
@@ -90,7 +94,10 @@ def idle_vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdleVm]:
             return len(c.vcpus()) == 2
 
         with hold_qmp(q.qmp_sock):
-            first = classify_until(done, paths, vmm, str(q.qmp_sock), qmp_timeout=0.1, timeout=90)
+            first = classify_until(
+                done, paths, vmm, str(q.qmp_sock), qmp_timeout=0.1, timeout=90,
+                debugfs_ns_timeout=None,
+            )  # fmt: skip
         yield IdleVm(q, cpus, iothreads, first, frozenset(seen_missing), tuple(passes))
 
 
@@ -389,7 +396,8 @@ def test_classify_tcg_names_and_no_kvm_facts(
 @pytest.mark.qemu
 @pytest.mark.kvm
 def test_classify_fallback_from_boot_no_names_qmp_held(idle_vm: IdleVm) -> None:
-    """Kata's default from boot: polled passes find every vCPU, exactly, without QMP or names.
+    """Kata's default from boot: polled passes find every vCPU, exactly, without QMP, names
+    or debugfs.
 
     While the BIOS spins, vCPU 0 reads "running": a pass retries it briefly, then reports it
     in missing_vcpus; a later pass finds it.
@@ -412,11 +420,14 @@ def test_classify_fallback_from_boot_no_names_qmp_held(idle_vm: IdleVm) -> None:
 @pytest.mark.qemu
 @pytest.mark.kvm
 def test_classify_fallback_exact_mapping(idle_vm: IdleVm, paths: HostPaths) -> None:
-    """Exact index -> tid from ioctl(KVM_RUN) + the kvm-vcpu fd links, QMP held, no names."""
+    """Exact index -> tid from ioctl(KVM_RUN) + the kvm-vcpu fd links, QMP held, no names, no
+    debugfs."""
     q, cpus, iothreads, *_ = idle_vm
     vmm = vmm_of(paths, q)
     with hold_qmp(q.qmp_sock):
-        c = classify_until(lambda c: len(c.vcpus()) == 2, paths, vmm, str(q.qmp_sock))
+        c = classify_until(
+            lambda c: len(c.vcpus()) == 2, paths, vmm, str(q.qmp_sock), debugfs_ns_timeout=None
+        )
     assert c.vcpus() == cpus, c.notes
     assert {c.by_tid()[tid].layer for tid in cpus.values()} == {"kvm-syscall"}
     assert c.missing_vcpus == ()
@@ -439,7 +450,9 @@ def test_kvm_nx_lpage_thread_looks_like_a_vcpu_but_is_not(
     if not helpers:
         pytest.skip(HOST_LACKS + "a kvm-nx-lpage-recovery thread (kernel without the NX fix)")
     fields = procfs.syscall(paths.proc, q.pid, helpers[0])
-    c = classify_until(lambda c: len(c.vcpus()) == 2, paths, vmm_of(paths, q), None)
+    c = classify_until(
+        lambda c: len(c.vcpus()) == 2, paths, vmm_of(paths, q), None, debugfs_ns_timeout=None
+    )
     assert c.by_tid()[helpers[0]].role == "emulator"
     assert c.by_tid()[helpers[0]].layer == "names"
     assert c.vcpus() == cpus
@@ -522,6 +535,151 @@ def test_classify_fallback_via_debugfs(idle_vm: IdleVm, paths: HostPaths, tmp_pa
     assert "debugfs" in c.layers
 
 
+# -- classification: debugfs in a private mount namespace (issue 25) ------------------------
+class SpinVm(NamedTuple):
+    q: QemuHandle
+    cpus: dict[int, int]
+
+
+def cpu_ns(q: QemuHandle, tid: int) -> int:
+    """Time the thread has spent on a CPU (schedstat, ns)."""
+    with open(f"/proc/{q.pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+@pytest.fixture(scope="module")
+def spin_vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpinVm]:
+    """A Kata-like VM (no names) whose vCPU 0 runs guest code without pause for its whole life
+    (tests/support/qemu_util.spin_bios): the case the syscall files can never see."""
+    d = tmp_path_factory.mktemp("spin")
+    bios = spin_bios(d)
+    q = launch(d / "vm", new_id("spin"), smp=2, accel="kvm", extra=("-bios", str(bios)))
+    try:
+        cpus, _ = truth(q)
+        # vCPU 0 has entered the guest (its debugfs pid is 0 until its first KVM_RUN)
+        assert wait_until(lambda: cpu_ns(q, cpus[0]) > 50_000_000, 20), "vCPU 0 never ran"
+        yield SpinVm(q, cpus)
+    finally:
+        q.kill()
+
+
+@pytest.mark.qemu
+@pytest.mark.kvm
+def test_debugfs_ns_names_a_busy_vcpu_every_time(spin_vm: SpinVm, paths: HostPaths) -> None:
+    """Issue 25: vCPU 0 never leaves the guest, debugfs is not mounted on the host, QMP is held
+    and threads have no names.  Each of 20 fresh passes (nothing remembered) names both vCPUs
+    exactly, through a debugfs mounted in a private mount namespace; the host's tree has no
+    debugfs before or after.  (Before the debugfs-ns layer, every pass missed vCPU 0.)"""
+    q, cpus = spin_vm
+    host_kvm = Path("/sys/kernel/debug/kvm")
+    assert not host_kvm.exists()
+    assert "/sys/kernel/debug" not in debugfs_mount_points()
+    vmm = vmm_of(paths, q)
+    with hold_qmp(q.qmp_sock):
+        passes = [classify(paths, vmm, str(q.qmp_sock), qmp_timeout=0.1) for _ in range(20)]
+    assert [c.vcpus() for c in passes] == [cpus] * 20, [c.notes for c in passes]
+    for c in passes:
+        assert {c.by_tid()[tid].layer for tid in cpus.values()} == {"debugfs-ns"}
+        assert c.missing_vcpus == ()
+        assert "debugfs-ns" in c.layers
+        assert_consistent(c, q)
+    assert not host_kvm.exists()
+    assert "/sys/kernel/debug" not in debugfs_mount_points()
+    # the control: vCPU 0 really was busy throughout, the syscall files never show it
+    blind = [classify(paths, vmm, None, kvm_retries=2, debugfs_ns_timeout=None) for _ in range(5)]
+    assert [(c.vcpus(), c.missing_vcpus) for c in blind] == [({1: cpus[1]}, (0,))] * 5
+    assert {c.by_tid()[cpus[0]].role for c in blind} == {"emulator"}
+
+
+@pytest.mark.qemu
+@pytest.mark.kvm
+def test_debugfs_ns_never_for_a_fixture_sysfs_root(
+    spin_vm: SpinVm, paths: HostPaths, tmp_path: Path, mocker: MockerFixture
+) -> None:
+    """A sysfs root that is not the host's /sys never spawns the private reader."""
+    q, cpus = spin_vm
+    spawn = mocker.patch("os.posix_spawn", side_effect=AssertionError("child spawned"))
+    c = classify(paths._replace(sys=str(tmp_path / "sys")), vmm_of(paths, q), None, kvm_retries=0)
+    assert spawn.call_count == 0
+    assert c.vcpus() == {1: cpus[1]} and c.missing_vcpus == (0,)
+
+
+@pytest.mark.qemu
+@pytest.mark.kvm
+def test_debugfs_ns_not_spawned_when_the_syscall_files_suffice(
+    idle_vm: IdleVm, paths: HostPaths, mocker: MockerFixture
+) -> None:
+    """Every vCPU asleep in KVM_RUN (the idle VM): one look at the syscall files names them
+    all, and no child is spawned (it costs ~10 ms: bench/bench_debugfs.py)."""
+    q, cpus, *_ = idle_vm
+    spawn = mocker.spy(os, "posix_spawn")
+    for _ in range(5):
+        c = classify(paths, vmm_of(paths, q), None)
+        assert c.vcpus() == cpus
+        assert {c.by_tid()[tid].layer for tid in cpus.values()} == {"kvm-syscall"}
+    assert spawn.call_count == 0
+
+
+def _fake_unshare(bin_dir: Path, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "unshare"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+
+
+REAL_UNSHARE = debugfs.find_binary("unshare")
+#: setpriv (util-linux) drops CAP_SYS_ADMIN for real: the kernel's own EPERM
+DROP_SYS_ADMIN = "/usr/bin/setpriv --bounding-set -sys_admin --inh-caps -sys_admin --"
+
+
+@pytest.mark.qemu
+@pytest.mark.kvm
+@pytest.mark.parametrize(
+    ("fault", "body", "why"),
+    [
+        ("no unshare binary", None, "no unshare binary"),
+        ("unshare EPERM", f'exec {DROP_SYS_ADMIN} {REAL_UNSHARE} "$@"',
+         "unshare failed: Operation not permitted"),
+        ("mount EPERM", f'shift 4; exec {REAL_UNSHARE} --mount --propagation private --'
+         f' {DROP_SYS_ADMIN} "$@"', "mount -t debugfs failed: mount: /sys/kernel/debug:"
+         " permission denied"),
+        ("timeout", 'echo $$ > "$(dirname "$0")/pid"; exec sleep 30', "timed out after 0.3 s"),
+        ("exec refused", "", "cannot start"),
+    ],
+)  # fmt: skip
+def test_debugfs_ns_faults_fall_back_to_the_syscall_files(
+    spin_vm: SpinVm,
+    paths: HostPaths,
+    tmp_path: Path,
+    mocker: MockerFixture,
+    fault: str,
+    body: str | None,
+    why: str,
+) -> None:
+    """Whatever stops the private read, the pass goes on as before, with a note saying why:
+    vCPU 1 (asleep in KVM_RUN) from its syscall file, busy vCPU 0 missing; nothing raises,
+    nothing is left behind."""
+    if REAL_UNSHARE is None or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("util-linux unshare and setpriv are needed to make these faults")
+    q, cpus = spin_vm
+    bin_dir = tmp_path / "bin"
+    if body is not None:
+        _fake_unshare(bin_dir, body)
+    mocker.patch.object(debugfs, "SEARCH_PATH", str(bin_dir))
+    if fault == "exec refused":
+        mocker.patch("os.posix_spawn", side_effect=PermissionError(13, "Permission denied"))
+    t0 = time.monotonic()
+    c = classify(paths, vmm_of(paths, q), None, debugfs_ns_timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
+    notes = [n for n in c.notes if n.startswith("debugfs-ns unavailable")]
+    assert len(notes) == 1 and why in notes[0], c.notes
+    assert (c.vcpus(), c.missing_vcpus) == ({1: cpus[1]}, (0,))
+    assert c.by_tid()[cpus[1]].layer == "kvm-syscall"
+    if fault == "timeout":  # the child was killed and reaped: not even a zombie is left
+        pid = int((bin_dir / "pid").read_text())
+        assert not os.path.exists(f"/proc/{pid}")
+
+
 # -- faults ---------------------------------------------------------------------------------
 @pytest.mark.qemu
 def test_thread_gone_mid_classification_is_skipped(
@@ -559,7 +717,7 @@ def test_thread_gone_during_kvm_scan_is_skipped(
         return real_syscall(proc, pid, tid)
 
     mocker.patch("vmpin.linux.procfs.syscall", side_effect=syscall)
-    c = classify_until(lambda c: 1 in c.vcpus(), paths, vmm, None)
+    c = classify_until(lambda c: 1 in c.vcpus(), paths, vmm, None, debugfs_ns_timeout=None)
     assert cpus[0] not in c.by_tid()
     assert c.vcpus() == {1: cpus[1]}
     assert c.missing_vcpus == (0,)
@@ -571,11 +729,13 @@ def test_thread_gone_during_kvm_scan_is_skipped(
 def test_remembered_vcpus_mean_no_syscall_reads_at_all(
     idle_vm: IdleVm, paths: HostPaths, mocker: MockerFixture
 ) -> None:
-    """A steady-state pass (every vCPU known from before) costs no sleeps and no syscall reads."""
+    """A steady-state pass (every vCPU known from before) costs no sleeps, no syscall reads
+    and no private debugfs child."""
     q, cpus, *_ = idle_vm
     vmm = vmm_of(paths, q)
     first = classify_until(lambda c: len(c.vcpus()) == 2, paths, vmm, None)
     mocker.patch("vmpin.linux.procfs.syscall", side_effect=AssertionError("syscall read"))
+    mocker.patch("os.posix_spawn", side_effect=AssertionError("child spawned"))
     t0 = time.monotonic()
     c = classify(paths, vmm, None, first.by_tid(), kvm_retry_delay=5.0)
     assert time.monotonic() - t0 < 1.0

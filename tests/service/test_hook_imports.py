@@ -31,9 +31,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.fakeagent import ProtocolAgent
-from tests.support.qemu_util import QemuHandle, qemu_factory
+from tests.support.qemu_util import QemuHandle, hold_qmp, qemu_factory, spin_bios, wait_until
 from tests.support.session import new_id
 from vmpin.linux.paths import HostPaths
+from vmpin.runtimes.qmp import QmpClient
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "bin" / "vmpin"
@@ -43,7 +44,8 @@ CRI = "io.kubernetes.cri."
 #: vmpin.core._lean stand in for them; the agent's socket and QMP's use _socket)
 FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
              "prometheus_client", "vmpin.cli", "vmpin.service.agent", "vmpin.service.watch",
-             "json", "typing", "dataclasses", "inspect", "socket", "selectors")  # fmt: skip
+             "json", "typing", "dataclasses", "inspect", "socket", "selectors",
+             "subprocess")  # fmt: skip
 #: not where the hook only journals and notifies
 LEAN = ("re", "enum", "functools", "contextlib", "collections")
 #: only where this process re-plans (no agent answered and VMs are involved)
@@ -222,6 +224,37 @@ def test_kata_pinning_configuration_known_from_the_state_dir(
     assert err == ""
     assert_lean(loaded, reconciled=True)
     assert "vmpin.runtimes.kataconfig" in loaded
+
+
+@pytest.mark.kvm
+def test_kata_no_agent_no_names_qmp_held_reads_debugfs_privately(
+    env: dict[str, str], tmp_path: Path, qemu: Callable[..., QemuHandle]
+) -> None:
+    """Kata's default (no names, the shim holds QMP) with vCPU 0 busy in the guest: the
+    in-process pass reads KVM's debugfs in a private mount namespace (a posix_spawn'ed child),
+    still without subprocess, selectors or contextlib, and records both vCPUs exactly."""
+    q = qemu(new_id("leank"), smp=2, extra=("-bios", str(spin_bios(tmp_path))))
+    with QmpClient(str(q.qmp_sock), timeout=5.0) as qmp:
+        cpus = {index: tid for index, tid, _props in qmp.query_cpus_fast()}
+    # vCPU 0 has entered the guest (KVM's debugfs names it from its first KVM_RUN on)
+    assert wait_until(lambda: _cpu_ns(q.pid, cpus[0]) > 50_000_000, 20)
+    b, ann = bundle(tmp_path, "c1", q.sandbox_id, "1")
+    with hold_qmp(q.qmp_sock):
+        loaded, _ = hook(env, "prestart", state("c1", b, ann, q.pid))
+    assert_lean(loaded, reconciled=True)
+    assert "vmpin.linux.debugfs" in loaded and "subprocess" not in loaded
+    shown = subprocess.run(
+        [sys.executable, "-m", "vmpin", "show", q.sandbox_id, "--json"],
+        capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    vcpus = {t["index"]: (t["tid"], t["layer"]) for t in json.loads(shown.stdout)["threads"]
+             if t["role"] == "vcpu"}  # fmt: skip
+    assert vcpus == {ix: (tid, "debugfs-ns") for ix, tid in cpus.items()}
+
+
+def _cpu_ns(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
 
 
 @pytest.mark.qemu

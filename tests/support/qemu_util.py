@@ -337,6 +337,29 @@ def hold_qmp(sock_path: Path | str, timeout: float = 5.0) -> Iterator[socket.soc
         s.close()
 
 
+#: x86 resets at 0xFFFFFFF0: offset 0xFFF0 of a 64 KiB BIOS (QEMU wants a multiple of 64 KiB)
+BIOS_SIZE, RESET_OFFSET = 0x10000, 0xFFF0
+
+
+def spin_bios(directory: Path) -> Path:
+    """A 64 KiB BIOS whose reset vector is ``jmp $`` (EB FE): under KVM the boot vCPU (vCPU 0)
+    spins in the guest for as long as the VM runs, never in KVM_RUN's sleep, so its ``syscall``
+    file reads "running" every time; the other vCPUs wait for an INIT/SIPI that never comes,
+    asleep in KVM_RUN.  Use it as ``extra=("-bios", str(path))``.  The rest is HLT (F4)."""
+    image = bytearray(b"\xf4" * BIOS_SIZE)
+    image[RESET_OFFSET : RESET_OFFSET + 2] = b"\xeb\xfe"
+    path = directory / "spin-bios.bin"
+    path.write_bytes(bytes(image))
+    return path
+
+
+def debugfs_mount_points() -> list[str]:
+    """Where this process's mount namespace (the host's, here) has a debugfs mounted (other
+    test sessions may mount one under their tmp dirs: mounted_debugfs)."""
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if " - debugfs " in line]
+
+
 @contextlib.contextmanager
 def mounted_debugfs(root: Path) -> Iterator[Path]:
     """A private debugfs mount at ``root/kernel/debug``; yields ``root`` to use as the sys root.

@@ -22,6 +22,14 @@ The rules, and the failure each one prevents:
   (:func:`runtime_layout`) instead of topology order, so both pinners write the same thing and
   neither undoes the other; ``Plan.runtime_map`` says where Kata puts each vCPU, for the node
   plan to leave Kata's pins alone where vmpin would not pin 1:1 itself (vmpin.reconcile.plan).
+- **An incomplete classification pins no vCPU 1:1.**  When a vCPU index is known to exist but
+  no thread was identified for it (``missing_vcpus``: a vCPU busy in the guest, seen by
+  neither QMP, names nor debugfs), the counts above would be made from whichever vCPUs this
+  pass happened to see: 1:1 of a subset, ``partial`` pinning the wrong "last" vCPUs, or a
+  float, differently in the hook, the agent and ``audit``.  Instead the vCPUs float over the
+  mask (a note names the missing indexes), and so does every thread whose role no layer
+  decided (``unidentified``: one of them is the missing vCPU), so the plan is the same
+  whichever vCPUs were seen, until every one is known.
 - **isolcpus**: CPUs the kernel keeps free of general work are for vCPUs only; helper threads
   stay on the non-isolated part of their set whenever there is one.
 - **Emulator, iothreads, vhost**: policy ``share`` = the mask; ``isolate`` = the configured
@@ -37,7 +45,7 @@ from vmpin.core.topology import Topology
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Collection, Iterable, Mapping, Sequence
     from typing import NamedTuple
 else:
     from vmpin.core._lean import NamedTuple
@@ -148,6 +156,8 @@ def plan_sandbox(
     others_exclusive: CpuSet = EMPTY,
     shared_pool: CpuSet | None = None,
     runtime_pins: CpuSet | None = None,
+    missing_vcpus: Sequence[int] = (),
+    unidentified: Collection[int] = (),
 ) -> Plan:
     """Plan one VM sandbox.
 
@@ -155,6 +165,9 @@ def plan_sandbox(
     that no one else (and no shared pool) may use.  ``runtime_pins``: the CPU set over which
     the runtime pins the vCPUs itself (Kata's ``enable_vcpus_pinning``: the sandbox's cpuset
     as Kata computes it, the union of its containers' CPU sets); None when it does not.
+    ``missing_vcpus``: vCPU indexes that exist but have no thread in ``threads``;
+    ``unidentified``: tids of ``threads`` whose role is a default, not evidence (the
+    classification's layer ``none``).
     """
     policy.check()
     notes: list[str] = []
@@ -205,14 +218,20 @@ def plan_sandbox(
     vcpu_map: dict[int, int] = {}
     if floating_reason:
         mode, reason = "float", floating_reason
-    elif n == 0:
-        mode, reason = "float", "no vCPU thread identified"
     elif policy.vcpus == "float":
         mode, reason = "float", "vCPU policy is float"
     elif policy.vcpus == "none":
         mode, reason = "none", "vCPU policy is none: vCPUs left as the runtime made them"
     elif policy.cpuset == "share":
         mode, reason = "float", "cpu-manager share: others may float on the mask, so vCPUs float"
+    elif missing_vcpus:
+        mode = "float"
+        reason = (
+            f"vCPU {_fmt(missing_vcpus)} not identified: no vCPU is pinned 1:1 until every"
+            " vCPU thread is known"
+        )
+    elif n == 0:
+        mode, reason = "float", "no vCPU thread identified"
     elif shared_with_others:
         mode = "float"
         reason = f"CPUs {shared_with_others} are shared with other sandboxes: no 1:1 pin there"
@@ -264,6 +283,13 @@ def plan_sandbox(
             pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
     if policy.vcpus == "1to1" and mode != "1:1":
         notes.append(f"vCPU policy 1to1 not possible ({reason})")
+    vcpu_float = None if policy.vcpus == "none" else effective
+    maybe_vcpu = frozenset(unidentified) if missing_vcpus else frozenset()
+    if missing_vcpus:
+        notes.append(
+            f"vCPU {_fmt(missing_vcpus)} has no identified thread: threads of unknown role"
+            " are placed as vCPUs until it has"
+        )
     for t in threads:
         if t.role == "vcpu":
             desired: CpuSet | None = (
@@ -271,6 +297,8 @@ def plan_sandbox(
             )
         elif t.role == "container":
             raise PlanError(f"thread {t.tid}: role 'container' is planned per container, not here")
+        elif t.tid in maybe_vcpu:
+            desired = vcpu_float  # (the missing vCPU is one of these)
         else:
             desired = helper_set
         placements.append(Placement(t.tid, t.role, t.idx, t.label, desired))
@@ -279,6 +307,10 @@ def plan_sandbox(
         sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes),
         runtime_map,
     )  # fmt: skip
+
+
+def _fmt(indexes: Sequence[int]) -> str:
+    return ",".join(str(i) for i in sorted(indexes))
 
 
 def _check_no_double_pin(vcpu_map: Mapping[int, int]) -> None:

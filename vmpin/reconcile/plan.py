@@ -551,6 +551,11 @@ def _plan_sandbox(
             others_exclusive=others_exclusive,
             shared_pool=pool,
             runtime_pins=kata_pins,
+            # an incomplete classification plans the same whichever vCPUs it saw (planner)
+            missing_vcpus=s.vmm.missing_vcpus,
+            unidentified=[t.tid for t in vthreads if t.layer == "none"]
+            if s.vmm.missing_vcpus
+            else (),
         )
     except VmpinError as err:
         return _replace(base, errors=(*base.errors, str(err)))

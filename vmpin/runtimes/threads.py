@@ -21,12 +21,22 @@ one that decided it (``layer``):
     6.17 when the vhost module is set to kthread mode) kernel threads outside it, children of
     kthreadd, found by name.  KVM's own helper "kvm-nx-lpage-recovery" also lives inside
     the QEMU process (a vhost_task): it is an emulator thread, never a vCPU.
-``debugfs`` / ``kvm-syscall`` (the fallback for Kata's default: no names, QMP held)
+``debugfs`` / ``debugfs-ns`` / ``kvm-syscall`` (the fallback for Kata's default: no names,
+QMP held)
     ``/proc/<pid>/fd`` links ``anon_inode:kvm-vcpu:<N>`` say which vCPUs exist and which fd is
     vCPU N.  With debugfs mounted (root only), ``<sys>/kernel/debug/kvm/<pid>-<vm fd>/vcpuN/pid``
-    holds vCPU N's thread id once it has run (0 before): exact.  Otherwise a thread whose
-    ``syscall`` file reads ``<ioctl nr> 0x<fd> 0xae80 ...`` is blocked in ioctl(KVM_RUN) on
-    that vCPU fd (halted in the guest): exact for that thread, including its index.
+    holds vCPU N's thread id once it has run (0 before): exact, busy or idle (``debugfs``).
+    Otherwise a thread whose ``syscall`` file reads ``<ioctl nr> 0x<fd> 0xae80 ...`` is
+    blocked in ioctl(KVM_RUN) on that vCPU fd (halted in the guest): exact for that thread,
+    including its index (``kvm-syscall``), but blind to a vCPU running guest code.  When the
+    first look at the syscall files leaves a vCPU unaccounted for (remembered ones count), the
+    sysfs root is the host's own ``/sys`` (never a fixture root) and debugfs is not mounted
+    there, KVM's files are read through a debugfs mounted in a private mount namespace of a
+    short-lived child (``debugfs-ns``, :mod:`vmpin.linux.debugfs`): exact again, and nothing is
+    mounted on the host's tree.  It needs CAP_SYS_ADMIN and util-linux ``unshare``, costs one
+    process (3.5 ms on a quiet CPU, 5-13 ms medians on this busy 2-CPU machine:
+    bench/bench_debugfs.py) and is bounded by ``debugfs_ns_timeout``; when it fails (not
+    permitted, no binary, timeout) a note says why and the pass goes on with the syscall files.
 ``remembered``
     A thread classified in an earlier pass of the same VMM (same pid and start time: the
     caller's job) keeps its role when this pass cannot tell.
@@ -35,12 +45,14 @@ Everything else is ``emulator`` (layer ``none``).
 
 How sure the fallback is, and where it is blind:
 
-- It only sees a vCPU while that vCPU sleeps in KVM_RUN.  A vCPU that is executing guest
-  code, or in QEMU userspace emulating an exit, reads ``running`` in ``syscall``; such threads
-  are re-read a few times (bounded: ``kvm_retries`` x ``kvm_retry_delay``, and only when a
-  vCPU is still unaccounted for).  A guest that keeps a vCPU 100% busy may never show it:
-  ``remembered`` carries it over from any pass that did, and ``missing_vcpus`` says which
-  indexes are still unknown.
+- Without either debugfs (no CAP_SYS_ADMIN, no ``unshare``), the syscall files only show a
+  vCPU while that vCPU sleeps in KVM_RUN.  A vCPU that is executing guest code, or in QEMU
+  userspace emulating an exit, reads ``running`` in ``syscall``; such threads are re-read a
+  few times (bounded: ``kvm_retries`` x ``kvm_retry_delay``, and only when a vCPU is still
+  unaccounted for).  A guest that keeps a vCPU 100% busy may never show it: ``remembered``
+  carries it over from any pass that did, and ``missing_vcpus`` says which indexes are still
+  unknown; the planner then pins no vCPU 1:1 for that VMM (the same plan whichever vCPUs a
+  pass happened to see: vmpin.core.planner).
 - A VM started paused (``-S``) or not yet started has no vCPU in KVM_RUN at all (and debugfs
   reads pid 0): nothing is found until it runs.
 - TCG has no KVM fds: without names or QMP, its vCPUs are emulator threads here.
@@ -54,8 +66,10 @@ How sure the fallback is, and where it is blind:
 
 Cost: the common passes read ``task/`` and one ``comm`` per thread (plus one QMP round trip
 when QMP answers, plus the comm of each kthreadd child for pre-6.4-style vhost workers).
-The fd table and ``syscall`` files are read only when QMP and names left vCPUs unknown, and
-there are no sleeps unless a known vCPU index is still missing.
+The fd table and ``syscall`` files are read only when QMP and names left vCPUs unknown; the
+private debugfs child is spawned at most once per pass, only when one look at the syscall
+files left a known vCPU index unaccounted for (a busy vCPU, in a VMM's first passes: never
+once every vCPU is remembered), and there are no sleeps unless one is still missing after it.
 """
 
 from __future__ import annotations
@@ -64,7 +78,7 @@ import os
 import time
 
 from vmpin.core.errors import HostError, PermissionDenied, ProcessGone, QmpError
-from vmpin.linux import procfs
+from vmpin.linux import debugfs, procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.vmm import Vmm, iothread_ids
 
@@ -95,7 +109,12 @@ else:
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator")
 #: best first; "none" = no evidence, role emulator by default.
-LAYERS = ("qmp", "names", "debugfs", "kvm-syscall", "remembered", "none")
+LAYERS = ("qmp", "names", "debugfs", "debugfs-ns", "kvm-syscall", "remembered", "none")
+#: seconds a private-namespace debugfs read may take (5-13 ms here: bench/bench_debugfs.py)
+DEBUGFS_NS_TIMEOUT = 1.0
+#: the host's own sysfs: only there may a debugfs be mounted in a private namespace (a
+#: fixture root in a test never triggers it)
+HOST_SYS = "/sys"
 
 #: ioctl(2)'s number per architecture, as /proc/PID/syscall prints it (first field).
 _IOCTL_NR = {
@@ -245,6 +264,7 @@ def classify(
     kvm_retry_delay: float = 0.01,
     vhost_kthreads: Mapping[int, Sequence[tuple[int, str]]] | None = None,
     tids: Iterable[int] | None = None,
+    debugfs_ns_timeout: float | None = DEBUGFS_NS_TIMEOUT,
 ) -> Classification:
     """Classify every thread of ``vmm`` (see the module docstring for the layers).
 
@@ -253,6 +273,8 @@ def classify(
     scan the kernel threads once per pass; when None it is scanned here.  ``tids``: the
     VMM's ``task/`` as the caller just listed it (a node's first pass classifies every VMM:
     one listing each, not two); the start time checked here then vouches for it.
+    ``debugfs_ns_timeout``: the bound on a private-namespace debugfs read (layer
+    ``debugfs-ns``); None never does one.
     Raises :class:`ProcessGone` when the VMM itself is gone or its pid was reused; threads
     that exit during the pass are skipped with a note.
     """
@@ -278,7 +300,7 @@ def classify(
     # QEMU names every vCPU thread or none (debug-threads applies to all, hotplugged too):
     # one named vCPU means the names are complete, and the KVM layer has nothing to add.
     if not qmp_complete and not names_have_vcpus:
-        _layer_kvm(st, remembered or {}, kvm_retries, kvm_retry_delay)
+        _layer_kvm(st, remembered or {}, kvm_retries, kvm_retry_delay, debugfs_ns_timeout)
     _layer_remembered(st, remembered or {})
 
     threads: list[VmmThread] = []
@@ -436,24 +458,19 @@ def _kvm_fds(st: _Pass) -> tuple[dict[int, int], list[int]]:
     return vcpu_fds, sorted(vm_fds)
 
 
-def _layer_kvm(st: _Pass, remembered: Mapping[int, ThreadLike], retries: int, delay: float) -> None:
+def _layer_kvm(
+    st: _Pass,
+    remembered: Mapping[int, ThreadLike],
+    retries: int,
+    delay: float,
+    debugfs_ns_timeout: float | None,
+) -> None:
     vcpu_fds, vm_fds = _kvm_fds(st)
     if not vcpu_fds:
         st.notes.append("kvm: no kvm-vcpu fds (TCG, or not a KVM VMM): vCPUs need names or QMP")
         return
     known = set(vcpu_fds.values())
     st.expected = known if st.expected is None else st.expected | known
-
-    # debugfs: exact, and sees running vCPUs too; root only, often not mounted
-    debug_kvm = os.path.join(st.paths.sys, "kernel", "debug", "kvm")
-    for vm_fd in vm_fds:
-        vm_dir = os.path.join(debug_kvm, f"{st.vmm.pid}-{vm_fd}")
-        for index in sorted(known - set(st.vcpu_indexes())):
-            tid = _read_int(os.path.join(vm_dir, f"vcpu{index}", "pid"))
-            if tid and st.alive(tid):
-                st.decide(tid, "vcpu", index, st.comms[tid] or None, "debugfs")
-
-    ioctl_nr = _IOCTL_NR.get(os.uname().machine)
 
     def still_missing() -> set[int]:
         found = set(st.vcpu_indexes())
@@ -465,8 +482,23 @@ def _layer_kvm(st: _Pass, remembered: Mapping[int, ThreadLike], retries: int, de
                 found.add(index)
         return known - found
 
+    # debugfs mounted on the host: exact, and sees running vCPUs too; root only
+    mounted = os.path.isdir(debugfs.kvm_dir(st.paths.sys))
+    if mounted:
+        unknown = sorted(known - set(st.vcpu_indexes()))
+        _apply_debugfs(st, debugfs.vcpu_pids(st.paths.sys, st.vmm.pid, vm_fds, unknown), "debugfs")
     if not still_missing():
         return
+    # Not mounted: vmpin never mounts it on the host's tree, but a child may in a private
+    # mount namespace (vmpin.linux.debugfs).  That costs a process (5-13 ms), so only for what
+    # the first, cheap look at the syscall files leaves unaccounted for: a vCPU busy in the
+    # guest, which no re-read would show for sure.
+    private = (
+        debugfs_ns_timeout
+        if not mounted and vm_fds and os.path.normpath(st.paths.sys) == HOST_SYS
+        else None
+    )
+    ioctl_nr = _IOCTL_NR.get(os.uname().machine)
     candidates = [
         tid for tid in st.comms if tid not in st.verdicts and not st.comms[tid].startswith("kvm-")
     ]
@@ -498,6 +530,10 @@ def _layer_kvm(st: _Pass, remembered: Mapping[int, ThreadLike], retries: int, de
             if tid not in claims[claim]:
                 claims[claim].append(tid)
         claimed = {ix for ix, tids in claims.items() if tids}
+        if private is not None and still_missing() - claimed:
+            _layer_debugfs_ns(st, vm_fds, private)
+            private = None  # (once per pass)
+            running = [tid for tid in running if tid not in st.verdicts]
         candidates = running
         if not running or not (still_missing() - claimed) or attempt == retries:
             break
@@ -505,6 +541,14 @@ def _layer_kvm(st: _Pass, remembered: Mapping[int, ThreadLike], retries: int, de
 
     for index, tids in sorted(claims.items()):
         tids = [t for t in tids if st.alive(t)]
+        holder = st.vcpu_indexes().get(index)
+        if holder is not None:  # debugfs named this vCPU's thread: it is the better witness
+            if set(tids) - {holder}:
+                st.notes.append(
+                    f"kvm: threads {_fmt(tids)} claim vCPU {index}, debugfs names {holder}:"
+                    " kept debugfs's"
+                )
+            continue
         if len(tids) == 1:
             st.decide(tids[0], "vcpu", index, st.comms[tids[0]] or None, "kvm-syscall")
         elif len(tids) > 1:
@@ -514,6 +558,28 @@ def _layer_kvm(st: _Pass, remembered: Mapping[int, ThreadLike], retries: int, de
         st.notes.append(
             "kvm: no vCPU thread in KVM_RUN (VM paused with -S, not started, or every vCPU busy)"
         )
+
+
+def _layer_debugfs_ns(st: _Pass, vm_fds: list[int], timeout: float) -> None:
+    """KVM's vcpuN/pid files through a debugfs mounted in a child's private mount namespace."""
+    try:
+        found = debugfs.vcpu_pids_private(st.paths.sys, st.vmm.pid, timeout)
+    except HostError as err:
+        st.notes.append(f"debugfs-ns unavailable ({err}): vCPUs from the syscall files only")
+        return
+    _apply_debugfs(st, {fd: pids for fd, pids in found.items() if fd in vm_fds}, "debugfs-ns")
+
+
+def _apply_debugfs(st: _Pass, found: debugfs.VcpuPids, layer: str) -> None:
+    """vCPU index -> tid from KVM's debugfs (``vcpuN/pid``; 0 = has not run yet)."""
+    for _vm_fd, pids in sorted(found.items()):
+        for index, tid in sorted(pids.items()):
+            if not tid:
+                continue
+            if st.alive(tid):
+                st.decide(tid, "vcpu", index, st.comms[tid] or None, layer)
+            elif tid not in st.tids:
+                st.notes.append(f"{layer}: vCPU {index} thread {tid} is not a thread of the VMM")
 
 
 def _kvm_run_index(
@@ -558,13 +624,5 @@ def _layer_remembered(st: _Pass, remembered: Mapping[int, ThreadLike]) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path, "rb") as f:
-            return int(f.read().strip() or b"0")
-    except (OSError, ValueError):
-        return None
-
-
 def _fmt(values: Iterable[int]) -> str:
     return ",".join(str(v) for v in values)
