@@ -294,6 +294,70 @@ def audit(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def explain(
+    ctx: typer.Context,
+    what: Annotated[
+        str,
+        typer.Argument(
+            metavar="CPU|CONTAINER|POD",
+            help="A CPU number; else a container id; else a pod (uid, name, namespace/name)"
+            " or sandbox id.",
+        ),
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Who is on a CPU and why (kubelet's claim, each sandbox's mask and the containers that
+    made it, every thread planned or running there and the rule that put it there); or what a
+    pod or container gets, and why.  Nothing is written."""
+    from vmpin.reconcile.explain import explain as explain_what
+
+    with ctx.obj.reader() as store:
+        reconciler = ctx.obj.reconciler(store)
+        out = explain_what(reconciler.plan(), reconciler.topology, what)
+    if as_json:
+        emit(out, "explain")
+        return
+    _print_explained(out)
+
+
+def _print_explained(out: dict[str, Any]) -> None:
+    echo = typer.echo
+    if "cpu" in out:
+        c = out["cpu"]
+        flags = [] if c["online"] else ["offline"]
+        flags += ["isolated"] if c["isolated"] else []
+        echo(f"CPU {c['cpu']}  socket {c['socket']}  core {c['core']}  siblings {c['siblings']}"
+             + (f"  ({', '.join(flags)})" if flags else ""))  # fmt: skip
+        echo(f"kubelet: {c['kubelet']['rule']}")
+        if not c["claimants"]:
+            echo("no sandbox, container or thread vmpin knows of is on it")
+        for x in c["claimants"]:
+            who = x["sandbox"] if x["kind"] == "sandbox" else f"{x['sandbox']} tid {x['tid']}"
+            echo(f"  {x['kind']:<8} {who}: {x['rule']}")
+        return
+    if "container" in out:
+        c = out["container"]
+        echo(f"container {c['container']} ({c['name'] or '-'}) in sandbox {c['sandbox']}"
+             f" [{c['runtime']}]: CPUs {c['cpus'] or '-'}")  # fmt: skip
+        echo(f"  why: {c['rule']}")
+        echo(f"  kubelet says {c['kubelet'] or '-'}, runc {c['runc'] or '-'},"
+             f" cgroup {c['cgroup'] or '-'}, guest vCPUs {c['guest_cpus'] or '-'}")  # fmt: skip
+        return
+    p = out["pod"]
+    pod = p["pod"]
+    echo(f"pod {pod['namespace'] or '-'}/{pod['name'] or '-'} (uid {pod['uid'] or '-'}):"
+         f" sandbox {p['sandbox']} [{p['runtime']}], mask {p['mask'] or '-'}")  # fmt: skip
+    echo(f"  plan {p['mode']}: {p['reason']}")
+    pol = p["policy"]
+    echo(f"  policy vcpus {pol['vcpus']}, helpers {pol['helpers']} (from {pol['source']})")
+    for c in p["containers"]:
+        echo(f"  container {c['name'] or c['id']}: {c['cpus'] or '-'}  ({c['rule']})")
+    for t in p["threads"]:
+        echo(f"  tid {t['tid']} {t['role']}: {t['desired'] or '-'} (now {t['actual'] or '-'})"
+             f"  {t['rule']}")  # fmt: skip
+
+
+@app.command()
 def reconcile(
     ctx: typer.Context,
     once: Annotated[bool, typer.Option("--once", help="Run one repair pass and exit.")] = False,

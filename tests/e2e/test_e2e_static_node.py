@@ -272,6 +272,16 @@ def scenario(node: Node) -> None:
     node.create_kata("G", "1", crio=True)
     node.resend_shared("0")
     node.holds("0", {"G": "1"})
+    # who is on CPU 1, and why: kubelet gave it to G, and only G's threads are there
+    cpu1 = json.loads(node.vmpin("explain", "1", "--json").stdout)["cpu"]
+    g = node.vms["G"].sandbox_id
+    assert cpu1["kubelet"]["exclusive"]["pod"] == f"uid-{g}"
+    assert {c["sandbox"] for c in cpu1["claimants"]} == {g}
+    assert any(c.get("role") == "vcpu" and "pinned 1:1" in c["rule"] for c in cpu1["claimants"])
+    text = node.vmpin("explain", "1").stdout
+    assert f"kubelet gives it to pod uid-{g}" in text
+    pod = json.loads(node.vmpin("explain", "G", "--json").stdout)["pod"]
+    assert (pod["sandbox"], pod["mode"], pod["mask"]) == (g, "1:1", "1")
 
     # G goes; kubelet gives CPU 1 back to the pool and re-sends the shared cpusets
     node.delete_kata_pod("G")

@@ -190,6 +190,23 @@ class ClusterNodeView(View):
     conflict_list: list[str]
 
 
+class ExplainView(View):
+    """``vmpin explain``: exactly one of cpu, container, pod (vmpin.reconcile.explain)."""
+
+    cpu: Optional[dict[str, Any]] = Field(
+        None, description="cpu, online, isolated, socket, core, siblings, kubelet {pool,"
+        " exclusive, rule}, claimants [{kind: sandbox|thread, sandbox, rule, ...}]"
+    )
+    container: Optional[dict[str, Any]] = Field(
+        None, description="container, name, sandbox, runtime, pod, cpus, source, rule,"
+        " kubelet, runc, cgroup, guest_cpus"
+    )
+    pod: Optional[dict[str, Any]] = Field(
+        None, description="sandbox, runtime, pod, mask, mode, reason, policy, containers,"
+        " threads"
+    )
+
+
 VIEWS: dict[str, Any] = {
     "containers": RootModel[list[ContainerView]],
     "sandboxes": RootModel[list[SandboxView]],
@@ -201,6 +218,7 @@ VIEWS: dict[str, Any] = {
     "update": UpdateView,
     "status": StatusView,
     "cluster": RootModel[list[ClusterNodeView]],
+    "explain": ExplainView,
 }
 
 
