@@ -90,6 +90,7 @@ def test_annotation_change_through_the_api(
     node = f"node-{uuid.uuid4().hex[:8]}"
     pod = f"pod-{s}"
     with serving(tmp_path) as (server, kubeconfig):
+        node_uid = server.put_node(node)
         server.put_pod("default", pod, node, {}, uid=f"uid-{s}")
         q = qemu(s, smp=2, debug_threads=True)
         with_policy(kata, q, f"{s}-app", "0-1", {})
@@ -149,6 +150,16 @@ def test_annotation_change_through_the_api(
             (bad,) = events_of(server, "BadAnnotation")
             assert bad["type"] == "Warning" and "sideways" in bad["note"]
             assert wait_until(lambda: one_to_one(q), 10), vcpu_affinity(q)
+            # NodePinning as a Kubernetes object: owned by its Node, with conditions
+            with server.cond:
+                obj = dict(server.pinnings[node])
+            assert obj["metadata"]["ownerReferences"] == [{
+                "apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid,
+                "blockOwnerDeletion": False, "controller": False}]
+            conds = {c["type"]: c for c in obj["status"]["conditions"]}
+            assert set(conds) == {"Ready", "Drift", "Conflict"}
+            assert conds["Ready"]["status"] == "True" and conds["Conflict"]["status"] == "False"
+            assert obj["status"]["sandboxCount"] == 1 and obj["status"]["truncated"] is False
             assert server.rejected == []  # every object the agent wrote passed validation
             # the agent needed nothing deploy/rbac.yaml does not grant (vmpin cluster: the view)
             assert server.rbac_denials(["vmpin-agent", "vmpin-cluster-view"]) == []

@@ -145,6 +145,7 @@ class KubeServer:
     history: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     events: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     pinnings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
     writes: dict[str, int] = field(default_factory=dict)
     requests: list[tuple[str, str, int]] = field(default_factory=list)
@@ -157,6 +158,16 @@ class KubeServer:
         self.httpd: ThreadingHTTPServer | None = None
 
     # -- test-side mutations --------------------------------------------------------------
+    def put_node(self, name: str) -> str:
+        """A Node object (what the agent reads for its report's owner); returns its uid."""
+        with self.cond:
+            self.rv += 1
+            uid = str(uuid.uuid4())
+            self.nodes[name] = {"apiVersion": "v1", "kind": "Node",
+                                "metadata": {"name": name, "uid": uid,
+                                             "resourceVersion": str(self.rv)}}  # fmt: skip
+        return uid
+
     def put_pod(
         self, namespace: str, name: str, node: str,
         annotations: dict[str, str] | None = None, uid: str | None = None,
@@ -351,6 +362,12 @@ class _Handler(BaseHTTPRequestHandler):
             if q.get("watch") in ("true", "1"):
                 return self._watch(q)
             return self._list_pods(q)
+        if parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4:
+            with self.state.cond:
+                node = copy.deepcopy(self.state.nodes.get(parts[3]))
+            if node is None:
+                return self._error(404, "NotFound", f"nodes {parts[3]!r} not found")
+            return self._send(200, node)
         if url.path == "/apis/vmpin.io/v1alpha1/nodepinnings":
             with self.state.cond:
                 items = [copy.deepcopy(v) for _, v in sorted(self.state.pinnings.items())]

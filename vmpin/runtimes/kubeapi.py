@@ -539,9 +539,28 @@ class NodeReport:
             self._last, self._at = status, now
         return True
 
+    def _owner(self) -> list[dict[str, Any]]:
+        """The Node as this object's owner, so that Kubernetes' garbage collector deletes the
+        report with its node (it outlived it before).  [] when the node cannot be read: the
+        report is still written, without an owner (a log line says why)."""
+        try:
+            node = client.CoreV1Api(self.api).read_node(self.node)
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as err:
+            why = _describe(err) if isinstance(err, ApiException) else str(err)
+            log.warning("node %s: cannot read it for the NodePinning's owner: %s", self.node, why)
+            return []
+        uid = getattr(node.metadata, "uid", None)
+        if not uid:
+            return []
+        return [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid,
+                 "blockOwnerDeletion": False, "controller": False}]  # fmt: skip
+
     def _ensure(self) -> None:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                "metadata": {"name": self.node, "labels": {"app.kubernetes.io/name": "vmpin"}}}
+        meta: dict[str, Any] = {"name": self.node, "labels": {"app.kubernetes.io/name": "vmpin"}}
+        owner = self._owner()
+        if owner:
+            meta["ownerReferences"] = owner
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta}
         try:
             self.custom.create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
             self.written.creates += 1

@@ -69,6 +69,10 @@ class KubeLink:
         self._errors: dict[str, int] = {}
         #: sandboxes this agent has planned before (a later pass that writes = Repinned)
         self._seen: set[str] = set()
+        #: sandbox -> how many threads/cgroups its last pass found drifted and put back
+        self._drifted: dict[str, int] = {}
+        #: condition type -> (its status, when it last changed)
+        self._transitions: dict[str, tuple[str, str]] = {}
         #: pod uid -> monotonic time its policy annotations last changed (for re-plan latency)
         self.changed_at: dict[str, float] = {}
         #: bumped (under ``_lock``) when a pod's policy annotations change, a pod goes, or a
@@ -206,6 +210,10 @@ class KubeLink:
             self._sandboxes[sid] = entry
             self._masks[sid] = r.mask
             self._errors[sid] = len(errors)
+            if drift and (pinned or cgroups):
+                self._drifted[sid] = len(pinned) + cgroups
+            else:
+                self._drifted.pop(sid, None)
             self._conflicts[sid] = conflicts
             self._containers[sid] = [
                 {"id": c.id, "sandbox": sid, "name": c.name or "",
@@ -218,7 +226,7 @@ class KubeLink:
     def forget_sandbox(self, sid: str, *, publish: bool = True) -> None:
         with self._lock:
             for d in (self._sandboxes, self._masks, self._containers, self._conflicts,
-                      self._errors):
+                      self._errors, self._drifted):
                 d.pop(sid, None)
             self._seen.discard(sid)
         if publish:
@@ -236,18 +244,54 @@ class KubeLink:
             errors = sum(self._errors.values())
             containers = [c for s in sorted(self._containers) for c in self._containers[s]]
             exclusive = CpuSet.union_all(exclusive_cpus(self._masks).values())
+            drifted = dict(self._drifted)
         kinds = {k: v for k, v in (("error", errors), ("conflict", len(conflicts))) if v}
+        now = kubeapi.rfc3339()
         return {
-            "observedTime": kubeapi.rfc3339(),
+            "observedTime": now,
             "sandboxCount": len(sandboxes),
+            "containerCount": len(containers),
             "conflictCount": len(conflicts),
+            # the lists are bounded (an object is at most ~1.5 MB in etcd): the counts are whole
+            "truncated": max(len(sandboxes), len(containers), len(conflicts)) > MAX_LISTED,
             "exclusiveCpus": exclusive.to_list(),
-            "sandboxes": sandboxes,
-            "containers": containers,
-            "conflicts": conflicts,
+            "sandboxes": sandboxes[:MAX_LISTED],
+            "containers": containers[:MAX_LISTED],
+            "conflicts": conflicts[:MAX_LISTED],
             "audit": {"ok": not kinds, "violations": errors + len(conflicts), "kinds": kinds,
-                      "time": kubeapi.rfc3339()},
+                      "time": now},
+            "conditions": self._conditions(errors, conflicts, drifted, now),
         }
+
+    def _conditions(
+        self, errors: int, conflicts: list[str], drifted: Mapping[str, int], now: str
+    ) -> list[dict[str, str]]:
+        """Ready, Drift and Conflict, as Kubernetes conditions: a reason in CamelCase, a
+        message for people, and the time the status last flipped (kept across reports)."""
+        found = [
+            ("Ready", not errors, "Pinning" if not errors else "Errors",
+             "every sandbox's last pass applied its plan" if not errors
+             else f"{errors} thread(s) or sandbox(es) could not be pinned: see the sandboxes"),
+            ("Drift", bool(drifted), "DriftRepaired" if drifted else "NoDrift",
+             f"the last pass put back {sum(drifted.values())} thread(s)/cgroup(s) in"
+             f" {', '.join(sorted(drifted)[:5])}" if drifted
+             else "no thread or cgroup had moved off its plan"),
+            ("Conflict", bool(conflicts), "ExclusiveCpusClaimedTwice" if conflicts
+             else "NoConflict", conflicts[0] if conflicts else "no CPU is claimed twice"),
+        ]  # fmt: skip
+        out = []
+        for kind, true, reason, message in found:
+            status = "True" if true else "False"
+            last = self._transitions.get(kind)
+            if last is None or last[0] != status:
+                last = self._transitions[kind] = (status, now)
+            out.append({"type": kind, "status": status, "reason": reason,
+                        "message": message[:1024], "lastTransitionTime": last[1]})  # fmt: skip
+        return out
+
+
+#: the most sandboxes, containers and conflicts a NodePinning lists (the counts stay whole)
+MAX_LISTED = 500
 
 
 def _conflict(c: Mapping[str, Any]) -> str:
