@@ -294,6 +294,18 @@ def audit(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def demo(ctx: typer.Context) -> None:
+    """Show what vmpin does, on this machine, in under a minute: start a throwaway VM the way
+    Kata starts QEMU and a runc container, run vmpin's hooks for them, print each thread's
+    affinity before and after, move the container's CPUs as kubelet would and show the
+    re-pin, run the audit, then remove everything it made (also on Ctrl-C).  Needs root,
+    qemu-system-x86, runc and busybox-static.  The node's own state is never touched."""
+    from vmpin.service.demo import main as run_demo
+
+    _done(run_demo())
+
+
+@app.command()
 def explain(
     ctx: typer.Context,
     what: Annotated[
