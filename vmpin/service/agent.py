@@ -83,7 +83,7 @@ from vmpin.service.logs import log, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
 from vmpin.service.server import AgentRunning, ControlServer, Reply
-from vmpin.service.settings import Settings
+from vmpin.service.settings import POLICY_KEYS, Settings
 from vmpin.service.workers import FullPass, SandboxStat
 from vmpin.state import journal
 from vmpin.state.store import Store
@@ -1072,6 +1072,10 @@ def serve(
         domains=getattr(ctx_obj, "domains", lambda: None)(),
     )
 
+    # The agent's policy is the node's: its own settings (defaults included) decide, never a
+    # policy an earlier agent recorded; it is recorded for every other process once this
+    # agent holds the node (below).
+    ctx_obj.settings = ctx_obj.settings._replace(given=POLICY_KEYS)
     # Settings (policy, housekeeping set, guest float) are checked now, once, as one line --
     # not by each worker after start, which would leave an agent without workers.
     with Store(ctx_obj.paths.state_dir) as store:
@@ -1099,6 +1103,11 @@ def serve(
     except AgentRunning as err:
         log_event(logging.ERROR, "refusing to start", error=str(err))
         raise
+    try:
+        with Store(ctx_obj.paths.state_dir) as store:
+            ctx_obj.settings.record(store, "vmpin serve")
+    except StateError as err:
+        agent._store_failed(err)
     try:
         # after start: the pod watch's first list re-queues every pod's sandboxes, so the
         # start-up pass needs no API; a bad kubeconfig stops the agent with one line

@@ -44,6 +44,10 @@ ENV = {
 }
 #: libvirt connections whose domains are sandboxes when none are configured (docs/libvirt.md).
 DEFAULT_LIBVIRT = "qemu:///system"
+#: the node's placement policy: what the agent records for every other process (issue 25)
+POLICY_KEYS = ("helpers", "housekeeping", "vcpus", "guest_float")
+#: store meta key of the node policy the agent runs with (JSON: POLICY_KEYS, at, by)
+NODE_POLICY_META = "node-policy"
 
 
 class Settings(NamedTuple):
@@ -57,6 +61,9 @@ class Settings(NamedTuple):
     #: libvirt connections: comma-separated URIs, "kubevirt" for every virt-launcher's
     #: daemon, "none" for no libvirt at all (docs/libvirt.md)
     libvirt: str = DEFAULT_LIBVIRT
+    #: the POLICY_KEYS this process was given (an option or a VMPIN_* variable): the others
+    #: follow the node policy the agent recorded (:meth:`over_recorded`)
+    given: tuple[str, ...] = ()
 
     @classmethod
     def from_env(
@@ -88,7 +95,43 @@ class Settings(NamedTuple):
             guest_float=pick("guest_float", "all"),
             holdoff=pick("holdoff", ""),
             libvirt=pick("libvirt", DEFAULT_LIBVIRT),
+            given=tuple(k for k in POLICY_KEYS if given.get(k) is not None or env.get(ENV[k])),
         )
+
+    def over_recorded(self, store: Store) -> Settings:
+        """These settings, with each policy key this process was not given taken from the
+        node policy the agent recorded (:meth:`record`).
+
+        Why: the hooks run with the runtime's environment and ``audit`` or ``reconcile
+        --once`` with an operator's shell; neither has the agent's ``VMPIN_HELPER_POLICY``.
+        Planning with the defaults made them call the agent's placement drift and revert it
+        (issue 25: one policy truth).  A key given here still wins: an operator's explicit
+        ``--helpers`` is what that one command plans with.
+        """
+        missing = [k for k in POLICY_KEYS if k not in self.given]
+        raw = store.meta(NODE_POLICY_META) if missing else None
+        if not raw:
+            return self
+        from vmpin.wire import jsonio
+
+        try:
+            doc = jsonio.loads(raw)
+        except ValueError:
+            return self  # not what vmpin writes: the defaults, not a crash
+        if not isinstance(doc, dict):
+            return self
+        found = {k: doc[k] for k in missing if isinstance(doc.get(k), str)}
+        return self._replace(**found) if found else self
+
+    def record(self, store: Store, by: str) -> None:
+        """Record this process's policy as the node's (the agent does at start)."""
+        import time
+
+        from vmpin.wire import jsonio
+
+        doc: dict[str, object] = {k: getattr(self, k) for k in POLICY_KEYS}
+        doc.update(at=round(time.time(), 3), by=by)
+        store.set_meta(NODE_POLICY_META, jsonio.dumps(doc, sort_keys=True))
 
     def policy(self) -> Policy:
         """The planner's policy, validated (a bad value is a PlanError naming it)."""
@@ -136,6 +179,8 @@ def build_reconciler(
     """
     from vmpin.reconcile.reconciler import Reconciler
 
+    if store is not None:
+        settings = settings.over_recorded(store)
     return Reconciler(
         settings.paths,
         store,
