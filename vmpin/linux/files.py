@@ -98,6 +98,28 @@ def read_bytes(
         os.close(fd)
 
 
+def save_cache(path: str, data: bytes) -> None:
+    """Replace the cache file ``path`` with ``data``, best effort: a reader sees the old file
+    or the new one, never part of one, and a write that fails (a read-only or full state
+    dir) leaves nothing behind and only means reading the source again next time.  No sync:
+    a cache lost in a crash is rebuilt."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        try:  # noqa: SIM105 (contextlib stays off the hook's path)
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 def fsync_path(path: str) -> None:
     """fsync the file or directory at ``path`` (a directory: the renames and creations in
     it); OSError as the kernel gives it."""

@@ -163,26 +163,12 @@ def _load_cache(path: str, key: list[object], online: CpuSet) -> list[CpuInfo] |
 
 
 def _save_cache(path: str, key: list[object], infos: list[CpuInfo]) -> None:
+    from vmpin.linux.files import save_cache
     from vmpin.wire.jsonio import dumps
 
     rows = [[i.cpu, i.core, i.core_id, i.socket, i.die, i.numa, i.l3, i.siblings.to_list()]
             for i in infos]  # fmt: skip
-    data = dumps({"v": _CACHE_FORMAT, "key": key, "cpus": rows}).encode()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o600)
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(28, "short write")
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # readers see the old file or the new one
-    except OSError:
-        try:  # noqa: SIM105 (contextlib stays off the hook's path)
-            os.unlink(tmp)
-        except OSError:
-            pass
+    save_cache(path, dumps({"v": _CACHE_FORMAT, "key": key, "cpus": rows}).encode())
 
 
 def _read_cpus(sys_root: str, online: CpuSet) -> list[CpuInfo]:

@@ -240,22 +240,8 @@ def _load_cache(path: str, key: list[Any]) -> KataConfigs | None:
 
 def _save_cache(path: str, key: list[Any], found: KataConfigs) -> None:
     """Best effort (a read-only state dir only means parsing again next time)."""
+    from vmpin.linux.files import save_cache
     from vmpin.wire.jsonio import dumps
 
     doc = {"v": _CACHE_FORMAT, "key": key, "files": [list(f) for f in found.files]}
-    data = dumps(doc).encode()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o600)
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(28, "short write")
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # readers see the old file or the new one
-    except OSError:
-        try:  # noqa: SIM105 (contextlib stays off the hook's path)
-            os.unlink(tmp)
-        except OSError:
-            pass
+    save_cache(path, dumps(doc).encode())
