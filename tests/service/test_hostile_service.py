@@ -7,6 +7,7 @@ metrics port, real FIFOs, symlinks and devices where a file is expected.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -320,3 +321,154 @@ def test_sqlite_error_under_a_command_is_one_line(
     err = capsys.readouterr().err
     line = one_line(err)
     assert os.path.join(paths.state_dir, "state.db") in line and "disk I/O error" in line
+
+
+# -- the host refusing the agent's loops (issue 26) ----------------------------------------------
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def faults(self, where: str) -> list[dict[str, Any]]:
+        return [
+            r.fields  # type: ignore[attr-defined]
+            for r in self.records
+            if r.getMessage() == "host error: going on" and r.fields["where"] == where  # type: ignore[attr-defined]
+        ]
+
+
+def test_emfile_in_the_periodic_pass_is_logged_counted_and_outlived(
+    paths: HostPaths, mocker: Any
+) -> None:
+    """Issue 26: the periodic pass's os.listdir of the journal failed with EMFILE and the
+    OSError ended ``run()`` (the agent aborted).  Now, in an in-process agent with EMFILE
+    injected into os.listdir (the library edge) for every journal listing, and then ENOMEM
+    into the main loop's select: each kind is logged once (not once per pass), counted as
+    ``host`` errors, shown in status while it lasts; passes go on, and once the host lets
+    go the agent is healthy again; it stops only when told, with 0."""
+    import errno
+    import threading
+
+    from tests.support.qemu_util import wait_until
+    from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.service.agent import Agent
+
+    agent = Agent(paths, lambda s: Reconciler(paths, s), interval=0.05, metrics_port=0)
+    records = _Records()
+    logger = logging.getLogger("vmpin.service.agent")
+    logger.addHandler(records)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    exit_codes: list[int] = []
+
+    def main() -> None:  # (the agent's store is its main thread's: start and run on one)
+        agent.start()
+        exit_codes.append(agent.run())
+
+    runner = threading.Thread(target=main, name="test-main")
+    try:
+        runner.start()
+        assert wait_until(lambda: agent._store is not None and agent.status()["passes"] >= 2, 20)
+        journal = os.path.join(paths.state_dir, "journal")
+        real_listdir = os.listdir
+        refused: list[str] = []
+
+        def listdir(path: Any = ".") -> list[str]:
+            if str(path) == journal:
+                refused.append(str(path))
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+            return real_listdir(path)
+
+        mocker.patch("os.listdir", side_effect=listdir)
+        host_errors = agent.metrics.registry.get_sample_value(
+            "vmpin_errors_total", {"kind": "host"}
+        )
+        assert host_errors == 0
+        passes = agent.status()["passes"]
+        assert wait_until(lambda: agent.status()["passes"] >= passes + 10, 20)
+        st = agent.status()
+        assert st["healthy"] is False and "Too many open files" in st["store_error"], st
+        assert runner.is_alive()
+        counted = agent.metrics.registry.get_sample_value("vmpin_errors_total", {"kind": "host"})
+        assert counted is not None and counted >= 10 and len(refused) >= 10, (counted, refused)
+        said = records.faults("store")
+        assert len(said) == 1 and said[0]["error"] == "EMFILE", said  # once, not per pass
+        assert journal in said[0]["detail"]
+
+        mocker.stopall()  # the host lets go: the next pass ingests, healthy again
+        assert wait_until(lambda: agent.status()["store_error"] is None, 20)
+        assert wait_until(lambda: agent.status()["healthy"] is True, 20)
+
+        # the main loop's own wait failing (ENOMEM from select): said, counted, survived
+        import select
+
+        real_select = select.select
+        failed: list[int] = []
+
+        def flaky_select(*args: Any) -> Any:
+            if len(failed) < 3:
+                failed.append(1)
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+            return real_select(*args)
+
+        mocker.patch("select.select", side_effect=flaky_select)
+        passes = agent.status()["passes"]
+        assert wait_until(lambda: agent.status()["passes"] >= passes + 3, 20)
+        said = records.faults("main loop")
+        assert len(failed) == 3 and len(said) == 1 and said[0]["error"] == "ENOMEM", said
+        assert runner.is_alive()
+    finally:
+        mocker.stopall()
+        agent.request_stop()
+        runner.join(30)
+        logger.removeHandler(records)
+        logger.setLevel(old_level)
+    assert exit_codes == [0]
+    assert not [r for r in records.records if r.exc_info], "no traceback for a host error"
+
+
+def test_the_watch_outlives_errors_from_the_host(paths: HostPaths, mocker: Any) -> None:
+    """EIO from inotify's read (the library edge) used to end the watcher's thread, and the
+    watch with it.  Now each is told to ``on_error`` (the agent counts it and says it once a
+    minute) and the watch goes on: a checkpoint renamed after the errors still marks work."""
+    import errno
+    import time
+
+    import inotify_simple
+
+    from tests.support.qemu_util import wait_until
+    from vmpin.service.watch import Watcher
+
+    with Store(paths.state_dir) as store:
+        store.put_sandbox(SandboxRec("sb-watched", "runc"))
+    real_read = inotify_simple.INotify.read
+    failures: list[int] = []
+
+    def read(self: Any, *args: Any, **kw: Any) -> Any:
+        if len(failures) < 3:
+            failures.append(1)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_read(self, *args, **kw)
+
+    mocker.patch.object(inotify_simple.INotify, "read", read)
+    errors: list[tuple[str, BaseException]] = []
+    marked: list[list[str]] = []
+    w = Watcher(
+        paths, marked.append, rescan=0.2, on_error=lambda where, err: errors.append((where, err))
+    ).start()
+    try:
+        assert wait_until(lambda: len(failures) == 3, 10)
+        time.sleep(0.5)  # (past the second it waits after each, and its fresh scan)
+        tmp = Path(paths.kubelet_state + ".tmp")
+        tmp.write_text(json.dumps({"policyName": "none", "defaultCpuSet": "", "checksum": 1}))
+        os.rename(tmp, paths.kubelet_state)
+        assert wait_until(lambda: ["sb-watched"] in marked, 10), (marked, errors)
+        assert [(where, getattr(err, "errno", None)) for where, err in errors] == [
+            ("watch", errno.EIO)
+        ] * 3
+        assert w._thread is not None and w._thread.is_alive()
+    finally:
+        w.close()

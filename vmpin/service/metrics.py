@@ -37,7 +37,9 @@ What is exported, and what question each answers:
                                        without a poststop)
 ``vmpin_errors_total{kind}``           ``affinity`` (a thread write refused), ``sandbox`` (a
                                        pass reported an error), ``internal`` (a pass raised),
-                                       ``control`` (a malformed request)
+                                       ``control`` (a malformed request), ``host`` (the host
+                                       refused a loop of the agent: EMFILE, ENOMEM, EIO; it
+                                       went on)
 ``vmpin_pin_latency_seconds``          from a dirty notification to its sandbox's threads
                                        carrying the new plan (read back from the kernel)
 ``vmpin_sandbox_pass_seconds``         one node pass run for dirty sandboxes (refresh, plan,
@@ -477,7 +479,7 @@ class Metrics:
             "Pairs of pods claiming one exclusive CPU in the last plan (invariant 5)",
             registry=r,
         )
-        for kind in ("affinity", "sandbox", "internal", "control"):
+        for kind in ("affinity", "sandbox", "internal", "control", "host"):
             self.errors.labels(kind)  # export zeros, so rate() works from the first scrape
         for kind in ("thread", "cgroup", "vanished"):
             self.drift.labels(kind)
