@@ -79,6 +79,7 @@ from vmpin.core.errors import IdError, StateError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+from vmpin.service import limits
 from vmpin.service.logs import Throttle, log, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
@@ -218,6 +219,8 @@ class Agent:
         self._server: ControlServer | None = None
         self._lockfd: int | None = None
         self._metrics_server: MetricsServer | None = None
+        #: (control, metrics) connections at once, sized from the fd limit at start
+        self.caps = (limits.CONTROL_CAP, limits.METRICS_CAP)
         self._store: Store | None = None
         self._watcher: Any = None  # vmpin.service.watch.Watcher: runc/kubelet changes -> notify
         self._tracked_lock = threading.Lock()
@@ -253,12 +256,20 @@ class Agent:
         except OSError as err:
             raise StateError(f"{self.paths.state_dir}: {err.strerror}") from None
         self._take_lock()
+        # the soft fd limit up to the hard one, and the endpoints' caps sized from it
+        # (vmpin.service.limits): what they serve can never take the passes' fds
+        was, nofile, hard = limits.raise_nofile()
+        if nofile != was:
+            log_event(logging.INFO, "fd limit raised", soft=nofile, was=was, hard=hard)
+        self.caps = limits.caps(nofile)
         try:
             self._store = Store(self.paths.state_dir)
             self._open_socket()
             if self.metrics_port:
                 try:
-                    self._metrics_server = MetricsServer(self.metrics, self.metrics_port)
+                    self._metrics_server = MetricsServer(
+                        self.metrics, self.metrics_port, cap=self.caps[1], fault=self.fault
+                    )
                 except OSError as err:
                     # Anyone may bind a loopback port first: that must not stop pinning (an
                     # exit here is a crash loop under Restart=always).  Said once, in status.
@@ -303,6 +314,9 @@ class Agent:
             workers=self.n_workers,
             holdoff=self.queue.holdoff,
             metrics=(f"127.0.0.1:{self._metrics_server.port}" if self._metrics_server else None),
+            nofile=nofile,
+            control_cap=self.caps[0],
+            metrics_cap=self.caps[1],
         )
         self.full_pass("startup")
 
@@ -444,7 +458,10 @@ class Agent:
 
     # -- the control socket (vmpin.service.server) -------------------------------------------
     def _open_socket(self) -> None:
-        self._server = ControlServer(self.paths, self.handle, self._refused)
+        slots = self.metrics.slots("control", self.caps[0], (b"\n",))
+        self._server = ControlServer(
+            self.paths, self.handle, self._refused, slots=slots, fault=self.fault
+        )
         self._server.open()
 
     def _close_socket(self) -> None:
@@ -504,7 +521,10 @@ class Agent:
 
     def _bad(self, error: str) -> dict[str, Any]:
         self.metrics.errors.labels("control").inc()
-        log_event(logging.WARNING, "bad control request", error=error)
+        # said once a minute: whoever sends a flood of them must not fill the log too
+        unsaid = self._faults.due(("control", "bad request"))
+        if unsaid is not None:
+            log_event(logging.WARNING, "bad control request", error=error, unsaid=unsaid)
         return {"ok": False, "error": error}
 
     def notify(self, sandbox_ids: list[str], *, urgent: bool = False) -> int:
