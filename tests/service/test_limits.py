@@ -150,3 +150,16 @@ def test_read_request_ends_limits_and_eof(pairs: list[tuple[socket.socket, socke
     client.sendall(b"half")
     client.shutdown(socket.SHUT_WR)
     assert read_request(conn, (b"\n",), 1000, 1.0) == b"half"  # the caller decides
+
+
+def test_the_units_fd_limit_gives_the_full_caps() -> None:
+    """deploy/systemd/vmpin.service sets LimitNOFILE (systemd's default soft 1,024 is what
+    ran out in issue 26); under it the agent gets its full caps."""
+    from pathlib import Path
+
+    unit = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "vmpin.service"
+    limit = [x for x in unit.read_text().splitlines() if x.startswith("LimitNOFILE=")]
+    assert len(limit) == 1, limit
+    nofile = int(limit[0].split("=", 1)[1])
+    assert caps(nofile) == (CONTROL_CAP, METRICS_CAP)
+    assert nofile > 1024  # (the default it replaces)
