@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import socket
 import sqlite3
@@ -79,8 +80,14 @@ class AgentProc:
     """``vmpin serve`` as a subprocess; killed by its pid (SIGKILL) if a test leaves it up."""
 
     def __init__(
-        self, paths: HostPaths, env: dict[str, str], log: Path, interval: float = 0.5
+        self,
+        paths: HostPaths,
+        env: dict[str, str],
+        log: Path,
+        interval: float = 0.5,
+        nofile: tuple[int, int] | None = None,
     ) -> None:
+        """``nofile``: the (soft, hard) RLIMIT_NOFILE it starts under (a unit's LimitNOFILE)."""
         self.paths = paths
         self.port = free_port()
         self.log = log
@@ -95,7 +102,13 @@ class AgentProc:
             str(self.port),
         ]
         self._err = open(log, "ab")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._err)
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._err, preexec_fn=limit
+        )
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         ok = wait_until(

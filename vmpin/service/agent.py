@@ -79,7 +79,8 @@ from vmpin.core.errors import IdError, StateError, VmpinError
 from vmpin.core.ids import check_id, valid_id
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler, SandboxReport
-from vmpin.service.logs import log, log_event, setup_logging
+from vmpin.service import limits
+from vmpin.service.logs import Throttle, log, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
 from vmpin.service.server import AgentRunning, ControlServer, Reply
@@ -101,6 +102,11 @@ DOMAINS_WORK = "libvirt-domains"
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WORKERS = 2
 DEFAULT_DRAIN_TIMEOUT = 10.0
+#: the least time between two log lines about one recurring fault (:meth:`Agent.fault`)
+FAULT_LOG_EVERY = 60.0
+#: errors the host raises that a loop of the agent outlives (issue 26: EMFILE, ENFILE,
+#: ENOMEM, EIO ...): counted as ``host`` errors; anything else is a bug, ``internal``
+HOST_FAULTS = (OSError, MemoryError)
 
 
 class _Waiter:
@@ -213,6 +219,8 @@ class Agent:
         self._server: ControlServer | None = None
         self._lockfd: int | None = None
         self._metrics_server: MetricsServer | None = None
+        #: (control, metrics) connections at once, sized from the fd limit at start
+        self.caps = (limits.CONTROL_CAP, limits.METRICS_CAP)
         self._store: Store | None = None
         self._watcher: Any = None  # vmpin.service.watch.Watcher: runc/kubelet changes -> notify
         self._tracked_lock = threading.Lock()
@@ -234,6 +242,8 @@ class Agent:
             lambda: float(journal.backlog(paths.state_dir)),
             lambda: float(journal.quarantined(paths.state_dir)),
         )
+        #: recurring faults of the loops, said once a minute (:meth:`fault`)
+        self._faults = Throttle(FAULT_LOG_EVERY)
         #: why the store cannot be written (read-only, full), while pinning goes on
         self.store_error: str | None = None
         self.metrics_error: str | None = None
@@ -246,12 +256,20 @@ class Agent:
         except OSError as err:
             raise StateError(f"{self.paths.state_dir}: {err.strerror}") from None
         self._take_lock()
+        # the soft fd limit up to the hard one, and the endpoints' caps sized from it
+        # (vmpin.service.limits): what they serve can never take the passes' fds
+        was, nofile, hard = limits.raise_nofile()
+        if nofile != was:
+            log_event(logging.INFO, "fd limit raised", soft=nofile, was=was, hard=hard)
+        self.caps = limits.caps(nofile)
         try:
             self._store = Store(self.paths.state_dir)
             self._open_socket()
             if self.metrics_port:
                 try:
-                    self._metrics_server = MetricsServer(self.metrics, self.metrics_port)
+                    self._metrics_server = MetricsServer(
+                        self.metrics, self.metrics_port, cap=self.caps[1], fault=self.fault
+                    )
                 except OSError as err:
                     # Anyone may bind a loopback port first: that must not stop pinning (an
                     # exit here is a crash loop under Restart=always).  Said once, in status.
@@ -272,7 +290,7 @@ class Agent:
             self._server.start()
             from vmpin.service import watch  # lazily: inotify_simple is the agent's alone
 
-            self._watcher = watch.start(self.paths, self.notify)
+            self._watcher = watch.start(self.paths, self.notify, on_error=self.fault)
             if self.domains is not None:
                 from vmpin.service.domain_events import DomainEvents
 
@@ -296,6 +314,9 @@ class Agent:
             workers=self.n_workers,
             holdoff=self.queue.holdoff,
             metrics=(f"127.0.0.1:{self._metrics_server.port}" if self._metrics_server else None),
+            nofile=nofile,
+            control_cap=self.caps[0],
+            metrics_cap=self.caps[1],
         )
         self.full_pass("startup")
 
@@ -306,10 +327,14 @@ class Agent:
         next_tick = time.monotonic() + self.interval
         while not self.stop_event.is_set():
             timeout = max(0.0, next_tick - time.monotonic())
-            ready, _, _ = select.select([self._wake_r], [], [], timeout)
-            if ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
+            try:
+                ready, _, _ = select.select([self._wake_r], [], [], timeout)
+                if ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+            except HOST_FAULTS as err:
+                self.fault("main loop", err)
+                time.sleep(0.1)  # (what failed is the wait itself: do not spin)
             if self._stop_signal is not None or self.stop_event.is_set():
                 break
             with self._lock:
@@ -320,6 +345,8 @@ class Agent:
                 except (VmpinError, sqlite3.Error) as err:
                     self.metrics.errors.labels("internal").inc()
                     log_event(logging.ERROR, "cannot start a pass", error=str(err))
+                except HOST_FAULTS as err:  # issue 26: EMFILE here ended the agent (exit 134)
+                    self.fault("periodic pass", err)
                 next_tick = time.monotonic() + self.interval
         log_event(logging.INFO, "stopping", signal=self._stop_signal)
         return self.shutdown()
@@ -340,6 +367,30 @@ class Agent:
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
+
+    def fault(self, where: str, err: BaseException) -> None:
+        """An error one of the agent's loops outlives (the main loop and its periodic pass,
+        the planner, the watcher, the accept loops): counted in ``vmpin_errors_total`` --
+        ``host`` for what the host refused (EMFILE, ENFILE, ENOMEM, EIO: an OSError or
+        MemoryError), ``internal`` for anything else -- and logged the first time per
+        (where, what), then at most once a minute with how many went unsaid: a host out of
+        fds must not also fill the node's journal.  The loop then tries again at its next
+        turn (issue 26: an EMFILE in the periodic pass used to end the agent)."""
+        # (a VmpinError translated from the host's OSError chains it: ``raise ... from err``)
+        cause = err.__cause__ if isinstance(err.__cause__, HOST_FAULTS) else err
+        host = isinstance(cause, HOST_FAULTS)
+        self.metrics.errors.labels("host" if host else "internal").inc()
+        code = getattr(cause, "errno", None)
+        what = errno.errorcode.get(code, type(cause).__name__) if code else type(cause).__name__
+        unsaid = self._faults.due((where, what))
+        if unsaid is None:
+            return
+        fields = {"where": where, "error": what, "detail": str(err), "unsaid": unsaid}
+        log.error(
+            "host error: going on" if host else "internal error: going on",
+            exc_info=None if host else err,
+            extra={"fields": fields},
+        )
 
     def shutdown(self) -> int:
         """Drain: drop queued periodic work (the next start repeats it), finish the events
@@ -407,7 +458,10 @@ class Agent:
 
     # -- the control socket (vmpin.service.server) -------------------------------------------
     def _open_socket(self) -> None:
-        self._server = ControlServer(self.paths, self.handle, self._refused)
+        slots = self.metrics.slots("control", self.caps[0], (b"\n",))
+        self._server = ControlServer(
+            self.paths, self.handle, self._refused, slots=slots, fault=self.fault
+        )
         self._server.open()
 
     def _close_socket(self) -> None:
@@ -467,7 +521,10 @@ class Agent:
 
     def _bad(self, error: str) -> dict[str, Any]:
         self.metrics.errors.labels("control").inc()
-        log_event(logging.WARNING, "bad control request", error=error)
+        # said once a minute: whoever sends a flood of them must not fill the log too
+        unsaid = self._faults.due(("control", "bad request"))
+        if unsaid is not None:
+            log_event(logging.WARNING, "bad control request", error=error, unsaid=unsaid)
         return {"ok": False, "error": error}
 
     def notify(self, sandbox_ids: list[str], *, urgent: bool = False) -> int:
@@ -608,31 +665,50 @@ class Agent:
 
     def _planner(self) -> None:
         """The one planning thread: every ready entry -> one node pass -> each one accounted."""
-        try:
-            store = Store(self.paths.state_dir)
-            # a waiting hook or `vmpin update` gets its answer before any sync: the pass's
-            # writes reach the disk with the checkpoint after it (_settle)
-            store.defer_durability()
-            reconciler = self.reconciler_factory(store)
-            # a replaced guest map is freed after the pass's answers, not in its rename
-            # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
-            reconciler.held_maps = []
-            # the agent plans for its whole life: a CPU hot(un)plugged is planned for at the
-            # next pass (one read of the online list each)
-            reconciler.follow_hotplug = True
-        except VmpinError as err:
-            log_event(logging.ERROR, "planner cannot start", error=str(err))
-            self.metrics.errors.labels("internal").inc()
-            self._exit_code = 1
-            self._release_waiters()
-            self.request_stop()
-            return
+        while True:
+            try:
+                store = Store(self.paths.state_dir)
+                try:
+                    reconciler = self._planner_setup(store)
+                except BaseException:
+                    store.close()
+                    raise
+                break
+            except (StateError, sqlite3.Error, *HOST_FAULTS) as err:
+                # the store cannot be opened now (EMFILE, ENOMEM, EIO): not a setting that
+                # is wrong, so try again rather than end the agent
+                self.fault("planner start", err)
+                if self.stop_event.wait(min(self.interval, 5.0)) or self._stop_signal:
+                    return
+            except VmpinError as err:  # a setting the planner cannot plan with
+                log_event(logging.ERROR, "planner cannot start", error=str(err))
+                self.metrics.errors.labels("internal").inc()
+                self._exit_code = 1
+                self._release_waiters()
+                self.request_stop()
+                return
         with store:
             while True:
                 batch = self.queue.take_batch()
                 if batch is None:
                     return
-                self._run_batch(batch, store, reconciler)
+                try:
+                    self._run_batch(batch, store, reconciler)
+                except Exception as err:  # after the pass (maps, settling): the next one runs
+                    self.fault("planner", err)
+
+    def _planner_setup(self, store: Store) -> Reconciler:
+        # a waiting hook or `vmpin update` gets its answer before any sync: the pass's
+        # writes reach the disk with the checkpoint after it (_settle)
+        store.defer_durability()
+        reconciler = self.reconciler_factory(store)
+        # a replaced guest map is freed after the pass's answers, not in its rename
+        # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
+        reconciler.held_maps = []
+        # the agent plans for its whole life: a CPU hot(un)plugged is planned for at the
+        # next pass (one read of the online list each)
+        reconciler.follow_hotplug = True
+        return reconciler
 
     def _run_batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
         with self._pass_cond:
@@ -647,6 +723,10 @@ class Agent:
         try:
             self._node_pass(batch, store, reconciler)
             ok = True
+        except HOST_FAULTS as err:  # EMFILE, ENOMEM, EIO: said once a minute, not per pass
+            with self._lock:
+                self._errors += 1
+            self.fault("node pass", err)
         except Exception as err:  # the planner must survive any one pass
             self.metrics.errors.labels("internal").inc()
             with self._lock:
@@ -700,13 +780,8 @@ class Agent:
         """The guest maps of pass ``number`` (and those before it) published."""
         try:
             reconciler.publish_maps()
-        except Exception as err:  # the planner must survive any one pass
-            self.metrics.errors.labels("internal").inc()
-            log.error(
-                "publishing guest maps failed",
-                exc_info=True,
-                extra={"fields": {"error": str(err)}},
-            )
+        except Exception as err:  # the planner must survive any one pass (said once a minute)
+            self.fault("publishing guest maps", err)
         self._maps_done = number
 
     def _settle(self, store: Store) -> None:
@@ -716,11 +791,16 @@ class Agent:
             self._store_failed(err)
 
     def _store_failed(self, err: StateError) -> None:
-        """A store that cannot be written (read-only, full): logged once, shown in status."""
-        if self.store_error != str(err):
-            log_event(logging.ERROR, "cannot write the store", error=str(err))
+        """A store that cannot be written (read-only, full), or whose journal the host does
+        not let us read (EMFILE, EIO: a ``host`` fault, :meth:`fault`): logged once, shown
+        in status until an ingest succeeds again."""
+        if isinstance(err.__cause__, HOST_FAULTS):
+            self.fault("store", err)
+        else:
+            if self.store_error != str(err):
+                log_event(logging.ERROR, "cannot write the store", error=str(err))
+            self.metrics.errors.labels("internal").inc()
         self.store_error = str(err)
-        self.metrics.errors.labels("internal").inc()
 
     def _record_api_policies(self, store: Store) -> None:
         """The pods' policy annotations as the Kubernetes API shows them, into the store

@@ -29,6 +29,36 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+#: how long a full backlog is waited out (seconds; at most the request's timeout)
+CONNECT_PATIENCE = 1.0
+
+
+def _connect(sock: Any, path: str, patience: float) -> None:
+    """``connect``, as a blocking connect with a timeout would do it: a full listen backlog
+    (the agent swamped by a storm of hooks, or a flood) is waited out for up to
+    ``patience`` seconds, not taken at once for "no agent" -- with a timeout set, Python
+    makes the socket non-blocking, and the kernel then answers EAGAIN at once for a Unix
+    socket whose backlog is full (issue 26: ``vmpin status`` said no agent during a flood)."""
+    try:
+        sock.connect(path)
+        return
+    except BlockingIOError:
+        pass
+    import time
+
+    deadline = time.monotonic() + patience
+    pause = 0.001
+    while True:
+        time.sleep(pause)
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause >= deadline:
+                raise
+        pause = min(pause * 2, 0.05)
+
+
 def _send(
     paths: HostPaths,
     message: dict[str, Any],
@@ -55,7 +85,7 @@ def _send(
     try:
         try:
             sock.settimeout(timeout)
-            sock.connect(path)
+            _connect(sock, path, min(timeout, CONNECT_PATIENCE))
             sock.sendall(dumps(message).encode() + b"\n")
         except OSError:
             return None

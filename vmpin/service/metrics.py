@@ -37,7 +37,9 @@ What is exported, and what question each answers:
                                        without a poststop)
 ``vmpin_errors_total{kind}``           ``affinity`` (a thread write refused), ``sandbox`` (a
                                        pass reported an error), ``internal`` (a pass raised),
-                                       ``control`` (a malformed request)
+                                       ``control`` (a malformed request), ``host`` (the host
+                                       refused a loop of the agent: EMFILE, ENOMEM, EIO; it
+                                       went on)
 ``vmpin_pin_latency_seconds``          from a dirty notification to its sandbox's threads
                                        carrying the new plan (read back from the kernel)
 ``vmpin_sandbox_pass_seconds``         one node pass run for dirty sandboxes (refresh, plan,
@@ -46,6 +48,14 @@ What is exported, and what question each answers:
 ``vmpin_full_pass_cpu_seconds``        CPU time of the last periodic pass (the whole process)
 ``vmpin_last_full_pass_timestamp``     when the last periodic pass finished (unix time)
 ``vmpin_queue_depth`` / ``vmpin_running``  sandboxes waiting / being planned right now
+``vmpin_connections{endpoint}``        connections open now on the ``control`` socket and
+                                       the ``metrics`` port (each capped:
+                                       :mod:`vmpin.service.limits`)
+``vmpin_connections_dropped_total``    ... closed unanswered, by ``endpoint`` and ``reason``:
+                                       ``over_cap`` (refused at once: every slot was being
+                                       answered), ``evicted`` (the oldest still sending its
+                                       request, for a new one), ``timeout`` (request or reply
+                                       past its deadline), ``too_large``
 =====================================  ======================================================
 """
 
@@ -60,6 +70,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from vmpin import __version__
+from vmpin.service.limits import (
+    ACCEPT_BACKOFF,
+    ENDPOINTS,
+    METRICS_CAP,
+    METRICS_READ_TIMEOUT,
+    METRICS_WRITE_TIMEOUT,
+    REASONS,
+    Cut,
+    Slot,
+    Slots,
+    arrived,
+    read_request,
+    start_thread,
+)
 
 #: Latency buckets: a pin normally lands in a few ms; a storm's holdoff adds ~0.1 s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -472,15 +496,32 @@ class Metrics:
         )
         info = Gauge("vmpin_agent_info", "The running agent", ["version"], registry=r)
         info.labels(__version__).set(1)
+        self.connections = Gauge(
+            "vmpin_connections",
+            "Connections open now, per endpoint (control socket, metrics port)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.connections_dropped = Counter(
+            "vmpin_connections_dropped",
+            "Connections closed unanswered: over_cap (refused at once), evicted (the oldest"
+            " still sending its request, for a new one), timeout, too_large",
+            ["endpoint", "reason"],
+            registry=r,
+        )
         self.conflicts = Gauge(
             "vmpin_conflicts",
             "Pairs of pods claiming one exclusive CPU in the last plan (invariant 5)",
             registry=r,
         )
-        for kind in ("affinity", "sandbox", "internal", "control"):
+        for kind in ("affinity", "sandbox", "internal", "control", "host"):
             self.errors.labels(kind)  # export zeros, so rate() works from the first scrape
         for kind in ("thread", "cgroup", "vanished"):
             self.drift.labels(kind)
+        for endpoint in ENDPOINTS:
+            self.connections.labels(endpoint)
+            for reason in REASONS:
+                self.connections_dropped.labels(endpoint, reason)
         for cause in ("event", "periodic", "startup"):
             self.plans.labels(cause)
 
@@ -496,9 +537,20 @@ class Metrics:
         self.journal_pending.set_function(pending)
         self.journal_quarantined.set_function(bad)
 
+    def slots(self, endpoint: str, cap: int, ends: tuple[bytes, ...]) -> Slots:
+        """The connection slots of one endpoint (whose requests end with one of ``ends``),
+        counted in ``vmpin_connections`` and ``vmpin_connections_dropped_total``."""
+        dropped = self.connections_dropped
+        slots = Slots(endpoint, cap, lambda reason: dropped.labels(endpoint, reason).inc(), ends)
+        self.connections.labels(endpoint).set_function(lambda: float(slots.open()))
+        return slots
 
-REQUEST_TIMEOUT = 5.0
+
 MAX_REQUEST = 1 << 16
+#: where an HTTP request's head ends (a bare LF accepted, as http.server does)
+HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
+#: what a connection over the cap is answered, at once, without blocking
+BUSY = b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 
 
 def respond(
@@ -528,10 +580,27 @@ def respond(
 class MetricsServer:
     """``/metrics`` over HTTP on a loopback address: an accept loop in a daemon thread, each
     request answered on a thread of its own (one request per connection, HTTP/1.0 as
-    prometheus_client's wsgiref server); ``close()`` stops it."""
+    prometheus_client's wsgiref server); ``close()`` stops it.
 
-    def __init__(self, metrics: Metrics, port: int, addr: str = "127.0.0.1") -> None:
+    Anyone on the node may connect (issue 26: any local user could crash the agent from
+    here), so it is bounded (:mod:`vmpin.service.limits`): at most ``cap`` connections, the
+    oldest one still sending its request evicted for a new one, a 503 at once when every
+    one is being answered; the request head within 5 s of the accept, the reply within 10 s.
+    """
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        port: int,
+        addr: str = "127.0.0.1",
+        *,
+        cap: int = METRICS_CAP,
+        fault: Callable[[str, BaseException], object] | None = None,
+    ) -> None:
         self.registry = metrics.registry
+        self.slots = metrics.slots("metrics", cap, HEAD_ENDS)
+        #: told of an error the accept loop outlives (the agent's Agent.fault)
+        self._fault = fault or (lambda where, err: metrics.errors.labels("host").inc())
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -562,40 +631,58 @@ class MetricsServer:
                 return
             try:
                 conn, _ = sock.accept()
-            except OSError:
+            except OSError as err:
                 if self._sock is None:
                     return
-                time.sleep(0.01)
+                self._fault("metrics accept", err)  # EMFILE, ENOMEM: the next try
+                time.sleep(ACCEPT_BACKOFF)
                 continue
-            threading.Thread(
-                target=self._answer, args=(conn,), name="vmpin-metrics-conn", daemon=True
-            ).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
+            slot = self.slots.admit(conn, arrived(conn, HEAD_ENDS))
+            if slot is None:  # every slot is being answered (counted): busy, at once
+                with contextlib.suppress(OSError):
+                    conn.send(BUSY, socket.MSG_DONTWAIT)
+                conn.close()
+                continue
             try:
-                conn.settimeout(REQUEST_TIMEOUT)
-                buf = b""
-                while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
-                    chunk = conn.recv(8192)
-                    if not chunk or len(buf) + len(chunk) > MAX_REQUEST:
-                        return
-                    buf += chunk
-                head = buf.decode("latin-1").replace("\r\n", "\n").split("\n\n", 1)[0]
-                request, *lines = head.split("\n")
-                parts = request.split()
-                headers: list[tuple[str, str]] = []
-                if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-                    status, body = "400 Bad Request", b""
-                else:
-                    encoding = ""
-                    for line in lines:
-                        key, _, value = line.partition(":")
-                        if key.strip().lower() == "accept-encoding":
-                            encoding = value
-                    status, headers, body = respond(self.registry, parts[0], parts[1], encoding)
-                head_out = [f"HTTP/1.0 {status}", *(f"{k}: {v}" for k, v in headers),
-                            f"Content-Length: {len(body)}", "", ""]  # fmt: skip
-                conn.sendall("\r\n".join(head_out).encode("latin-1") + body)
-            except Exception:  # a scrape that failed must not take the agent with it
+                start_thread(self._answer, "vmpin-metrics-conn", conn, slot)
+            except OSError as err:
+                self.slots.release(slot)
+                conn.close()
+                self._fault("metrics accept", err)
+
+    def _answer(self, conn: socket.socket, slot: Slot) -> None:
+        try:
+            try:
+                buf = read_request(conn, HEAD_ENDS, MAX_REQUEST, METRICS_READ_TIMEOUT)
+            except Cut as cut:
+                self.slots.drop(cut.reason)
                 return
+            if not self.slots.answering(slot):
+                return  # evicted for a newer connection while it trickled in (counted)
+            if b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+                return  # closed before its head ended: nobody to answer
+            head = buf.decode("latin-1").replace("\r\n", "\n").split("\n\n", 1)[0]
+            request, *lines = head.split("\n")
+            parts = request.split()
+            headers: list[tuple[str, str]] = []
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                status, body = "400 Bad Request", b""
+            else:
+                encoding = ""
+                for line in lines:
+                    key, _, value = line.partition(":")
+                    if key.strip().lower() == "accept-encoding":
+                        encoding = value
+                status, headers, body = respond(self.registry, parts[0], parts[1], encoding)
+            head_out = [f"HTTP/1.0 {status}", *(f"{k}: {v}" for k, v in headers),
+                        f"Content-Length: {len(body)}", "", ""]  # fmt: skip
+            conn.settimeout(METRICS_WRITE_TIMEOUT)  # one deadline for the whole sendall
+            try:
+                conn.sendall("\r\n".join(head_out).encode("latin-1") + body)
+            except TimeoutError:
+                self.slots.drop("timeout")
+        except Exception:  # a scrape that failed must not take the agent with it
+            return
+        finally:
+            self.slots.release(slot)  # (before the close: an eviction never meets a reused fd)
+            conn.close()

@@ -1,13 +1,16 @@
 """The agent's control socket: a 0600 Unix socket, peers of our uid only, one JSON line each way.
 
 It owns the socket's life (bind without a window where others may connect, refuse to steal an
-answering agent's socket, unlink only our own inode) and the connections; the requests are
-the agent's (``handle``), the wire format is :mod:`vmpin.service.control`'s.
+answering agent's socket, unlink only our own inode) and the connections, bounded as
+:mod:`vmpin.service.limits` says (a cap, with the oldest slow sender evicted for a new
+connection; the request line within 2 s of the accept, the reply within 2 s); the requests
+are the agent's (``handle``), the wire format is :mod:`vmpin.service.control`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -20,14 +23,23 @@ from typing import Any
 
 from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
+from vmpin.service.limits import (
+    ACCEPT_BACKOFF,
+    CONTROL_CAP,
+    CONTROL_READ_TIMEOUT,
+    CONTROL_WRITE_TIMEOUT,
+    Cut,
+    Slot,
+    Slots,
+    arrived,
+    read_request,
+)
 from vmpin.service.logs import log_event
 
 #: connection threads waiting in ``accept`` when the agent is quiet (ControlServer._acceptor)
 SPARE_THREADS = 2
 #: the most connection threads kept waiting after a burst
 IDLE_THREADS = 8
-#: a client gets this long to send its request line (hooks send it at once).
-REQUEST_TIMEOUT = 2.0
 MAX_REQUEST = 1 << 20
 
 
@@ -44,10 +56,11 @@ class Reply:
     Whoever sends decides under its own lock; the connection is closed only after.
     """
 
-    __slots__ = ("_conn", "sent")
+    __slots__ = ("_conn", "_slots", "sent")
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, slots: Slots | None = None) -> None:
         self._conn = conn
+        self._slots = slots
         self.sent = False
 
     def send(self, reply: dict[str, Any]) -> None:
@@ -56,7 +69,11 @@ class Reply:
         self.sent = True
         try:
             # a client that sent its line waits for this one: its receive buffer is empty
+            # (the socket's timeout is CONTROL_WRITE_TIMEOUT: one deadline for the sendall)
             self._conn.sendall(json.dumps(reply).encode() + b"\n")
+        except TimeoutError:
+            if self._slots is not None:
+                self._slots.drop("timeout")
         except OSError as err:
             log_event(logging.DEBUG, "control connection dropped", error=str(err))
 
@@ -70,16 +87,27 @@ def _peer_uid(conn: socket.socket) -> int | None:
     return int(uid)
 
 
+def _log_fault(where: str, err: BaseException) -> None:
+    log_event(logging.ERROR, "control server error: going on", where=where, error=str(err))
+
+
 class ControlServer:
     def __init__(
         self,
         paths: HostPaths,
         handle: Callable[[bytes, Reply], dict[str, Any] | None],
         refused: Callable[[], None] = lambda: None,
+        *,
+        slots: Slots | None = None,
+        fault: Callable[[str, BaseException], object] = _log_fault,
     ) -> None:
         self.paths = paths
         self.handle = handle
         self.refused = refused
+        #: the connections, at most ``slots.cap`` at once (vmpin.service.limits)
+        self.slots = slots if slots is not None else Slots("control", CONTROL_CAP)
+        #: told of an error a connection thread outlives (the agent's Agent.fault)
+        self.fault = fault
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._pool_lock = threading.Lock()
@@ -91,12 +119,19 @@ class ControlServer:
             self._spawn()
 
     def _spawn(self) -> None:
-        """One more connection thread, counted as accepting from now on."""
+        """One more connection thread, counted as accepting from now on; OSError when the
+        host starts no more threads (EAGAIN, ENOMEM)."""
         thread = threading.Thread(target=self._acceptor, name="vmpin-conn", daemon=True)
         with self._pool_lock:
             self._accepting += 1
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as err:  # (what Python makes of clone's EAGAIN)
+            with self._pool_lock:
+                self._accepting -= 1
+                self._threads.discard(thread)
+            raise OSError(errno.EAGAIN, f"cannot start a thread: {err}") from err
 
     def open(self) -> None:
         from vmpin.service.control import request
@@ -152,6 +187,13 @@ class ControlServer:
         are never short (a blocking ``dirty`` holds one until its pass ends, and a storm of
         them must all be accepted before that pass starts), so the last thread to leave
         ``accept`` starts another first; after a storm at most :data:`IDLE_THREADS` stay.
+        Connection threads are bounded by the slots (:mod:`vmpin.service.limits`): a
+        thread leaves ``accept`` (and may start another) only with a connection that has a
+        slot; one over the cap is closed by the thread that accepted it, which goes on
+        accepting.  So at most 3 x cap + :data:`IDLE_THREADS` threads (a cap answered, up to
+        two caps evicted and not closed yet, the idle ones in ``accept``), whatever comes in.
+        An error of accept itself (EMFILE, ENOMEM) is told to ``fault`` and tried again
+        :data:`ACCEPT_BACKOFF` s later.
         """
         me = os.getuid()
         try:
@@ -161,22 +203,29 @@ class ControlServer:
                     return
                 try:
                     conn, _ = sock.accept()
-                except OSError:
+                except OSError as err:
                     if self._listener is None:
                         return
-                    time.sleep(0.01)
+                    self.fault("control accept", err)
+                    time.sleep(ACCEPT_BACKOFF)
                     continue
+                slot = self._admit(conn, me)
+                if slot is None:
+                    continue  # refused or over the cap, closed: this thread accepts on
                 with self._pool_lock:
                     self._accepting -= 1
                     last = not self._accepting and self._listener is not None
                 if last:
-                    self._spawn()
-                uid = _peer_uid(conn)
-                if uid is not None and uid not in (0, me):
+                    try:
+                        self._spawn()
+                    except OSError as err:  # this thread accepts again after this one
+                        self.fault("control accept", err)
+                try:
+                    self._serve_conn(conn, slot)
+                finally:
+                    # (released before the close: an eviction never meets a reused fd)
+                    self.slots.release(slot)
                     conn.close()
-                    self.refused()
-                else:
-                    self._serve_conn(conn)
                 with self._pool_lock:
                     if self._accepting >= IDLE_THREADS or self._listener is None:
                         return
@@ -185,19 +234,42 @@ class ControlServer:
             with self._pool_lock:
                 self._threads.discard(threading.current_thread())
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        with conn:
+    def _admit(self, conn: socket.socket, me: int) -> Slot | None:
+        """An accepted connection's slot; None when it was refused (another uid) or is over
+        the cap (every slot being answered; counted): closed at once, and the caller (a
+        hook, ``vmpin update``) then pins in-process."""
+        uid = _peer_uid(conn)
+        if uid is not None and uid not in (0, me):
+            conn.close()
+            self.refused()
+            return None
+        slot = self.slots.admit(conn, arrived(conn, (b"\n",)))
+        if slot is None:
+            conn.close()
+        return slot
+
+    def _serve_conn(self, conn: socket.socket, slot: Slot) -> None:
+        try:
             try:
-                conn.settimeout(REQUEST_TIMEOUT)
-                buf = b""
-                while b"\n" not in buf and len(buf) < MAX_REQUEST:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    buf += chunk
-                answer = Reply(conn)
-                reply = self.handle(buf.split(b"\n", 1)[0], answer)
-                if reply is not None:  # (None: ``answer`` has been sent, or never will be)
-                    answer.send(reply)
-            except OSError as err:
-                log_event(logging.DEBUG, "control connection dropped", error=str(err))
+                line = read_request(conn, (b"\n",), MAX_REQUEST, CONTROL_READ_TIMEOUT)
+            except Cut as cut:
+                self.slots.drop(cut.reason)
+                return
+            if not self.slots.answering(slot):
+                return  # evicted for a newer connection while it trickled in (counted)
+            if b"\n" not in line:
+                # closed before its line ended (a probe, a client killed mid-write): there
+                # is no request to answer, and a log line for each would let any flood of
+                # them fill the log
+                return
+            conn.settimeout(CONTROL_WRITE_TIMEOUT)
+            answer = Reply(conn, self.slots)
+            try:
+                reply = self.handle(line.split(b"\n", 1)[0], answer)
+            except Exception as err:  # one request must not end its connection thread
+                self.fault("control request", err)
+                reply = {"ok": False, "error": f"internal error: {err}"}
+            if reply is not None:  # (None: ``answer`` has been sent, or never will be)
+                answer.send(reply)
+        except OSError as err:
+            log_event(logging.DEBUG, "control connection dropped", error=str(err))

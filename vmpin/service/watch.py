@@ -70,9 +70,13 @@ class Watcher:
         on_dirty: Callable[[list[str]], object],
         *,
         rescan: float = 2.0,
+        on_error: Callable[[str, BaseException], object] | None = None,
     ) -> None:
         self.paths = paths
         self.on_dirty = on_dirty
+        #: told of an error the watch outlives (the agent counts it and says it once a
+        #: minute, :meth:`vmpin.service.agent.Agent.fault`); by default a warning each time
+        self.on_error = on_error or (lambda where, err: log.warning("%s: %s", where, err))
         self.rescan = rescan
         self._ino = inotify_simple.INotify()
         #: watch descriptor -> (path, kinds); kinds: "root", "container", "parent", "kubelet"
@@ -172,36 +176,55 @@ class Watcher:
         return found
 
     def run(self) -> None:
-        """The thread: read events, mark work, until :meth:`close`."""
+        """The thread: read events, mark work, until :meth:`close`.
+
+        An error from the host (EMFILE, ENOMEM, EIO on a read, a scan or the store) is told
+        to ``on_error`` and the watch goes on a second later with a fresh scan: what it
+        missed meanwhile, the periodic pass sees (issue 26: the thread ended instead, and the
+        watch with it)."""
         store: Store | None = None
+        scanned = False
+        since_scan = 0.0
         try:
-            self.scan()
-            since_scan = 0.0
             while not self._stop.is_set():
-                events = self._ino.read(timeout=200, read_delay=None)
-                if self._stop.is_set():
-                    break
-                containers, kubelet = self._changes(events)
-                if not events:
-                    since_scan += 0.2
-                    if since_scan >= self.rescan:  # roots that could not be watched before
-                        since_scan = 0.0
-                        containers |= self.scan()
-                if not containers and not kubelet:
-                    continue
                 try:
-                    if store is None:
-                        store = Store(self.paths.state_dir, ingest=False)
-                    ids = self._sandboxes(store, containers, kubelet)
-                except (VmpinError, OSError, sqlite3.Error) as err:
-                    log.warning("watch: cannot map changes to sandboxes: %s", err)
-                    continue
-                if ids:
-                    self.batches += 1
-                    self.on_dirty(ids)
+                    if not scanned:
+                        self.scan()
+                        scanned = True
+                    store, since_scan = self._turn(store, since_scan)
+                except (VmpinError, OSError, MemoryError, sqlite3.Error) as err:
+                    self.on_error("watch", err)
+                    scanned = False
+                    self._stop.wait(1.0)
         finally:
             if store is not None:
                 store.close()
+
+    def _turn(self, store: Store | None, since_scan: float) -> tuple[Store | None, float]:
+        """One read of events (at most 0.2 s) and the work they mark: the store connection
+        (opened at the first change that needs it), and the time since the last scan."""
+        events = self._ino.read(timeout=200, read_delay=None)
+        if self._stop.is_set():
+            return store, since_scan
+        containers, kubelet = self._changes(events)
+        if not events:
+            since_scan += 0.2
+            if since_scan >= self.rescan:  # roots that could not be watched before
+                since_scan = 0.0
+                containers |= self.scan()
+        if not containers and not kubelet:
+            return store, since_scan
+        try:
+            if store is None:
+                store = Store(self.paths.state_dir, ingest=False)
+            ids = self._sandboxes(store, containers, kubelet)
+        except (VmpinError, OSError, sqlite3.Error) as err:
+            self.on_error("watch: cannot map changes to sandboxes", err)
+            return store, since_scan
+        if ids:
+            self.batches += 1
+            self.on_dirty(ids)
+        return store, since_scan
 
     def start(self) -> Watcher:
         self._thread = threading.Thread(target=self.run, name="vmpin-watch", daemon=True)
@@ -216,11 +239,15 @@ class Watcher:
             self._ino.close()
 
 
-def start(paths: HostPaths, on_dirty: Callable[[list[str]], object]) -> Watcher | None:
+def start(
+    paths: HostPaths,
+    on_dirty: Callable[[list[str]], object],
+    on_error: Callable[[str, BaseException], object] | None = None,
+) -> Watcher | None:
     """A running watcher, or None (logged) when inotify is unavailable: the periodic pass
     then stays the only way such changes are seen."""
     try:
-        return Watcher(paths, on_dirty).start()
+        return Watcher(paths, on_dirty, on_error=on_error).start()
     except OSError as err:
         log.warning(
             "no inotify watch (%s): updates without hooks wait for the periodic pass", err.strerror

@@ -370,11 +370,14 @@ def backlog(state_dir: str) -> int:
 
 
 def pending(state_dir: str) -> list[str]:
+    """The pending events' file names, oldest first; a journal dir that cannot be listed
+    (EMFILE, ENOMEM, EIO) is a StateError naming it: every ingest starts here, and an OSError
+    from it ended the agent's main loop (issue 26)."""
+    d = journal_dir(state_dir)
     try:
-        return sorted(
-            n
-            for n in os.listdir(journal_dir(state_dir))
-            if n.endswith(".json") and not n.startswith(".")
-        )
+        names = os.listdir(d)
     except FileNotFoundError:
         return []
+    except OSError as err:
+        raise StateError(f"{d}: cannot list the journal: {err.strerror}") from err
+    return sorted(n for n in names if n.endswith(".json") and not n.startswith("."))
