@@ -26,6 +26,7 @@ from vmpin.service.clispec import (
     INTERVAL,
     JSON,
     KUBECONFIG,
+    METRICS_ADDRESS,
     METRICS_PORT,
     NODE_NAME,
     RESOURCES,
@@ -436,6 +437,11 @@ def serve(
     metrics_port: Annotated[
         int, typer.Option(*METRICS_PORT.flags, help=METRICS_PORT.help)
     ] = 9464,
+    metrics_address: Annotated[
+        Optional[str],
+        typer.Option(*METRICS_ADDRESS.flags, envvar=METRICS_ADDRESS.envvar,
+                     help=METRICS_ADDRESS.help),
+    ] = None,
     kubeconfig: KubeconfigOpt = None,
     node_name: Annotated[
         Optional[str],
@@ -447,7 +453,8 @@ def serve(
     With Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG) it also watches
     this node's pods for per-pod policy, records Events and writes the NodePinning report.
     """
-    _done(commands.serve(ctx.obj, interval, workers, metrics_port, kubeconfig, node_name))
+    _done(commands.serve(ctx.obj, interval, workers, metrics_port, kubeconfig, node_name,
+                         metrics_address))
 
 
 @app.command()

@@ -68,6 +68,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -158,6 +159,7 @@ class Agent:
         interval: float = DEFAULT_INTERVAL,
         workers: int = DEFAULT_WORKERS,
         metrics_port: int = 0,
+        metrics_address: str = "127.0.0.1",
         holdoff: float = DEFAULT_HOLDOFF,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         metrics: Metrics | None = None,
@@ -169,6 +171,13 @@ class Agent:
             raise StateError(f"--workers {workers}: need 1..{MAX_WORKERS} workers")
         if not 0 <= metrics_port <= 65535:
             raise StateError(f"--metrics-port {metrics_port}: not a TCP port (0 = off)")
+        try:
+            socket.inet_pton(socket.AF_INET6 if ":" in metrics_address else socket.AF_INET,
+                             metrics_address)  # fmt: skip
+        except (OSError, ValueError):
+            raise StateError(
+                f"--metrics-address {metrics_address!r}: not an IPv4 or IPv6 address"
+            ) from None
         self.paths = paths
         self.reconciler_factory = reconciler_factory
         #: libvirt domains (vmpin.reconcile.domains): planned in every node-wide pass; their
@@ -182,6 +191,8 @@ class Agent:
         self.workers_option = workers
         self.n_workers = 1
         self.metrics_port = metrics_port
+        #: where the metrics port binds (--metrics-address: 127.0.0.1 keeps it on the node)
+        self.metrics_address = metrics_address
         self.drain_timeout = drain_timeout
         self.metrics = metrics or Metrics()
         self.queue = DirtyQueue(holdoff)
@@ -268,13 +279,14 @@ class Agent:
             if self.metrics_port:
                 try:
                     self._metrics_server = MetricsServer(
-                        self.metrics, self.metrics_port, cap=self.caps[1], fault=self.fault
-                    )
+                        self.metrics, self.metrics_port, self.metrics_address,
+                        cap=self.caps[1], fault=self.fault,
+                    )  # fmt: skip
                 except OSError as err:
                     # Anyone may bind a loopback port first: that must not stop pinning (an
                     # exit here is a crash loop under Restart=always).  Said once, in status.
                     self.metrics_error = (
-                        f"metrics port 127.0.0.1:{self.metrics_port}: {err.strerror};"
+                        f"metrics port {self._metrics_where()}: {err.strerror};"
                         " running without metrics"
                     )
                     self.metrics.errors.labels("internal").inc()
@@ -313,7 +325,8 @@ class Agent:
             interval=self.interval,
             workers=self.n_workers,
             holdoff=self.queue.holdoff,
-            metrics=(f"127.0.0.1:{self._metrics_server.port}" if self._metrics_server else None),
+            metrics=(self._metrics_where(self._metrics_server.port)
+                     if self._metrics_server else None),
             nofile=nofile,
             control_cap=self.caps[0],
             metrics_cap=self.caps[1],
@@ -790,6 +803,11 @@ class Agent:
         except StateError as err:
             self._store_failed(err)
 
+    def _metrics_where(self, port: int | None = None) -> str:
+        host = self.metrics_address
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{self.metrics_port if port is None else port}"
+
     def _store_failed(self, err: StateError) -> None:
         """A store that cannot be written (read-only, full), or whose journal the host does
         not let us read (EMFILE, EIO: a ``host`` fault, :meth:`fault`): logged once, shown
@@ -1122,6 +1140,7 @@ def serve(
     interval: float = DEFAULT_INTERVAL,
     workers: int = DEFAULT_WORKERS,
     metrics_port: int = 9464,
+    metrics_address: str = "127.0.0.1",
     holdoff: float | None = None,
     env: Mapping[str, str] | None = None,
     kubeconfig: str | None = None,
@@ -1147,6 +1166,7 @@ def serve(
         interval=interval,
         workers=workers,
         metrics_port=metrics_port,
+        metrics_address=metrics_address,
         holdoff=holdoff,
         # vmpin.cli.Ctx.domains(): libvirt domains on the configured connections, if any
         domains=getattr(ctx_obj, "domains", lambda: None)(),

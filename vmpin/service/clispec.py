@@ -121,7 +121,11 @@ WORKERS = Opt(("--workers",), "workers",
               "Kept for compatibility (1-64): passes are node-wide, one planner.",
               convert=int, default=2)
 METRICS_PORT = Opt(("--metrics-port",), "metrics_port",
-                   "Prometheus metrics port on 127.0.0.1 (0 = off).", convert=int, default=9464)
+                   "Prometheus metrics port (0 = off).", convert=int, default=9464)
+METRICS_ADDRESS = Opt(("--metrics-address",), "metrics_address",
+                      "Address the metrics port binds: 127.0.0.1 (the default) keeps it on the"
+                      " node; the node's IP (or 0.0.0.0) lets a cluster Prometheus scrape it.",
+                      envvar="VMPIN_METRICS_ADDRESS")
 NODE_NAME = Opt(("--node-name",), "node_name",
                 "This node's name in the API (default: hostname).", envvar="NODE_NAME")
 CONTAINER = Arg("CONTAINER", "container", "Container id.")
@@ -134,7 +138,8 @@ FAST = {
     "sandboxes": Command((), (JSON,)),
     "show": Command((SANDBOX,), (JSON,)),
     "audit": Command((), (JSON,)),
-    "serve": Command((), (INTERVAL, WORKERS, METRICS_PORT, KUBECONFIG, NODE_NAME)),
+    "serve": Command((), (INTERVAL, WORKERS, METRICS_PORT, METRICS_ADDRESS, KUBECONFIG,
+                          NODE_NAME)),
 }
 
 

@@ -481,21 +481,24 @@ def serve(
     metrics_port: int,
     kubeconfig: str | None,
     node_name: str | None,
+    metrics_address: str | None = None,
 ) -> int:
     """Run the node agent (:func:`vmpin.service.agent.serve`) until SIGTERM / SIGINT.
 
     On the fast route too (issue 14): typer and pydantic are ~7 MB of the agent's RSS, kept
     for its whole life, for parsing five options once."""
     from vmpin.service.agent import serve as serve_agent
-    from vmpin.service.clispec import KUBECONFIG, NODE_NAME
+    from vmpin.service.clispec import KUBECONFIG, METRICS_ADDRESS, NODE_NAME
 
     c.one_shot = False  # a libvirt daemon that starts later is the agent's to handle
     env = os.environ
     # what typer reads from the environment for an option not given (an empty one is none)
     kubeconfig = kubeconfig or env.get(KUBECONFIG.envvar or "") or None
     node_name = node_name or env.get(NODE_NAME.envvar or "") or None
+    address = metrics_address or env.get(METRICS_ADDRESS.envvar or "") or "127.0.0.1"
     code: int = serve_agent(c, interval=interval, workers=workers, metrics_port=metrics_port,
-                            kubeconfig=kubeconfig, node_name=node_name)  # fmt: skip
+                            metrics_address=address, kubeconfig=kubeconfig,
+                            node_name=node_name)  # fmt: skip
     return code
 
 
