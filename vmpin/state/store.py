@@ -1011,6 +1011,11 @@ class Store:
         table of a 2,000-sandbox node is ~25 ms of each pass)."""
         return (self.db.execute("PRAGMA data_version").fetchone()[0], self.db.total_changes)
 
+    def data_version(self) -> int:
+        """A value that moves when *another* connection commits (``PRAGMA data_version``):
+        whether anyone wrote the store while this connection was planning from it."""
+        return int(self.db.execute("PRAGMA data_version").fetchone()[0])
+
     def cpu_masks(self) -> Mapping[str, CpuSet]:
         """Each sandbox's mask: the union of its containers' CPU sets (sandboxes with none
         are absent).  Cached while :meth:`version` stays: until then the same read-only
