@@ -25,14 +25,20 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import vmpin_cmd
 from tests.e2e.test_e2e_kata import Kata, affinities, thread_names
+from tests.service.test_agent import all_on, register
+from tests.support import fakevmm
 from tests.support.qemu_util import QemuHandle, qemu_factory, require_qemu
 from tests.support.session import new_id
+from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.plan import NodePlan
+from vmpin.reconcile.reconciler import Reconciler
 from vmpin.state.store import Store
 
 #: 100 storms of 20, as the issue counted them (not fewer in CI)
@@ -108,4 +114,46 @@ def test_update_storms_end_with_the_store_on_the_kernel(
     elapsed = time.monotonic() - started
     print(f"{STORMS} storms of {PARALLEL}: {elapsed:.1f} s, {len(bad)} ended unlike the store")
     assert not bad, f"{len(bad)} of {STORMS} storms:\n" + "\n".join(bad[:10])
+
+
+@pytest.mark.multi_cpu
+def test_a_holder_overtaken_while_it_was_stopped_plans_again(
+    paths: HostPaths, vm_dir: Path, bytecode_env: dict[str, str], mocker: Any
+) -> None:
+    """A pass holds the node lock and stops between its plan and its apply; an update meanwhile
+    waits its budget for the lock, goes on without it (writing its token into the lock file)
+    and pins the new set.  When the holder goes on it applies its older plan over that one,
+    finds the token, and plans again: the kernel ends with the update's set.  (Without the
+    second plan it would end with the older one, the store saying otherwise.)"""
+    sid = new_id("overtaken")
+    vmm = fakevmm.start(vm_dir, sid, vcpus=2)
+    try:
+        with Store(paths.state_dir) as store:
+            register(store, sid, "1")
+        rec = Reconciler(paths, Store(paths.state_dir))
+        rec.reconcile()
+        assert all_on(vmm.pid, "1")
+        with Store(paths.state_dir) as store:  # what the holder will plan from
+            store.set_container_cpus(f"{sid}-app", CpuSet.parse("0"), "update")
+        plans: list[NodePlan] = []
+        real_plan = rec.plan
+
+        def plan(*args: Any, **kw: Any) -> NodePlan:
+            plans.append(real_plan(*args, **kw))
+            if len(plans) == 1:  # stopped here, holding the lock: an update comes along
+                upd = subprocess.run(
+                    [*vmpin_cmd(), "update", f"{sid}-app", "--cpuset-cpus", "1"],
+                    env=bytecode_env, capture_output=True, text=True, timeout=60,
+                )
+                assert upd.returncode == 0, upd.stderr
+                assert all_on(vmm.pid, "1")
+            return plans[-1]
+
+        mocker.patch.object(rec, "plan", side_effect=plan)
+        rec.reconcile()
+        assert len(plans) == 2  # planned again once it saw the token
+        assert all_on(vmm.pid, "1")
+        assert stored(paths, f"{sid}-app") == "1"
+    finally:
+        vmm.kill()
 

@@ -60,6 +60,9 @@ INGEST_BATCH = 500
 SETTLE_AFTER = 64
 #: WAL pages past which a hook's connection checkpoints (:meth:`Store.keep_wal_short`)
 SHORT_WAL = 64
+#: the shortest busy wait a store with a deadline is given, even once the deadline passed
+#: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
+MIN_BUSY = 0.05
 #: each connection's page cache, KiB (SQLite's default is 2,000).  The agent holds three
 #: connections for its life, and at 2,000 sandboxes their caches filled to ~3.3 MiB of its
 #: 50 MB budget (issue 14) for pages the OS page cache holds anyway: a pass that reads the
@@ -284,10 +287,29 @@ class Store:
     #: total_changes at the last settle_journal
     _settled_at = 0
 
-    def __init__(self, state_dir: str, *, timeout: float = 30.0, ingest: bool = True) -> None:
+    #: no wait for SQLite's locks goes past this (``time.monotonic()``), bar MIN_BUSY
+    deadline: float | None = None
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        timeout: float = 30.0,
+        ingest: bool = True,
+        deadline: float | None = None,
+    ) -> None:
         """Open (creating if needed) the state in ``state_dir``; with ``ingest``, first apply
-        whatever the hooks journaled since, so every reader sees every recorded event."""
+        whatever the hooks journaled since, so every reader sees every recorded event.
+
+        ``timeout``: how long a write waits for another connection's write lock.  With
+        ``deadline`` (``time.monotonic()``) instead, no such wait goes past it (each gets
+        what is left, and at least :data:`MIN_BUSY`): a hook's or ``vmpin update``'s budget,
+        where a stopped holder must not stall a container start (vmpin.service.budget).
+        """
         self.state_dir = state_dir
+        if deadline is not None:
+            self.deadline = deadline
+            timeout = _left(deadline)
         self._depth = 0
         self.path = os.path.join(state_dir, "state.db")
         try:
@@ -375,7 +397,12 @@ class Store:
 
     @classmethod
     def open_readonly(
-        cls, state_dir: str, *, timeout: float = 30.0, fresh: bool = False
+        cls,
+        state_dir: str,
+        *,
+        timeout: float = 30.0,
+        fresh: bool = False,
+        copy: bool = False,
     ) -> Store:
         """Open existing state for reading only: no directory, file, schema or journal write.
 
@@ -387,6 +414,11 @@ class Store:
         SQLite's ``mode=ro`` connection never checkpoints the WAL into the database file.
         Events the hooks journaled and no writer applied yet are applied to an in-memory
         copy (SQLite's backup API), leaving the journal files for the next writer.
+
+        ``copy``: always that in-memory copy, which may then be written (a hook's own pass
+        when another process holds the write lock past its budget: its records go nowhere,
+        its pins are made all the same).  Reading needs no lock in WAL mode: the copy is
+        the store as last committed, whoever holds the write lock.
         """
         path = os.path.join(state_dir, "state.db")
         pending = journal.pending(state_dir) if os.path.isdir(state_dir) else []
@@ -414,7 +446,7 @@ class Store:
                     raise StateError(
                         f"{path}: schema version {version}, this vmpin reads {SCHEMA_VERSION}"
                     )
-            if pending or not os.path.isfile(path):
+            if pending or copy or not os.path.isfile(path):
                 memory = sqlite3.connect(":memory:", isolation_level=None)
                 if os.path.isfile(path):
                     self.db.backup(memory)
@@ -1116,6 +1148,11 @@ class Store:
             db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
 
 
+def _left(deadline: float) -> float:
+    """Seconds to wait for a lock before ``deadline``, and never less than MIN_BUSY."""
+    return max(MIN_BUSY, deadline - time.monotonic())
+
+
 _URI_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/_.-~")
 
 
@@ -1145,6 +1182,9 @@ class _Transaction:
         if store._depth:
             store._depth += 1
         else:
+            if store.deadline is not None:
+                # what is left of the caller's budget (vmpin.service.budget), not 30 s
+                store.db.execute(f"PRAGMA busy_timeout={int(_left(store.deadline) * 1000)}")
             store.db.execute("BEGIN IMMEDIATE")
             store._depth = 1
             self._outer = True
