@@ -157,3 +157,45 @@ def test_a_holder_overtaken_while_it_was_stopped_plans_again(
     finally:
         vmm.kill()
 
+
+@pytest.mark.multi_cpu
+@pytest.mark.parametrize("meanwhile", [None, "0-1"], ids=["alone", "another-acknowledged"])
+def test_an_interrupted_update_undoes_only_its_own_write(
+    paths: HostPaths, vm_dir: Path, bytecode_env: dict[str, str], meanwhile: str | None
+) -> None:
+    """``vmpin update`` A writes its set and is interrupted before its re-pin; meanwhile
+    (``another-acknowledged``) update B writes its own, re-pins and answers.  A's undo runs
+    last: it puts the old set back only if the store still holds A's write.  Before, it did
+    so unconditionally and erased B (3 of 3): the store said the old set, the kernel held
+    B's, and audit failed until the next pass."""
+    from vmpin.service.update import update_container
+
+    sid = new_id("undo")
+    vmm = fakevmm.start(vm_dir, sid, vcpus=2)
+    app = f"{sid}-app"
+    try:
+        with Store(paths.state_dir) as store:
+            register(store, sid, "0")
+        Reconciler(paths, Store(paths.state_dir)).reconcile()
+        assert all_on(vmm.pid, "0")
+
+        def interrupted(store: Store) -> Reconciler:
+            # A has written "1"; its pass is next.  B comes and goes, then A is interrupted.
+            assert stored(paths, app) == "1"
+            if meanwhile is not None:
+                upd = subprocess.run([*vmpin_cmd(), "update", app, "--cpuset-cpus", meanwhile],
+                                     env=bytecode_env, capture_output=True, text=True,
+                                     timeout=60)  # fmt: skip
+                assert upd.returncode == 0, upd.stderr
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            update_container(paths, app, cpuset_cpus="1", reconciler_factory=interrupted)
+        want = meanwhile or "0"  # B's set stands; alone, A's is undone
+        assert stored(paths, app) == want
+        assert affinities(vmm.pid) == expected(want, thread_names(vmm.pid))
+        audit = subprocess.run([*vmpin_cmd(), "audit", "--json"], env=bytecode_env,
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert audit.returncode == 0, json.loads(audit.stdout)["violations"]
+    finally:
+        vmm.kill()

@@ -111,8 +111,11 @@ def update_container(
         try:
             return _repin(paths, store, rec, cpus, reconciler_factory, settings, wait, deadline)
         except BaseException:
-            # Failing means changing nothing: put the old set back before saying so.
-            store.set_container_cpus(container_id, old.cpus, old.cpus_source or "spec")
+            # Failing means changing nothing: put the old set back before saying so -- if
+            # the store still holds this write.  Another update may have been written and
+            # acknowledged meanwhile (this one interrupted, or slow to fail): the set is then
+            # that one's, and putting ours back would erase it (issue 26).
+            store.restore_container_cpus(rec, old.cpus, old.cpus_source or "spec")
             raise
         finally:
             store.sync()

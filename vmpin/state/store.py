@@ -60,6 +60,9 @@ INGEST_BATCH = 500
 SETTLE_AFTER = 64
 #: WAL pages past which a hook's connection checkpoints (:meth:`Store.keep_wal_short`)
 SHORT_WAL = 64
+#: the least step between two writes' ``updated_at`` on one container row (seconds; a
+#: float64 near today's epoch resolves ~0.24 us)
+_TICK = 1e-6
 #: the shortest busy wait a store with a deadline is given, even once the deadline passed
 #: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
 MIN_BUSY = 0.05
@@ -864,12 +867,15 @@ class Store:
         check_id(rec.sandbox_id, "sandbox id")
         now = time.time()
         with self.transaction() as db:
-            old = db.execute("SELECT created_at FROM containers WHERE id=?", (rec.id,)).fetchone()
+            old = db.execute(
+                "SELECT created_at, updated_at FROM containers WHERE id=?", (rec.id,)
+            ).fetchone()
             values = {k: getattr(rec, k) for k in _CONTAINER_COLS}
             values["cpus"] = None if rec.cpus is None else rec.cpus.to_list()
             values["is_sandbox"] = int(rec.is_sandbox)
             values["created_at"] = old[0] if old else now
-            values["updated_at"] = now
+            # (each write of a row leaves a later updated_at: see restore_container_cpus)
+            values["updated_at"] = max(now, old[1] + _TICK) if old else now
             cols = ",".join(_CONTAINER_COLS)
             marks = ",".join("?" for _ in _CONTAINER_COLS)
             db.execute(
@@ -881,7 +887,9 @@ class Store:
     def set_container_cpus(
         self, container_id: str, cpus: CpuSet | None, source: str, **seen: str | None
     ) -> ContainerRec:
-        """Record a container's new CPU set (an update) and mark its sandbox dirty."""
+        """Record a container's new CPU set (an update) and mark its sandbox dirty; the
+        record as this write left it (read in its transaction: its ``updated_at`` names this
+        write, see :meth:`restore_container_cpus`)."""
         allowed = {"runtime_seen", "kubelet_seen"}
         if set(seen) - allowed:
             raise ValueError(f"unknown columns {set(seen) - allowed}")
@@ -891,21 +899,60 @@ class Store:
             found = row.fetchone()
             if found is None:
                 raise StateError(f"unknown container {container_id!r}")
-            sets = ["cpus=?", "cpus_source=?", "updated_at=?"] + [f"{k}=?" for k in seen]
+            # updated_at=MAX(now, the last write's + a tick): every write of the row leaves a
+            # later stamp than the one before it, even within one clock tick or after the
+            # clock stepped back
+            sets = ["cpus=?", "cpus_source=?", "updated_at=MAX(?, updated_at + ?)"]
+            sets += [f"{k}=?" for k in seen]
             db.execute(
                 f"UPDATE containers SET {','.join(sets)} WHERE id=?",
                 [
                     None if cpus is None else cpus.to_list(),
                     source,
                     now,
+                    _TICK,
                     *seen.values(),
                     container_id,
                 ],
             )
             self._bump(db, found[0], now)
-        rec = self.container(container_id)
+            rec = self.container(container_id)
         assert rec is not None
         return rec
+
+    def restore_container_cpus(
+        self, written: ContainerRec, cpus: CpuSet | None, source: str
+    ) -> bool:
+        """Put a container's CPU set back to ``cpus`` (from ``source``) -- only if the store
+        still holds the write ``written`` (what :meth:`set_container_cpus` returned): a
+        compare-and-swap, True when it swapped.
+
+        For a write that is to be undone (``vmpin update`` whose re-pin failed or was
+        interrupted).  Unconditional, the undo erased whatever was written since: another
+        update, acknowledged meanwhile, was lost from the store while the kernel held it (3
+        of 3, issue 26).  The write is known by its stamp (``updated_at``: each write of a
+        row leaves a later one), not by its value, which a later write may repeat.
+        """
+        now = time.time()
+        with self.transaction() as db:
+            cur = db.execute(
+                "UPDATE containers SET cpus=?, cpus_source=?, updated_at=MAX(?, updated_at + ?)"
+                " WHERE id=? AND cpus IS ? AND cpus_source IS ? AND updated_at=?",
+                (
+                    None if cpus is None else cpus.to_list(),
+                    source,
+                    now,
+                    _TICK,
+                    written.id,
+                    None if written.cpus is None else written.cpus.to_list(),
+                    written.cpus_source,
+                    written.updated_at,
+                ),
+            )
+            if cur.rowcount != 1:
+                return False
+            self._bump(db, written.sandbox_id, now)
+        return True
 
     def note_seen(self, container_id: str, **seen: str | None) -> None:
         """Remember what a runtime or kubelet last said, without changing the desired set."""
