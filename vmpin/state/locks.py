@@ -229,3 +229,16 @@ class NodeLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # a reconciler's lock goes with it (a process may build many: tests, the CLI's
+        # update of a domain); the kernel drops the flock with the descriptor
+        if self._fd >= 0:
+            try:  # noqa: SIM105 (contextlib stays off the hook's path)
+                _close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+
+
+_close = os.close  # (kept for __del__ at interpreter exit, when module globals may be gone)
