@@ -28,6 +28,7 @@ from vmpin.guest import program as guest
 from vmpin.linux.paths import HostPaths
 from vmpin.linux.sysfs import read_topology
 from vmpin.runtimes import publish
+from vmpin.state.locks import NodeLock
 
 SID = "sb-1"
 
@@ -172,17 +173,17 @@ def test_first_map_in_a_new_dir_still_counts_a_racing_writers_map(
     paths: HostPaths, shared: Path, mocker: Any
 ) -> None:
     """This call made the map's directory, but another writer put a map in it before this
-    one took the lock: that map is read, and the generation moves on from it."""
-    real_flock = publish.fcntl.flock
+    one looked: that map is read, and the generation moves on from it."""
+    real_identity = publish.identity
 
-    def flock(fd: int, op: int) -> None:
-        # the other writer, between this call's mkdir and its lock
-        if not (shared / "vmpin" / "guest-map.json").exists():
+    def identity(path: str, dir_fd: int | None = None) -> Any:
+        # the other writer, between this call's mkdir and its look at the map
+        if dir_fd is not None and not (shared / "vmpin" / "guest-map.json").exists():
             mocker.stopall()
             publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
-        real_flock(fd, op)
+        return real_identity(path, dir_fd)
 
-    mocker.patch.object(publish.fcntl, "flock", side_effect=flock)
+    mocker.patch.object(publish, "identity", side_effect=identity)
     res = publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
     assert res.written and res.generation == 2
     assert guest.read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
@@ -213,8 +214,17 @@ def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path
     (shared / "vmpin").mkdir()
     stale = shared / "vmpin" / ".guest-map.json.999999.deadbeef.tmp"
     stale.write_text("{half")
+    # a live writer's (a pass that went on without the node lock may be writing it): kept,
+    # unless it is older than any live write (its pid was reused)
+    live = shared / "vmpin" / f".guest-map.json.{os.getpid()}.cafe.tmp"
+    live.write_text("{writing")
+    old = shared / "vmpin" / f".guest-map.json.{os.getppid()}.f00d.tmp"
+    old.write_text("{half")
+    os.utime(old, (time.time() - 2 * publish.TMP_MAX_AGE,) * 2)
     publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
-    assert not stale.exists()
+    publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert not stale.exists() and not old.exists()
+    assert live.exists()
 
 
 def test_corrupt_map_is_replaced(paths: HostPaths, shared: Path) -> None:
@@ -279,19 +289,28 @@ def test_remove_map(paths: HostPaths, shared: Path) -> None:
     assert not publish.remove_map(paths, SID)
 
 
-def _publish_many(publish_dir: str, n: int, writer: int) -> None:
-    p = HostPaths(publish_dir=publish_dir)
+def _publish_many(state_dir: str, publish_dir: str, n: int, writer: int) -> None:
+    p = HostPaths(state_dir=state_dir, publish_dir=publish_dir)
+    lock = NodeLock(state_dir)
     for i in range(n):
         # a container no other publish names: every publish is a change, so none may be lost
         cpu = "8,64" if (writer + i) % 2 else "9,65"
-        publish.publish_map(p, SID, sandbox_map({f"w{writer}-{i}": cpu}))
+        # as vmpin's passes do: under the node's plan lock (publish_map takes none itself)
+        assert lock.acquire(time.monotonic() + 30)
+        try:
+            publish.publish_map(p, SID, sandbox_map({f"w{writer}-{i}": cpu}))
+        finally:
+            lock.release()
 
 
 def test_concurrent_writers(paths: HostPaths, shared: Path) -> None:
     """Hook processes publishing at once: the map stays whole, generations count each change
-    (60 changes make generation 60 exactly: a lost update under the flock would show)."""
+    (60 changes make generation 60 exactly: a lost update under the node lock would show)."""
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_publish_many, args=(paths.publish_dir, 15, k)) for k in range(4)]
+    procs = [
+        ctx.Process(target=_publish_many, args=(paths.state_dir, paths.publish_dir, 15, k))
+        for k in range(4)
+    ]
     for pr in procs:
         pr.start()
     for pr in procs:
@@ -336,8 +355,9 @@ def test_a_settled_current_map_is_checked_without_reading_it(
 
 def test_a_users_flock_on_the_map_dir_stalls_no_one(paths: HostPaths, shared: Path) -> None:
     """An unprivileged user who can open ``vmpin/`` (0755: the guest reads it) and flock it
-    hung every Kata hook and the agent's planner (issue 26).  The publishers' lock is in the
-    owner-only state dir now: a publish goes through while the user holds the directory."""
+    hung every Kata hook and the agent's planner (issue 26).  Nothing locks that directory now
+    (the passes publish under the node's owner-only plan lock): a publish goes through while
+    the user holds it."""
     import subprocess
     import sys
 
@@ -365,14 +385,3 @@ def test_a_users_flock_on_the_map_dir_stalls_no_one(paths: HostPaths, shared: Pa
     finally:
         holder.kill()
         holder.wait()
-    lock = Path(paths.state_dir, publish.LOCK_NAME)
-    assert oct(lock.stat().st_mode & 0o777) == "0o600"  # no one else can open it
-
-
-def test_a_lock_file_another_user_owns_is_refused(paths: HostPaths, shared: Path) -> None:
-    lock = Path(paths.state_dir, publish.LOCK_NAME)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    os.chown(lock, 65534, 65534)
-    with pytest.raises(HostError, match="another user could hold"):
-        publish.publish_map(paths, SID, sandbox_map({"c1": "8"}))

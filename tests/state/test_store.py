@@ -218,6 +218,41 @@ def test_note_seen_does_not_dirty(store: Store) -> None:
         store.note_seen("c1")
 
 
+def test_restore_is_a_compare_and_swap_on_the_write(state_dir: Path, store: Store) -> None:
+    """An undo puts the old set back only while the store holds the write it undoes: not
+    after another writer's, even one that wrote the same set (issue 26)."""
+    store.put_sandbox(SandboxRec("sb1", "kata"))
+    store.put_container(ContainerRec("c1", "sb1", False, cpus=CpuSet([0])))
+    mine = store.set_container_cpus("c1", CpuSet([1]), "update")
+    with Store(str(state_dir)) as other:  # another update, acknowledged meanwhile
+        theirs = other.set_container_cpus("c1", CpuSet([1]), "update")
+    assert theirs.updated_at > mine.updated_at  # (a later stamp, the same clock tick or not)
+    gen = _gen(store, "sb1")
+    assert not store.restore_container_cpus(mine, CpuSet([0]), "spec")
+    got = store.container("c1")
+    assert got is not None and (got.cpus, got.cpus_source) == (CpuSet([1]), "update")
+    assert _gen(store, "sb1") == gen  # nothing written, nothing to re-plan
+    # undoing the last write does put the old set back, and re-plans the sandbox
+    assert store.restore_container_cpus(theirs, CpuSet([0]), "spec")
+    got = store.container("c1")
+    assert got is not None and (got.cpus, got.cpus_source) == (CpuSet([0]), "spec")
+    assert _gen(store, "sb1")[0] == gen[0] + 1
+    assert not store.restore_container_cpus(theirs, CpuSet([0]), "spec")  # (once)
+
+
+def test_every_write_of_a_container_leaves_a_later_stamp(store: Store) -> None:
+    store.put_sandbox(SandboxRec("sb1", "kata"))
+    store.put_container(ContainerRec("c1", "sb1", False, cpus=CpuSet([0])))
+    stamps = []
+    for _ in range(50):
+        stamps.append(store.set_container_cpus("c1", CpuSet([1]), "update").updated_at)
+        store.put_container(ContainerRec("c1", "sb1", False, cpus=CpuSet([1])))
+        got = store.container("c1")
+        assert got is not None
+        stamps.append(got.updated_at)
+    assert stamps == sorted(set(stamps))
+
+
 def test_set_cpus_unknown_container(store: Store) -> None:
     with pytest.raises(StateError, match="unknown container"):
         store.set_container_cpus("nope", CpuSet([1]), "update")

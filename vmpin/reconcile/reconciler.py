@@ -12,6 +12,13 @@ harmless and running it after a crash repairs what the crash interrupted.
 - :mod:`.plan`: Observation + topology + policy -> NodePlan (pure);
 - :mod:`.apply`: NodePlan vs actual -> affinity/cgroup writes, then store writes;
 - :mod:`.audit` / :mod:`.report`: the invariant and the views.
+
+A pass that applies holds the node's plan lock (:mod:`vmpin.state.locks`) from its observe
+to its last write, pins, records and guest maps alike: one writer order for the node, so
+that the last write to the store is what the kernel ends with (issue 26).  It never waits
+for the lock past its deadline (a hook's budget, docs/hooks.md); a pass that went on
+without it, or whose hold was overtaken by one that did, plans again (at most
+:data:`REPLANS` times) when what it planned from may be older than what another applied.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import gc
 import os
 
+from vmpin.core.errors import StateError
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.report import SandboxReport, ThreadReport
+from vmpin.state.locks import WAIT, NodeLock
 from vmpin.state.store import SandboxRec, Store
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -38,6 +47,9 @@ if TYPE_CHECKING:
     from vmpin.reconcile.sources import DomainSource
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
+
+#: passes planned again, at most, after one that may have been overtaken (see the docstring)
+REPLANS = 3
 
 #: one entry per pass running with the cyclic collector paused (list.append/pop are atomic)
 _PAUSED: list[None] = []
@@ -115,6 +127,16 @@ class Reconciler:
         #: the online list the topology read from sysfs was read after (None: not read
         #: here, or given to the constructor)
         self._online_seen: str | None = None
+        #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
+        #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
+        #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
+        self.deadline: float | None = None
+        self._node_lock: NodeLock | None = None
+        #: the last applying pass went on without the node lock (held past its deadline)
+        self.went_unlocked = False
+        #: why the node lock could not be used at all (its file or directory is not
+        #: owner-only and cannot be made so); such passes go on without it
+        self.lock_error: str | None = None
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -214,15 +236,71 @@ class Reconciler:
         if apply and scope is not None:
             raise ValueError("a pass that applies observes the whole node")
         with _GcPaused():
-            return self._reconcile(sandbox_ids, apply, scope)
+            if not apply:
+                return self._reconcile(sandbox_ids, apply, scope)
+            held = self._lock()
+            try:
+                return self._applying(sandbox_ids, held)
+            finally:
+                self._unlock()
+
+    # -- the node's plan lock (vmpin.state.locks) ----------------------------------------------
+    def _lock(self) -> bool:
+        """Take the node's plan lock, waiting until the deadline at most; whether held."""
+        import time
+
+        if self._node_lock is None:
+            self._node_lock = NodeLock(self.store.state_dir)
+        deadline = self.deadline if self.deadline is not None else time.monotonic() + WAIT
+        try:
+            held = self._node_lock.acquire(deadline)
+        except StateError as err:
+            # an unusable lock must not stop the pins: the pass goes on without it, as past
+            # its deadline (the agent reports lock_error)
+            self.lock_error = str(err)
+            held = False
+        else:
+            self.lock_error = None
+        self.went_unlocked = not held
+        return held
+
+    def _unlock(self) -> None:
+        if self._node_lock is not None:
+            self._node_lock.release()
+
+    def _applying(self, sandbox_ids: list[str] | None, held: bool) -> list[SandboxReport]:
+        """One pass that applies; planned again while it may have applied an older plan
+        than another process did (see the module's docstring)."""
+        store, lock = self.store, self._node_lock
+        for attempt in range(REPLANS + 1):
+            seen = store.data_version()
+            reports = self._reconcile(sandbox_ids, True, again=attempt > 0)
+            if held and lock is not None:
+                # nobody went on without the lock while this pass held it: nothing applied
+                # since this pass observed the node but by this pass
+                if not lock.overtaken():
+                    break
+            elif store.data_version() == seen:
+                break  # (no lock: nothing committed while this pass ran, so it is current)
+        return reports
 
     def _reconcile(
-        self, sandbox_ids: list[str] | None, apply: bool, scope: Scope | None = None
+        self,
+        sandbox_ids: list[str] | None,
+        apply: bool,
+        scope: Scope | None = None,
+        again: bool = False,
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import sandbox_report
 
-        if apply and self.ingest_first:
-            self.store.ingest()  # events the hooks journaled since this store was opened
+        if apply and (self.ingest_first or again) and not self.store.readonly:
+            # events the hooks journaled since this store was opened (planning again: since
+            # the first time; the caller's own ingest did not wait for the disk)
+            try:
+                self.store.ingest(durable=self.ingest_first)
+            except StateError:
+                if not again:
+                    raise
         plan = self.plan(scope=scope)
         applied = None
         if apply:
@@ -263,7 +341,13 @@ class Reconciler:
         from vmpin.reconcile.apply import publish_maps
 
         maps, self.maps_later[:] = list(self.maps_later), []
-        publish_maps(self.paths, maps, self.held_maps)
+        # the maps are written in the node's writer order too: a map of an older plan must
+        # not land after a newer one (vmpin.runtimes.publish takes no lock of its own)
+        self._lock()
+        try:
+            publish_maps(self.paths, maps, self.held_maps)
+        finally:
+            self._unlock()
 
     def release_maps(self) -> None:
         """Close the replaced guest maps held since the last call (``held_maps``): the

@@ -27,12 +27,14 @@ Rules this module keeps, and why:
   map whole (the kernel has every write it made). No fsync: what a sync adds is the map
   surviving the host's own crash, and a map describes a running VM, which does not survive
   it (nor does Kata's shared dir, on ``/run``, a tmpfs on a node). On a disk the two syncs
-  were 0.4-3 ms of every Kata start and update (docs/benchmarks.md). Writers take ``flock``
-  on ``<state dir>/publish.lock``, so the generation counts up by one per change even when
-  many hook processes publish at once.  Never on anything another user can open: ``vmpin/``
-  must stay readable for the guest, and a user's ``flock`` on it hung every Kata hook and the
-  agent's planner (issue 26); the lock file lives in the owner-only state dir, is 0600, and
-  is refused unless vmpin's user owns it.
+  were 0.4-3 ms of every Kata start and update (docs/benchmarks.md).
+- **One writer at a time, by the caller's lock**: vmpin's passes publish under the node's
+  plan lock (vmpin.state.locks, in the state dir, owner-only), so the generation counts up
+  by one per change even when many hook processes publish at once, and a map of an older
+  plan never lands after a newer one.  Nothing here takes a lock on the shared directory:
+  ``flock`` needs only an open descriptor, and whoever can open that directory (any user,
+  through its 0755; the guest, through virtio-fs) could hold it for ever and stall every
+  hook (issue 26).
 - **Only on change**: a reconcile pass publishes every Kata sandbox; the map is rewritten
   only when its content (everything but the generation and timestamp) differs from the file
   there, so an idle node writes nothing and the guest's caches stay valid.
@@ -41,7 +43,7 @@ Rules this module keeps, and why:
   directory fd (``openat``/``renameat``/``unlinkat``), so a ``vmpin`` symlink planted in a
   shared dir cannot make vmpin write the map (or delete temporary files) elsewhere; the old
   map is read through vmpin.linux.files (a FIFO or ``/dev/zero`` there is refused, not read
-  while holding the lock).
+  while the caller holds its lock).
 - **Versioned**: ``"version": 1``; readers ignore unknown keys, so fields can be added
   without a bump; a bump means old readers must refuse the file.
 """
@@ -49,10 +51,8 @@ Rules this module keeps, and why:
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import time
-from stat import S_ISREG
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
@@ -198,8 +198,8 @@ def _translate(err: OSError, path: str, what: str) -> HostError:
 
 #: map path -> (its identity, (the guest map it holds, its generation)) when a pass last found
 #: it current (the content is a function of the sandbox id, which the path names, and the map):
-#: an idle pass re-checks each sandbox's map with one lstat instead of two directory opens,
-#: a lock and a read (2,000 of them in an idle pass, issue 14)
+#: an idle pass re-checks each sandbox's map with one lstat instead of two directory opens
+#: and a read (2,000 of them in an idle pass, issue 14)
 _PUBLISHED: dict[
     str, tuple[tuple[int, int, int, int, int], tuple[Mapping[str, Any], int | None]]
 ] = {}
@@ -233,7 +233,7 @@ def publish_map(
         and (known[1][0] is guest_map or known[1][0] == guest_map)
         and identity(path) == known[0]
     ):
-        # what we found current there before, untouched since: one lstat, no lock.
+        # what we found current there before, untouched since: one lstat.
         # (The map given is kept, not the older equal one: that one's plan may go.)
         remember(_PUBLISHED, path, known[0], (guest_map, known[1][1]))
         return Published(path, False, known[1][1], "unchanged")
@@ -263,16 +263,12 @@ def publish_map(
     finally:
         os.close(shared_fd)
     try:
-        lock_fd = _lock(paths)
-    except BaseException:
-        os.close(dir_fd)
-        raise
-    try:
+        # (no lock here: the caller holds the node's plan lock, see the module's docstring)
         fname = os.path.basename(path)
         ident = identity(fname, dir_fd)
         if created and ident is None:
             # A directory this call made, where no other writer put a map before this one
-            # took the lock: nothing to compare, no temp file to sweep (a node's first pass
+            # looked: nothing to compare, no temp file to sweep (a node's first pass
             # makes one per sandbox, issue 14).
             _PUBLISHED.pop(path, None)  # (a map of an earlier directory by that name)
             doc = render(new, None, now)
@@ -292,46 +288,40 @@ def publish_map(
         return Published(path, True, doc["generation"], "written")
     finally:
         os.close(dir_fd)
-        os.close(lock_fd)  # releases the flock
 
 
-#: the publishers' lock, in the state dir (see the module's rules)
-LOCK_NAME = "publish.lock"
+#: a temporary map older than this was left by a writer that died (a live one writes its
+#: map in about a millisecond)
+TMP_MAX_AGE = 60.0
 
 
-def _lock(paths: HostPaths) -> int:
-    """An exclusive ``flock`` on ``<state dir>/publish.lock``, a file only vmpin's user opens."""
-    os.makedirs(paths.state_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(paths.state_dir, LOCK_NAME)
+def _dead_writer(name: str, prefix: str, dir_fd: int) -> bool:
+    """Whether the temp file ``name`` (``<prefix><pid>.<random>.tmp``) is a dead writer's:
+    its pid is gone, or it is older than :data:`TMP_MAX_AGE` (a pass that went on without
+    the node lock may be writing beside this one)."""
+    pid = name[len(prefix) :].split(".", 1)[0]
+    if pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as err:
-        raise _translate(err, path, "open") from err
-    try:
-        st = os.fstat(fd)
-        if not S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise PermissionDenied(
-                f"{path}: not a regular file of uid {os.geteuid()}: refused as a lock"
-                " another user could hold"
-            )
-        if st.st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return time.time() - os.lstat(name, dir_fd=dir_fd).st_mtime > TMP_MAX_AGE
+    except OSError:
+        return False
 
 
 def _remove_stale_temps(dir_fd: int, fname: str) -> None:
-    """Temp files left by a writer that died mid-write (we hold the lock: none is live)."""
+    """Temp files left by a writer that died mid-write."""
     prefix = f".{fname}."
     try:
         names = os.listdir(dir_fd)
     except OSError:
         return
     for name in names:
-        if name.startswith(prefix) and name.endswith(".tmp"):
+        if name.startswith(prefix) and name.endswith(".tmp") and _dead_writer(name, prefix, dir_fd):
             try:  # noqa: SIM105 (contextlib stays off the Kata hook's path)
                 os.unlink(name, dir_fd=dir_fd)
             except OSError:

@@ -88,6 +88,7 @@ from vmpin.service.server import AgentRunning, ControlServer, Reply
 from vmpin.service.settings import POLICY_KEYS, Settings
 from vmpin.service.workers import FullPass, SandboxStat
 from vmpin.state import journal
+from vmpin.state.locks import WAIT
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
@@ -446,8 +447,13 @@ class Agent:
 
     # -- the state dir lock and the socket ---------------------------------------------------
     def _take_lock(self) -> None:
+        from vmpin.state.locks import check_parent, open_lock_file
+
         path = os.path.join(self.paths.state_dir, "agent.lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # owner-only, in a state dir no one else may write: whoever could open it could
+        # keep every agent from starting (vmpin.state.locks)
+        check_parent(self.paths.state_dir)
+        fd = open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -891,6 +897,14 @@ class Agent:
         ids = [w.sandbox_id for w in batch]
         reconciler.ingest_first = False  # (just done)
         reports = {r.id: r for r in reconciler.reconcile(ids)}
+        if reconciler.went_unlocked:
+            # another process held the node's plan lock past its wait (stopped, or stuck):
+            # this pass went on without it, and either side plans again when needed
+            log_event(
+                logging.WARNING,
+                "pass ran without the node lock",
+                lock=reconciler.lock_error or f"held by another process past {WAIT:g} s",
+            )
         self._note_conflicts(reconciler)
         # the node's plan (with the observation it holds) is not needed between passes: do
         # not keep every sandbox's plan alive until the next one (agent RSS, issue #14)

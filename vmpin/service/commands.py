@@ -164,11 +164,14 @@ def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:
 def update(
     c: Ctx, container: str, cpuset_cpus: str | None, resources: str | None, as_json: bool
 ) -> int:
+    from vmpin.service.budget import BUDGET
     from vmpin.service.update import update_container
 
     if (cpuset_cpus is None) == (resources is None):
         raise SpecError("give exactly one of --cpuset-cpus LIST or -r FILE|-")
-    domain = _update_domain(c, container, cpuset_cpus, resources)
+    # no wait on another process past the budget (a stopped agent: vmpin.service.budget)
+    deadline = time.monotonic() + BUDGET
+    domain = _update_domain(c, container, cpuset_cpus, resources, deadline)
     if domain is not None:
         if as_json:
             emit(domain, "update")
@@ -181,6 +184,7 @@ def update(
         cpuset_cpus=cpuset_cpus,
         resources=resources,
         reconciler_factory=c.reconciler,
+        deadline=deadline,
     )
     if as_json:
         emit(result, "update")
@@ -193,11 +197,13 @@ def update(
 
 
 def _update_domain(
-    c: Ctx, key: str, cpuset_cpus: str | None, resources: str | None
+    c: Ctx, key: str, cpuset_cpus: str | None, resources: str | None, deadline: float
 ) -> dict[str, Any] | None:
     """`vmpin update DOMAIN`: the mask goes into the domain's metadata (its one home), then
     the node is re-planned.  None when ``key`` is a tracked container or no domain."""
-    with c.store() as store:
+    # (no journal applied here: a container only journaled is no domain either, and
+    # update_container applies it)
+    with Store(c.paths.state_dir, ingest=False, deadline=deadline) as store:
         if store.container(key) is not None:
             return None
         domains = c.domains()
@@ -210,7 +216,9 @@ def _update_domain(
         new = parse_update(cpuset_cpus, resources)
         if new is not None:  # resources without cpu.cpus: nothing for vmpin
             conn.set_mask(d.uuid, new)
-        reports = c.reconciler(store).reconcile([d.uuid])
+        rec = c.reconciler(store)
+        rec.deadline = deadline
+        reports = rec.reconcile([d.uuid])
     errors = [e for r in reports for e in r.errors]
     if errors:
         raise StateError(f"domain {d.name}: {errors[0]}")

@@ -11,14 +11,18 @@ journaled or stored write) -- ``{"ok": true, "queued": n, "done": true}`` -- or,
 takes longer than SECONDS, ``{"ok": true, "queued": n, "done": false}``; the caller then does
 the work itself.  No polling of the store: the reply is the signal.
 
-The client never waits long: if no agent answers within ``timeout`` the caller does the work
-itself, so a hung agent slows a container start by at most that, and a dead one by nothing
-(the socket file is checked before ``socket`` is even imported).
+The client never waits long: the whole exchange (connect, request, answer) ends within
+``timeout`` (``wait`` for the blocking form), after which the caller does the work itself,
+so a stopped agent slows a container start by at most that (vmpin.service.budget), and a
+dead one by nothing (the socket file is checked before ``socket`` is even imported).  A
+stopped agent's socket still accepts (the kernel queues the connection), so it is the
+answer that is waited for, never longer than that.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from vmpin.linux.paths import HostPaths
 from vmpin.wire.jsonio import dumps, loads
@@ -69,10 +73,12 @@ def _send(
     """Send one request line; None when no agent took it, else its answer (b"" without
     ``answer``, or when the agent closed without one).  ``meanwhile`` runs once the agent
     has the request, before its answer is read (what raises there is the caller's: only a
-    failed exchange means no agent)."""
+    failed exchange means no agent).  The exchange ends within ``timeout`` seconds in all
+    (an answer not complete by then: no agent)."""
     path = paths.control_socket
     if not os.path.exists(path):
         return None
+    deadline = time.monotonic() + timeout
     # _socket, not socket: socket.py imports enum, selectors and functools (~2 ms of a hook)
     # for features a one-line exchange does not use.  _socket's sockets are close-on-exec.
     import _socket
@@ -93,6 +99,10 @@ def _send(
             meanwhile()  # what it raises is the caller's, not a failed exchange
         try:
             while answer and not buf.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                sock.settimeout(left)
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
@@ -144,10 +154,10 @@ def notify(
     """Mark sandboxes dirty in the running agent; False when there is none to tell.
 
     With ``wait``, block until the agent has finished a pass that saw this request (True), or
-    give up after ``wait`` seconds (False: the caller reconciles in-process); ``meanwhile``
-    runs while the agent's pass does (``vmpin update`` syncs its write then).  Without
-    ``maps_first`` the answer may come before the pass's guest maps are published (for a
-    caller that waits only on the host's pins).
+    give up after ``wait`` seconds from now, connecting included (False: the caller
+    reconciles in-process); ``meanwhile`` runs while the agent's pass does (``vmpin update``
+    syncs its write then).  Without ``maps_first`` the answer may come before the pass's
+    guest maps are published (for a caller that waits only on the host's pins).
     """
     if wait is None:
         reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
@@ -155,5 +165,5 @@ def notify(
     message: dict[str, Any] = {"op": "dirty", "sandboxes": sandbox_ids, "wait": wait}
     if not maps_first:
         message["guest_map"] = "after"
-    reply = request(paths, message, timeout + wait, meanwhile)
+    reply = request(paths, message, wait, meanwhile)
     return bool(reply and reply.get("ok") and reply.get("done"))

@@ -5,7 +5,7 @@ moment knows (the pid's start time, which runtime runs the sandbox), and journal
 event (vmpin.state.journal) -- the store applies it exactly once.  Then bring the sandbox into line:
 
 - a Kata sandbox (its QEMU floats until pinned): apply the journal now, and hand the sandbox
-  to the running agent, or reconcile it here when no agent answers;
+  to the running agent, or reconcile it here when no agent answers in time;
 - a plain container on a node without VMs: runc has just written the spec's cpuset into its
   cgroup, which is already vmpin's plan for it, so only the agent (when up) is told; the
   event is applied by whichever vmpin process opens the store next.  This keeps sqlite3 (and
@@ -13,6 +13,13 @@ event (vmpin.state.journal) -- the store applies it exactly once.  Then bring th
 - a plain container while VM sandboxes run (the VM dir is not empty): its CPUs can change
   their plans (a vCPU pinned 1:1 on a CPU this container now uses), so the node is re-planned
   as for Kata (issue 9: the invariant holds when the hook returns, agent or not).
+
+Never stalled by another process (issue 26): every wait on one -- the agent's answer, the
+node's plan lock, SQLite's write lock -- ends by the hook's budget (vmpin.service.budget: 2 s
+in all, the agent's answer 1 s of it), and past it the hook does without.  An agent stopped
+inside a transaction holds the store's write lock: the hook then pins from the store as
+last committed plus the journal's pending events, in a copy in memory, and leaves its event
+in the journal for the next writer (:func:`reconcile_here`).
 
 Fail-open: a container must never fail to start because of vmpin, so any problem prints one
 line to stderr and exits 0; ``--strict`` makes it exit 1 (the runtime then fails the start).
@@ -41,13 +48,19 @@ when this process must reconcile (Kata or VMs running, and no agent answered).
 from __future__ import annotations
 
 import sys
+import time
 
 from vmpin.core.errors import SpecError, VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES, parse_state
+from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
 from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog, build
 from vmpin.state.journal import sync as journal_sync
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from vmpin.state.store import Store
 
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
 
@@ -98,10 +111,7 @@ def _vms_present(paths: HostPaths) -> bool:
         return False
 
 
-#: seconds a hook waits for the agent's pass (the blocking ``dirty``, vmpin.service.control):
-#: a pass takes milliseconds; past this the hook reconciles in-process (Kata's shipped hook
-#: timeout is 10 s, and a hook must never be the reason a start times out).
-AGENT_WAIT = 5.0
+__all__ = ["AGENT_WAIT", "BUDGET", "main", "reconcile_here", "run"]
 
 
 def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = None) -> str | None:
@@ -111,8 +121,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     while VMs run) is then brought into line before the hook returns: by the agent when one
     answers the blocking notify (its pass applies the journal and plans the node; the hook
     never opens the store), else right here.  A plain container's event on a node without VMs
-    waits for the agent or the next vmpin command.
+    waits for the agent or the next vmpin command.  No wait on another process goes past
+    :data:`BUDGET` seconds from here (vmpin.service.budget).
     """
+    deadline = time.monotonic() + BUDGET
     state = parse_state(data, f"hook {stage}: state")
     event = build(paths, stage, state)
     ident = event["ident"]
@@ -138,10 +150,11 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         # The invariant is to hold when the hook returns: the agent replies "done" only after
         # a node pass that started after this request (so it ingested our event) has ended.
         # (An agent that took the request ran the syncs; a "done" implies it took it.)
+        # (the agent's answer first: the deadline is the whole budget away still)
         done = notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT, meanwhile=sync)
         try:
             if not done:
-                reconcile_here(settings or Settings.from_env(), paths, sandbox)
+                reconcile_here(settings or Settings.from_env(), paths, sandbox, deadline)
         finally:
             # No agent took the request: synced here, after this process's own pass (a
             # failure is then the hook's one line, and the pins stand).  A thread that synced
@@ -159,32 +172,67 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     if backlog(paths.state_dir) > INGEST_THRESHOLD:
         # No one has applied the journal for a while (no agent, no CLI): keep it bounded
         # here, in batches within a time budget, so no later hook inherits a huge backlog.
+        from vmpin.core.errors import StateError
         from vmpin.state.store import Store
 
-        Store(paths.state_dir, ingest=False).ingest(budget=INGEST_BUDGET)
+        try:  # noqa: SIM105 (contextlib stays off the hook's path)
+            Store(paths.state_dir, ingest=False, deadline=deadline).ingest(budget=INGEST_BUDGET)
+        except StateError:
+            pass  # the write lock is another's past the budget: it applies the journal next
     return sandbox
 
 
-def reconcile_here(settings: Settings, paths: HostPaths, sandbox: str | None) -> None:
-    """No agent answered: apply the journal and re-plan the sandbox in this process."""
-    from vmpin.service.settings import build_reconciler
+def reconcile_here(
+    settings: Settings, paths: HostPaths, sandbox: str | None, deadline: float | None = None
+) -> None:
+    """No agent answered: apply the journal and re-plan the node in this process, waiting
+    for no lock past ``deadline`` (``time.monotonic()``; None: the store's defaults)."""
+    from vmpin.core.errors import StateError
+    from vmpin.state.sqlite import sqlite3
     from vmpin.state.store import Store
 
-    # Not closed on purpose: the last connection to close checkpoints the WAL into the
-    # database, a synchronous write on a container start.  The console script leaves with
-    # os._exit(); what was committed is in the WAL for the next connection.
-    store = Store(paths.state_dir, ingest=False)
-    # Nothing here waits for the disk (Store.defer_durability): what this pass writes is the
-    # journal's events, whose files stay until the next agent or command settles them
-    # (Store.ingest), and bookkeeping the next pass redoes from the host.  The event's own
-    # file is synced after this pass, before the hook returns (run()).
-    store.defer_durability()
-    store.keep_wal_short()  # the next start without an agent reads all of it again
-    # Another process may have applied our event already: then re-pin our sandbox anyway.
-    touched = store.ingest(budget=INGEST_BUDGET, durable=False) or ([sandbox] if sandbox else [])
+    mine = [sandbox] if sandbox else []
+    try:
+        # Not closed on purpose: the last connection to close checkpoints the WAL into the
+        # database, a synchronous write on a container start.  The console script leaves
+        # with os._exit(); what was committed is in the WAL for the next connection.
+        store = Store(paths.state_dir, ingest=False, deadline=deadline)
+        # Nothing here waits for the disk (Store.defer_durability): what this pass writes is
+        # the journal's events, whose files stay until the next agent or command settles
+        # them (Store.ingest), and bookkeeping the next pass redoes from the host.  The
+        # event's own file is synced after this pass, before the hook returns (run()).
+        store.defer_durability()
+        store.keep_wal_short()  # the next start without an agent reads all of it again
+        # Another process may have applied our event already: then re-pin our sandbox anyway.
+        touched = store.ingest(budget=INGEST_BUDGET, durable=False) or mine
+        _pass(settings, paths, store, touched, deadline)
+    except (StateError, sqlite3.OperationalError):
+        # The store's write lock is another process's past the budget: an agent stopped
+        # inside a transaction (SIGSTOP, a stuck disk), which may never let go.  Pin from
+        # what can be read without it -- the store as last committed, the journal's pending
+        # events (ours among them) applied to a copy in memory -- and leave the events in
+        # the journal for whoever writes next.  What this pass would record (thread roles,
+        # done_gen, original affinities) is redone by the next pass from the host.
+        if deadline is None:
+            raise
+        left = max(0.0, deadline - time.monotonic())
+        copy = Store.open_readonly(paths.state_dir, timeout=max(left, 0.05), copy=True)
+        _pass(settings, paths, copy, mine, deadline)
+
+
+def _pass(
+    settings: Settings,
+    paths: HostPaths,
+    store: Store,
+    touched: list[str],
+    deadline: float | None,
+) -> None:
+    from vmpin.service.settings import build_reconciler
+
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
     rec = build_reconciler(settings._replace(paths=paths), store, qmp_timeout=0.1)
     rec.ingest_first = False  # (just done)
+    rec.deadline = deadline  # the node's plan lock: waited for until then, at most
     for report in rec.reconcile(touched):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

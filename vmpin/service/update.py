@@ -6,17 +6,25 @@ agent's blocking reply (:func:`vmpin.service.control.notify` with ``wait``: it a
 pass that saw this write has finished), else a pass in this process; a failure puts the old
 set back.  The reconciler is only imported on that second path: with an agent, the command
 costs a store write and one round trip on top of its start-up (issue 14).
+
+Never stalled by another process (issue 26): the agent's answer is waited for ``wait``
+seconds (1 s by default), SQLite's write lock and the node's plan lock for what is left of
+the budget (vmpin.service.budget); an agent that does not answer in time is done without
+(this process's own pass), and a write lock held past the budget (an agent stopped inside
+a transaction) fails the command with one line, having changed nothing.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError, StateError
 from vmpin.linux.files import read_bytes
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
+from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
 from vmpin.state.store import ContainerRec, Store
 
@@ -62,14 +70,22 @@ def update_container(
     resources: str | None = None,
     reconciler_factory: Callable[[Store], Reconciler] | None = None,
     settings: Settings | None = None,
-    wait: float = 10.0,
+    wait: float = AGENT_WAIT,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Record the new set, then re-pin: through the agent when one answers (its reply comes
     once a pass that saw this write has finished, so that the command returning means the
     threads moved; ``wait`` bounds that), else in this process (a node-wide pass: another
-    sandbox's plan may depend on this set)."""
+    sandbox's plan may depend on this set).
+
+    ``deadline`` (``time.monotonic()``): no wait on another process goes past it but the
+    agent's (``wait``); by default the budget's rest after ``wait`` from now."""
+    if deadline is None:
+        deadline = time.monotonic() + wait + (BUDGET - AGENT_WAIT)
     cpus = parse_update(cpuset_cpus, resources)
-    with Store(paths.state_dir) as store:
+    with Store(paths.state_dir, ingest=False, deadline=deadline) as store:
+        # (raised, not printed and gone past: the write below would meet the same lock)
+        store.ingest()
         rec = store.container(container_id)
         if rec is None:
             raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
@@ -93,10 +109,13 @@ def update_container(
         store.defer_durability()
         rec = store.set_container_cpus(container_id, cpus, "update")
         try:
-            return _repin(paths, store, rec, cpus, reconciler_factory, settings, wait)
+            return _repin(paths, store, rec, cpus, reconciler_factory, settings, wait, deadline)
         except BaseException:
-            # Failing means changing nothing: put the old set back before saying so.
-            store.set_container_cpus(container_id, old.cpus, old.cpus_source or "spec")
+            # Failing means changing nothing: put the old set back before saying so -- if
+            # the store still holds this write.  Another update may have been written and
+            # acknowledged meanwhile (this one interrupted, or slow to fail): the set is then
+            # that one's, and putting ours back would erase it (issue 26).
+            store.restore_container_cpus(rec, old.cpus, old.cpus_source or "spec")
             raise
         finally:
             store.sync()
@@ -110,10 +129,12 @@ def _repin(
     reconciler_factory: Callable[[Store], Reconciler] | None,
     settings: Settings | None,
     wait: float,
+    deadline: float,
 ) -> dict[str, Any]:
     from vmpin.service.control import notify
 
     # (the guest's follower polls for its map: the agent answers once the threads are pinned)
+    wait = min(wait, max(0.05, deadline - time.monotonic()))  # (what the store left of it)
     if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync, maps_first=False):
         applied = "re-pinned by the agent"
     else:
@@ -125,6 +146,9 @@ def _repin(
 
             # the configured policy, as every other entry point (the one factory)
             rec_ = build_reconciler((settings or Settings.from_env())._replace(paths=paths), store)
+        # the node's plan lock: waited for until the deadline, then done without (a holder
+        # may be stopped; vmpin.state.locks)
+        rec_.deadline = deadline
         reports = rec_.reconcile([rec.sandbox_id])
         errors = [e for r in reports for e in r.errors]
         applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)

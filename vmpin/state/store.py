@@ -60,6 +60,12 @@ INGEST_BATCH = 500
 SETTLE_AFTER = 64
 #: WAL pages past which a hook's connection checkpoints (:meth:`Store.keep_wal_short`)
 SHORT_WAL = 64
+#: the least step between two writes' ``updated_at`` on one container row (seconds; a
+#: float64 near today's epoch resolves ~0.24 us)
+_TICK = 1e-6
+#: the shortest busy wait a store with a deadline is given, even once the deadline passed
+#: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
+MIN_BUSY = 0.05
 #: each connection's page cache, KiB (SQLite's default is 2,000).  The agent holds three
 #: connections for its life, and at 2,000 sandboxes their caches filled to ~3.3 MiB of its
 #: 50 MB budget (issue 14) for pages the OS page cache holds anyway: a pass that reads the
@@ -284,10 +290,29 @@ class Store:
     #: total_changes at the last settle_journal
     _settled_at = 0
 
-    def __init__(self, state_dir: str, *, timeout: float = 30.0, ingest: bool = True) -> None:
+    #: no wait for SQLite's locks goes past this (``time.monotonic()``), bar MIN_BUSY
+    deadline: float | None = None
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        timeout: float = 30.0,
+        ingest: bool = True,
+        deadline: float | None = None,
+    ) -> None:
         """Open (creating if needed) the state in ``state_dir``; with ``ingest``, first apply
-        whatever the hooks journaled since, so every reader sees every recorded event."""
+        whatever the hooks journaled since, so every reader sees every recorded event.
+
+        ``timeout``: how long a write waits for another connection's write lock.  With
+        ``deadline`` (``time.monotonic()``) instead, no such wait goes past it (each gets
+        what is left, and at least :data:`MIN_BUSY`): a hook's or ``vmpin update``'s budget,
+        where a stopped holder must not stall a container start (vmpin.service.budget).
+        """
         self.state_dir = state_dir
+        if deadline is not None:
+            self.deadline = deadline
+            timeout = _left(deadline)
         self._depth = 0
         self.path = os.path.join(state_dir, "state.db")
         try:
@@ -375,7 +400,12 @@ class Store:
 
     @classmethod
     def open_readonly(
-        cls, state_dir: str, *, timeout: float = 30.0, fresh: bool = False
+        cls,
+        state_dir: str,
+        *,
+        timeout: float = 30.0,
+        fresh: bool = False,
+        copy: bool = False,
     ) -> Store:
         """Open existing state for reading only: no directory, file, schema or journal write.
 
@@ -387,6 +417,11 @@ class Store:
         SQLite's ``mode=ro`` connection never checkpoints the WAL into the database file.
         Events the hooks journaled and no writer applied yet are applied to an in-memory
         copy (SQLite's backup API), leaving the journal files for the next writer.
+
+        ``copy``: always that in-memory copy, which may then be written (a hook's own pass
+        when another process holds the write lock past its budget: its records go nowhere,
+        its pins are made all the same).  Reading needs no lock in WAL mode: the copy is
+        the store as last committed, whoever holds the write lock.
         """
         path = os.path.join(state_dir, "state.db")
         pending = journal.pending(state_dir) if os.path.isdir(state_dir) else []
@@ -414,7 +449,7 @@ class Store:
                     raise StateError(
                         f"{path}: schema version {version}, this vmpin reads {SCHEMA_VERSION}"
                     )
-            if pending or not os.path.isfile(path):
+            if pending or copy or not os.path.isfile(path):
                 memory = sqlite3.connect(":memory:", isolation_level=None)
                 if os.path.isfile(path):
                     self.db.backup(memory)
@@ -832,12 +867,15 @@ class Store:
         check_id(rec.sandbox_id, "sandbox id")
         now = time.time()
         with self.transaction() as db:
-            old = db.execute("SELECT created_at FROM containers WHERE id=?", (rec.id,)).fetchone()
+            old = db.execute(
+                "SELECT created_at, updated_at FROM containers WHERE id=?", (rec.id,)
+            ).fetchone()
             values = {k: getattr(rec, k) for k in _CONTAINER_COLS}
             values["cpus"] = None if rec.cpus is None else rec.cpus.to_list()
             values["is_sandbox"] = int(rec.is_sandbox)
             values["created_at"] = old[0] if old else now
-            values["updated_at"] = now
+            # (each write of a row leaves a later updated_at: see restore_container_cpus)
+            values["updated_at"] = max(now, old[1] + _TICK) if old else now
             cols = ",".join(_CONTAINER_COLS)
             marks = ",".join("?" for _ in _CONTAINER_COLS)
             db.execute(
@@ -849,7 +887,9 @@ class Store:
     def set_container_cpus(
         self, container_id: str, cpus: CpuSet | None, source: str, **seen: str | None
     ) -> ContainerRec:
-        """Record a container's new CPU set (an update) and mark its sandbox dirty."""
+        """Record a container's new CPU set (an update) and mark its sandbox dirty; the
+        record as this write left it (read in its transaction: its ``updated_at`` names this
+        write, see :meth:`restore_container_cpus`)."""
         allowed = {"runtime_seen", "kubelet_seen"}
         if set(seen) - allowed:
             raise ValueError(f"unknown columns {set(seen) - allowed}")
@@ -859,21 +899,60 @@ class Store:
             found = row.fetchone()
             if found is None:
                 raise StateError(f"unknown container {container_id!r}")
-            sets = ["cpus=?", "cpus_source=?", "updated_at=?"] + [f"{k}=?" for k in seen]
+            # updated_at=MAX(now, the last write's + a tick): every write of the row leaves a
+            # later stamp than the one before it, even within one clock tick or after the
+            # clock stepped back
+            sets = ["cpus=?", "cpus_source=?", "updated_at=MAX(?, updated_at + ?)"]
+            sets += [f"{k}=?" for k in seen]
             db.execute(
                 f"UPDATE containers SET {','.join(sets)} WHERE id=?",
                 [
                     None if cpus is None else cpus.to_list(),
                     source,
                     now,
+                    _TICK,
                     *seen.values(),
                     container_id,
                 ],
             )
             self._bump(db, found[0], now)
-        rec = self.container(container_id)
+            rec = self.container(container_id)
         assert rec is not None
         return rec
+
+    def restore_container_cpus(
+        self, written: ContainerRec, cpus: CpuSet | None, source: str
+    ) -> bool:
+        """Put a container's CPU set back to ``cpus`` (from ``source``) -- only if the store
+        still holds the write ``written`` (what :meth:`set_container_cpus` returned): a
+        compare-and-swap, True when it swapped.
+
+        For a write that is to be undone (``vmpin update`` whose re-pin failed or was
+        interrupted).  Unconditional, the undo erased whatever was written since: another
+        update, acknowledged meanwhile, was lost from the store while the kernel held it (3
+        of 3, issue 26).  The write is known by its stamp (``updated_at``: each write of a
+        row leaves a later one), not by its value, which a later write may repeat.
+        """
+        now = time.time()
+        with self.transaction() as db:
+            cur = db.execute(
+                "UPDATE containers SET cpus=?, cpus_source=?, updated_at=MAX(?, updated_at + ?)"
+                " WHERE id=? AND cpus IS ? AND cpus_source IS ? AND updated_at=?",
+                (
+                    None if cpus is None else cpus.to_list(),
+                    source,
+                    now,
+                    _TICK,
+                    written.id,
+                    None if written.cpus is None else written.cpus.to_list(),
+                    written.cpus_source,
+                    written.updated_at,
+                ),
+            )
+            if cur.rowcount != 1:
+                return False
+            self._bump(db, written.sandbox_id, now)
+        return True
 
     def note_seen(self, container_id: str, **seen: str | None) -> None:
         """Remember what a runtime or kubelet last said, without changing the desired set."""
@@ -1011,6 +1090,11 @@ class Store:
         table of a 2,000-sandbox node is ~25 ms of each pass)."""
         return (self.db.execute("PRAGMA data_version").fetchone()[0], self.db.total_changes)
 
+    def data_version(self) -> int:
+        """A value that moves when *another* connection commits (``PRAGMA data_version``):
+        whether anyone wrote the store while this connection was planning from it."""
+        return int(self.db.execute("PRAGMA data_version").fetchone()[0])
+
     def cpu_masks(self) -> Mapping[str, CpuSet]:
         """Each sandbox's mask: the union of its containers' CPU sets (sandboxes with none
         are absent).  Cached while :meth:`version` stays: until then the same read-only
@@ -1111,6 +1195,11 @@ class Store:
             db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
 
 
+def _left(deadline: float) -> float:
+    """Seconds to wait for a lock before ``deadline``, and never less than MIN_BUSY."""
+    return max(MIN_BUSY, deadline - time.monotonic())
+
+
 _URI_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/_.-~")
 
 
@@ -1140,6 +1229,9 @@ class _Transaction:
         if store._depth:
             store._depth += 1
         else:
+            if store.deadline is not None:
+                # what is left of the caller's budget (vmpin.service.budget), not 30 s
+                store.db.execute(f"PRAGMA busy_timeout={int(_left(store.deadline) * 1000)}")
             store.db.execute("BEGIN IMMEDIATE")
             store._depth = 1
             self._outer = True
