@@ -34,44 +34,30 @@ import json
 import os
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import vmpin_cmd
-from tests.e2e.test_e2e_kata import affinities, thread_names
+from tests.e2e.test_e2e_kata import affinities, qemu, thread_names
+from tests.e2e.test_e2e_runc import runc
 from tests.service.test_agent import AgentProc
 from tests.support.kubelet_util import write_checkpoint
 from tests.support.kubeserver import KubeServer, serving
-from tests.support.qemu_util import QemuHandle, qemu_factory, require_qemu, wait_until
-from tests.support.runc_util import RuncSession, missing, new_id
+from tests.support.qemu_util import QemuHandle, wait_until
+from tests.support.runc_util import RuncSession, new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 
 pytestmark = [pytest.mark.qemu, pytest.mark.kvm, pytest.mark.runc, pytest.mark.cgroup_v1,
               pytest.mark.multi_cpu]  # fmt: skip
+__all__ = ["qemu", "runc"]  # the fixtures, imported for this module's tests
 
 CRI = "io.kubernetes.cri."
 CRIO = "io.kubernetes.cri-o."
 NONE = {"vmpin.io/vcpus": "none"}
-
-
-@pytest.fixture
-def qemu(vm_dir: Path) -> Iterator[Callable[..., QemuHandle]]:
-    require_qemu()
-    with qemu_factory(vm_dir) as start:
-        yield start
-
-
-@pytest.fixture
-def runc(paths: HostPaths, tmp_path: Path) -> Iterator[RuncSession]:
-    why = missing()
-    if why:
-        pytest.skip(why)
-    with RuncSession(paths, tmp_path) as session:
-        yield session
 
 
 def allowed(tid: int) -> CpuSet:

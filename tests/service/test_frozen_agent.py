@@ -36,16 +36,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_e2e_kata import Kata, affinities, sid, thread_names
+from tests.e2e.test_e2e_kata import Kata, affinities, qemu, sid, thread_names
+from tests.e2e.test_e2e_runc import runc
 from tests.service.test_agent import AgentProc
-from tests.support.qemu_util import QemuHandle, qemu_factory, require_qemu, wait_until
-from tests.support.runc_util import RuncSession, missing, new_id
+from tests.support.qemu_util import QemuHandle, wait_until
+from tests.support.runc_util import RuncSession, new_id
 from vmpin.linux.paths import HostPaths
 from vmpin.service.budget import BUDGET
 
 #: QEMU with KVM (threads named "CPU N/KVM"), runc on the v1 cpuset hierarchy, CPUs 0-1
 pytestmark = [pytest.mark.qemu, pytest.mark.kvm, pytest.mark.runc, pytest.mark.cgroup_v1,
               pytest.mark.multi_cpu]  # fmt: skip
+__all__ = ["qemu", "runc"]  # the fixtures, imported for this module's tests
 
 #: on top of the budget: a vmpin process's start and imports, and the hook's own pass (one
 #: QEMU: ~0.1 s), on a 2-CPU machine other jobs load
@@ -130,22 +132,6 @@ def plain_hook(kata: Kata, stage: str, cid: str, bundle: Path, pid: int | None) 
         state["pid"] = pid
     proc = kata.vmpin("hook", "--strict", stage, stdin=json.dumps(state))
     assert proc.stderr == "", proc.stderr
-
-
-@pytest.fixture
-def qemu(vm_dir: Path) -> Iterator[Callable[..., QemuHandle]]:
-    require_qemu()
-    with qemu_factory(vm_dir) as start:
-        yield start
-
-
-@pytest.fixture
-def runc(paths: HostPaths, tmp_path: Path) -> Iterator[RuncSession]:
-    why = missing()
-    if why:
-        pytest.skip(why)
-    with RuncSession(paths, tmp_path) as session:
-        yield session
 
 
 @pytest.mark.parametrize("holding", ["idle", "write-lock", "plan-lock"])
