@@ -122,7 +122,9 @@ def test_install_writes_the_node_tree(root: Path) -> None:
     assert changed == {"etc/containerd/config.toml", f"{hooks_d}/vmpin-prestart.json"}
     assert after["opt/vmpin/bin/vmpin-hook"][1] == 0o755
     assert after["etc/containerd/config.toml"][1] == 0o600  # its mode kept
-    for rel in added - {"opt/vmpin/bin/vmpin-hook"}:
+    # the manifest holds config.toml's old content (registry credentials, maybe): root's only
+    assert after["opt/vmpin/install-manifest.json"][1] == 0o600
+    for rel in added - {"opt/vmpin/bin/vmpin-hook", "opt/vmpin/install-manifest.json"}:
         assert after[rel][1] == (0o755 if after[rel][0] == "dir" else 0o644), rel
     # every document names host paths, never the installer's view of them
     for rel, (_, _, data) in after.items():

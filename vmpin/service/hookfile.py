@@ -29,7 +29,10 @@ prologue -- one file that is both a shell script and a zip archive:
   interpreter, and re-installing after the host's python3 changes.
 - The zip's comment is a digest of everything the file is made from (sources, boot code,
   the bytecode's interpreter, the file's path): an install that finds the same digest keeps
-  the file as it is, so a re-install leaves the tree byte for byte as it was.
+  the file as it is, so a re-install leaves the tree byte for byte as it was.  An install
+  that does change it replaces it by rename: a hook that is importing at that very moment
+  reads the old file's offsets in the new one and fails to load -- fail-open, one line, and
+  the next pass pins what it missed.
 """
 
 from __future__ import annotations

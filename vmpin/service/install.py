@@ -55,6 +55,9 @@ DEFAULT_HOOKS_DIR = "/usr/share/containers/oci/hooks.d"
 DEFAULT_CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 MANIFEST = "install-manifest.json"
 MANIFEST_VERSION = 1
+#: the manifest keeps what config.toml held, which may be secret (registry credentials; a
+#: config.toml of mode 0600): root's eyes only
+MANIFEST_MODE = 0o600
 HOOK = "bin/vmpin-hook"
 #: the PATH every hook runs with (and where the installer looks for the host's python3)
 HOOK_PATH = hookconfig.DEFAULT_ENV[0].split("=", 1)[1]
@@ -412,8 +415,8 @@ def install(root: str, opts: Options | None = None) -> Report:
     }
     mpath = manifest_path(host, opts.prefix)
     data = _dump_manifest(manifest)
-    if _read(mpath) != data:
-        _write(mpath, data, 0o644)
+    if _read(mpath) != data or stat.S_IMODE(os.lstat(mpath).st_mode) != MANIFEST_MODE:
+        _write(mpath, data, MANIFEST_MODE)
     if "containerd" in opts.runtimes:
         report.say("restart containerd to load its new config (running containers keep running)")
     return report
