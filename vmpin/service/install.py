@@ -150,7 +150,9 @@ def _read(path: str) -> bytes | None:
 def _write(path: str, data: bytes, mode: int, owner: tuple[int, int] | None = None) -> None:
     """Replace ``path`` whole (a reader sees the old file or the new one, never half)."""
     tmp = f"{path}.vmpin-{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    # created for root's eyes only, opened up (chmod) once whole: never briefly readable
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
