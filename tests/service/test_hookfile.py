@@ -15,12 +15,13 @@ import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import runc_util
+from tests.support.qemu_util import QemuHandle, qemu_factory
 from tests.support.runc_util import RuncSession, new_id
 from vmpin.linux.paths import ENVVARS, HostPaths
 from vmpin.service import hookfile
@@ -375,3 +376,33 @@ def test_runc_runs_the_hook_file(runc: RuncSession, hook_file: Path, paths: Host
     assert (seen["cpus"], seen["runtime"], int(str(seen["pid"]))) == ("0", "runc", pid)
     runc.delete(cid)
     assert cid not in containers(env)
+
+
+@pytest.fixture
+def qemu(vm_dir: Path) -> Iterator[Callable[..., QemuHandle]]:
+    with qemu_factory(vm_dir) as start:
+        yield start
+
+
+@pytest.mark.qemu
+@pytest.mark.multi_cpu
+def test_kata_pins_in_process_from_the_file(hook_file: Path, paths: HostPaths, tmp_path: Path,
+                                            qemu: Callable[..., QemuHandle]) -> None:  # fmt: skip
+    """The path that imports the most (no agent: the store, the reconciler, the planner,
+    QMP, the guest map's publisher), all of it from the file: every QEMU thread on CPU 1."""
+    q = qemu(new_id("hfk"), smp=2, debug_threads=True)
+    shared = Path(paths.publish_dir) / q.sandbox_id / "mounts"
+    shared.mkdir(parents=True)
+    bundle = tmp_path / "c1"
+    bundle.mkdir()
+    ann = {CRI + "container-type": "container", CRI + "sandbox-id": q.sandbox_id,
+           CRI + "container-name": "app"}  # fmt: skip
+    (bundle / "config.json").write_text(json.dumps(
+        {"annotations": ann, "linux": {"resources": {"cpu": {"cpus": "1"}}}}))
+    state = {"id": "c1", "pid": q.pid, "bundle": str(bundle), "annotations": ann}
+    proc = run_hook(hook_file, hook_env(paths), "hook", "--strict", "prestart",
+                    state=json.dumps(state).encode())  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert "c1" in json.loads((shared / "vmpin" / "guest-map.json").read_text())["containers"]
+    for tid in os.listdir(f"/proc/{q.pid}/task"):
+        assert os.sched_getaffinity(int(tid)) == {1}, tid
