@@ -529,6 +529,114 @@ def doctor(
         raise typer.Exit(1)
 
 
+def _command(value: Optional[str]) -> Optional[list[str]]:
+    """A command line option: None = the default, "none" = [] (do not run one)."""
+    import shlex
+
+    if value is None:
+        return None
+    return [] if value.strip() == "none" else shlex.split(value)
+
+
+def _print_report(report: Any) -> None:
+    for line in report.lines:
+        typer.echo(line)
+    for line in report.warnings:
+        typer.echo(f"warning: {line}", err=True)
+
+
+@app.command()
+def install(
+    root: Annotated[
+        str,
+        typer.Option(
+            "--root",
+            help="The node's root as this process sees it: / on the node, /host in an init"
+            " container that has the node's / mounted there.",
+        ),
+    ],
+    prefix: Annotated[
+        str, typer.Option("--prefix", help="Where vmpin's own files go (a host path).")
+    ] = "/opt/vmpin",
+    runtime: Annotated[
+        str,
+        typer.Option(
+            "--runtime",
+            help="Comma-separated engines to hook: containerd (base specs, config.toml), crio"
+            " and podman (hooks.d).",
+        ),
+    ] = "containerd,crio,podman",
+    env: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--env",
+            metavar="NAME=VALUE",
+            help="The hook's environment beyond PATH, e.g. VMPIN_HELPER_POLICY=isolate (the"
+            " agent's values: both plan). Repeat for more.",
+        ),
+    ] = None,
+    hooks_dir: Annotated[
+        str,
+        typer.Option(
+            "--hooks-dir",
+            help="hooks.d directory for CRI-O and podman (a host path; CRI-O's default"
+            " hooks_dir, which podman reads too).",
+        ),
+    ] = "/usr/share/containers/oci/hooks.d",
+    containerd_config: Annotated[
+        str, typer.Option("--containerd-config", help="containerd's config (a host path).")
+    ] = "/etc/containerd/config.toml",
+    python: Annotated[
+        Optional[str],
+        typer.Option(
+            "--python",
+            help="How to run the host's python3, which compiles the hook's bytecode (default:"
+            " python3 on the hooks' PATH, under chroot ROOT unless ROOT is /); 'none': this"
+            " Python's bytecode only.",
+        ),
+    ] = None,
+    ctr: Annotated[
+        Optional[str],
+        typer.Option(
+            "--ctr",
+            help="How to run the host's ctr, whose `ctr oci spec` starts the base specs"
+            " (default: ctr on the hooks' PATH, under chroot ROOT unless ROOT is /); 'none':"
+            " the packaged default spec.",
+        ),
+    ] = None,
+) -> None:
+    """Put vmpin's hook on a node (kata-deploy style): one self-contained hook file for the
+    host's python3, hooks.d files for CRI-O/podman, base specs and config.toml lines for
+    containerd, and a manifest of all of it (docs/hooks.md, "Installing on a node")."""
+    from vmpin.service.install import Options
+    from vmpin.service.install import install as run_install
+
+    opts = Options(
+        prefix=prefix,
+        runtimes=tuple(r.strip() for r in runtime.split(",") if r.strip()),
+        env=tuple(env or ()),
+        hooks_dir=hooks_dir,
+        containerd_config=containerd_config,
+        python=_command(python),
+        ctr=_command(ctr),
+    )
+    _print_report(run_install(root, opts))
+
+
+@app.command()
+def uninstall(
+    root: Annotated[str, typer.Option("--root", help="The node's root, as for install.")],
+    prefix: Annotated[
+        str, typer.Option("--prefix", help="The prefix install was given.")
+    ] = "/opt/vmpin",
+) -> None:
+    """Remove what `vmpin install` wrote under ROOT and put back every file it replaced, as
+    its manifest records (an error when there is none)."""
+    from vmpin.service.install import uninstall as run_uninstall
+
+    _print_report(run_uninstall(root, prefix))
+
+
 @guest_app.command("hook")
 def guest_hook(
     stage: Annotated[str, typer.Argument(metavar="STAGE", help="prestart, poststart or poststop.")],

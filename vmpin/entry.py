@@ -92,6 +92,31 @@ def _single_threaded() -> bool:
     return threading is None or threading.active_count() == 1
 
 
+#: the installed hook file runs the OCI hook and nothing else
+HOOK_FILE_USAGE = (
+    "usage: vmpin-hook [GLOBAL OPTIONS] hook [--strict] STAGE  (the installed hook file;"
+    " the vmpin command line is not installed with it)"
+)
+
+
+def hook_file() -> None:
+    """The installed hook file's entry point (:mod:`vmpin.service.hookfile`, ``vmpin
+    install``): ``[GLOBAL OPTIONS] hook [--strict] STAGE`` and nothing else, since the file
+    carries only the hook's modules.  Fail-open like the hook itself: anything else is one
+    line on stderr and exit 0 (1 with ``--strict``).  Leaves with a fast exit, as
+    :func:`console` does after a hook (never returns)."""
+    args = sys.argv[1:]
+    split = split_globals(args)
+    if split is None or split[1][:1] != ["hook"] or "--help" in split[1]:
+        print(HOOK_FILE_USAGE, file=sys.stderr)
+        code = 1 if "--strict" in args else 0
+    else:
+        code = main(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 _hook_ran = False
 _fast_ran = False
 #: main() runs as the process's command (console), not called by a test or a bench

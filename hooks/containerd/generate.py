@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Generate containerd's base runtime specs for vmpin: ``ctr oci spec`` plus vmpin's hooks.
+"""Generate vmpin's hook configs: containerd's base runtime specs and the hooks.d files.
 
-The shipped ``base-runtime-spec-{runc,kata}.json`` are this script's output, never hand-edited
-(``tests/runtimes/test_base_spec.py`` regenerates them and compares).  Run it with the
-containerd version of the node: ``ctr oci spec`` prints containerd's own default Linux spec
-(``oci.GenerateSpec``), and the CRI plugin starts every container of a handler that has a
-``base_runtime_spec`` from that file instead of from that default.
+The shipped ``base-runtime-spec-{runc,kata}.json`` beside this script and
+``hooks/oci-hooks.d/vmpin-*.json`` are this script's output, never hand-edited
+(``tests/runtimes/test_base_spec.py`` regenerates them and compares).  The documents
+themselves are made by :mod:`vmpin.runtimes.hookconfig`, which ``vmpin install`` uses too: one
+home for the hook entry, whoever writes it.
+
+Run it with the containerd version of the node: ``ctr oci spec`` prints containerd's own
+default Linux spec (``oci.GenerateSpec``), and the CRI plugin starts every container of a
+handler that has a ``base_runtime_spec`` from that file instead of from that default.
 
 Two edits, and only two, turn the default into a base spec that changes nothing else:
 
@@ -36,12 +40,22 @@ import sys
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: the create stage per runtime handler (see docs/hooks.md, "Which stages")
-CREATE_STAGE = {"runc": "createRuntime", "kata": "prestart"}
-DEFAULT_VMPIN = "/usr/local/bin/vmpin"
-#: hooks run with exactly this environment (plus --env): containerd's PATH default.
-DEFAULT_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
-TIMEOUT = 10
+REPO = os.path.dirname(os.path.dirname(HERE))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # vmpin from this checkout, installed or not
+
+from vmpin.runtimes.hookconfig import (  # noqa: E402
+    CREATE_STAGE,
+    DEFAULT_ENV,
+    DEFAULT_VMPIN,
+    TIMEOUT,
+    base_spec,
+    dump,
+    hooks_d,
+)
+
+__all__ = ["CREATE_STAGE", "DEFAULT_ENV", "DEFAULT_VMPIN", "TIMEOUT", "base_spec",
+           "ctr_default_spec", "dump", "hooks_d", "main"]  # fmt: skip
 
 
 def ctr_default_spec(ctr: str = "ctr") -> dict[str, Any]:
@@ -51,42 +65,11 @@ def ctr_default_spec(ctr: str = "ctr") -> dict[str, Any]:
     return spec
 
 
-def base_spec(
-    default: dict[str, Any],
-    runtime: str,
-    vmpin: str = DEFAULT_VMPIN,
-    env: list[str] | None = None,
-) -> dict[str, Any]:
-    """``default`` with CRI's security defaults stripped and vmpin's hooks added."""
-    spec = json.loads(json.dumps(default))  # a deep copy
-    process = spec.get("process", {})
-    process.pop("rlimits", None)
-    process.pop("apparmorProfile", None)
-    spec.get("linux", {}).pop("seccomp", None)
-    hook_env = list(DEFAULT_ENV if env is None else env)
-    spec["hooks"] = {
-        stage: [
-            {
-                "path": vmpin,
-                "args": ["vmpin", "hook", stage],
-                "env": hook_env,
-                "timeout": TIMEOUT,
-            }
-        ]
-        for stage in (CREATE_STAGE[runtime], "poststart", "poststop")
-    }
-    return spec
-
-
-def dump(spec: dict[str, Any]) -> str:
-    return json.dumps(spec, indent=2) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ctr", default="ctr", help="the ctr binary (default: ctr on PATH)")
     ap.add_argument("--runtime", choices=sorted(CREATE_STAGE), help="one handler (with --out)")
-    ap.add_argument("--out", help="write this file (default: the shipped files beside me)")
+    ap.add_argument("--out", help="write this file (default: the shipped files)")
     ap.add_argument("--vmpin", default=DEFAULT_VMPIN, help="the vmpin executable hooks run")
     ap.add_argument(
         "--env", action="append", metavar="K=V", help="hook environment (default: PATH only)"
@@ -105,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         targets = {args.runtime: args.out}
     else:
         targets = {rt: os.path.join(HERE, f"base-runtime-spec-{rt}.json") for rt in CREATE_STAGE}
+        hooks_dir = os.path.join(os.path.dirname(HERE), "oci-hooks.d")
+        for name, doc in hooks_d(args.vmpin, env).items():
+            with open(os.path.join(hooks_dir, name), "w") as f:
+                f.write(dump(doc))
     for runtime, out in targets.items():
         with open(out, "w") as f:
             f.write(dump(base_spec(default, runtime, args.vmpin, env)))

@@ -1,7 +1,9 @@
-"""The shipped containerd base specs are ``hooks/containerd/generate.py``'s output, and differ
-from ``ctr oci spec`` (containerd's own default) only where containerd's CRI plugin would.
+"""The shipped hook configs are ``hooks/containerd/generate.py``'s output (made by
+:mod:`vmpin.runtimes.hookconfig`, which ``vmpin install`` uses too), and the containerd base
+specs differ from ``ctr oci spec`` (containerd's own default) only where containerd's CRI
+plugin would.
 
-Needs ``ctr`` (``apt-get install containerd``; .ci/run installs it).
+The ``ctr`` tests need containerd (``apt-get install containerd``; .ci/run installs it).
 """
 
 from __future__ import annotations
@@ -9,13 +11,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from vmpin.runtimes import hookconfig
+
 HOOKS = Path(__file__).resolve().parents[2] / "hooks" / "containerd"
+HOOKS_D = HOOKS.parent / "oci-hooks.d"
 CTR = shutil.which("ctr")
 needs_ctr = pytest.mark.skipif(CTR is None, reason="ctr (containerd) is not installed")
 
@@ -49,6 +55,28 @@ def test_shipped_spec_is_generated(runtime: str) -> None:
     gen = generator()
     want = gen.dump(gen.base_spec(gen.ctr_default_spec(CTR), runtime))
     shipped = (HOOKS / f"base-runtime-spec-{runtime}.json").read_text()
+    assert shipped == want, "regenerate: python3 hooks/containerd/generate.py"
+
+
+@pytest.mark.parametrize("runtime", ["runc", "kata"])
+def test_shipped_spec_is_made_from_the_packaged_default(runtime: str) -> None:
+    """What `vmpin install` writes where it cannot run the node's ctr is the shipped file."""
+    want = hookconfig.dump(hookconfig.base_spec(hookconfig.packaged_default(), runtime))
+    assert (HOOKS / f"base-runtime-spec-{runtime}.json").read_text() == want
+
+
+@needs_ctr
+def test_packaged_default_is_ctr_oci_spec() -> None:
+    """vmpin/runtimes/containerd-default-spec.json is what it says (with this containerd)."""
+    version = subprocess.run([CTR or "ctr", "--version"], capture_output=True, text=True).stdout
+    if "1.6.20" not in version:
+        pytest.skip(f"the packaged default is {hookconfig.PACKAGED_DEFAULT_FROM}'s: {version}")
+    assert hookconfig.packaged_default() == generator().ctr_default_spec(CTR)
+
+
+def test_shipped_hooks_d_is_generated() -> None:
+    shipped = {p.name: p.read_text() for p in HOOKS_D.glob("*.json")}
+    want = {name: hookconfig.dump(doc) for name, doc in hookconfig.hooks_d().items()}
     assert shipped == want, "regenerate: python3 hooks/containerd/generate.py"
 
 

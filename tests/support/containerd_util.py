@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -134,14 +135,24 @@ def build_image(dest: Path, name: str = IMAGE) -> Path:
 class Containerd:
     """One private containerd; :meth:`stop` ends it (by pid) and removes what it made."""
 
-    def __init__(self, work: Path, base_spec: Path) -> None:
+    def __init__(
+        self,
+        work: Path,
+        base_spec: Path | None,
+        config: Path | None = None,
+        wrap: Sequence[str] = (),
+    ) -> None:
+        """``base_spec`` None: the runc handler has none (an installer adds it to ``config``,
+        default ``work/config.toml``); ``wrap`` is an argv prefix containerd runs under."""
         self.work = work
         self.root = work / "root"
         self.state = work / "state"
         self.runc_root = work / "runc"  # the runc handler's Root; namespaces below it
         self.address = str(work / "containerd.sock")
-        self.config = work / "config.toml"
+        self.config = config or work / "config.toml"
         self.log = work / "containerd.log"
+        self.wrap = list(wrap)
+        base_line = f'base_runtime_spec = "{base_spec}"' if base_spec else ""
         self.config.write_text(
             f"""version = 2
 root = "{self.root}"
@@ -173,7 +184,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-      base_runtime_spec = "{base_spec}"
+      {base_line}
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         Root = "{self.runc_root}"
         SystemdCgroup = false
@@ -187,7 +198,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     def start(self, timeout: float = 30.0) -> Containerd:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                ["containerd", "--config", str(self.config)],
+                [*self.wrap, "containerd", "--config", str(self.config)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
