@@ -18,6 +18,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from vmpin import __version__
+from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError
 from vmpin.service import commands
 from vmpin.service.clispec import (
@@ -34,7 +35,7 @@ from vmpin.service.clispec import (
     WORKERS,
     G,
 )
-from vmpin.service.commands import Ctx, cpus, emit, table
+from vmpin.service.commands import Ctx, emit, table
 
 __all__ = ["Ctx", "app", "run"]
 

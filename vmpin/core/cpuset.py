@@ -315,6 +315,11 @@ def _of(cpus: frozenset[int]) -> CpuSet:
 
 EMPTY = CpuSet()
 
+
+def listed(cpus: CpuSet | None) -> str | None:
+    """A set in Linux list format, None for no set: how every view prints a CPU set."""
+    return None if cpus is None else cpus.to_list()
+
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 

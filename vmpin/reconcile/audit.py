@@ -25,6 +25,7 @@ pins in Kata's layout or leaves where Kata pinned them (vmpin.reconcile.plan).
 from __future__ import annotations
 
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import listed as _cpus
 from vmpin.reconcile.plan import NodePlan, SandboxPlan, ThreadPlan
 
 TYPE_CHECKING = False
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 KINDS = ("drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin", "error")
-
-
-def _cpus(c: CpuSet | None) -> str | None:
-    return None if c is None else c.to_list()
 
 
 def _v(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import listed as _cpus
 from vmpin.core.errors import StateError
 from vmpin.core.topology import Topology
 from vmpin.reconcile.plan import ContainerPlan, NodePlan, SandboxPlan, ThreadPlan
@@ -26,10 +27,6 @@ SOURCES = {
     "runc": "runc update (runc's state)",
     "kubelet": "kubelet's checkpoint",
 }
-
-
-def _cpus(value: CpuSet | None) -> str | None:
-    return None if value is None else value.to_list()
 
 
 def _pod(sp: SandboxPlan) -> dict[str, Any]:

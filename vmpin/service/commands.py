@@ -21,6 +21,7 @@ import sys
 import time
 
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
 from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
@@ -138,10 +139,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for r in cells:
         echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
-
-
-def cpus(c: CpuSet | None) -> str | None:
-    return None if c is None else c.to_list()
 
 
 def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:

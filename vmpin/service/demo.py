@@ -32,11 +32,16 @@ from typing import Any
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, SpecError, VmpinError
 from vmpin.linux import procfs
+from vmpin.linux.paths import HostPaths
+from vmpin.linux.sysfs import online_text
+from vmpin.reconcile.observe import pid_alive
 
 CRI = "io.kubernetes.cri."
 #: what the demo runs, and the Debian packages that bring each (README's first command)
 NEEDS = {"qemu-system-x86_64": "qemu-system-x86", "runc": "runc"}
 BUSYBOX = ("/bin/busybox", "/usr/bin/busybox")
+#: the host's own roots: the demo's processes and CPUs are the host's (its state is not)
+HOST = HostPaths()
 
 
 class Demo:
@@ -132,7 +137,7 @@ class Demo:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
             if proc.returncode == 0:
                 pid = int((d / "pid").read_text().strip())
-                self.qemu = (pid, procfs.start_time("/proc", pid))
+                self.qemu = (pid, procfs.start_time(HOST.proc, pid))
                 self.say(f"  QEMU pid {pid} ({accel}), started as Kata starts it")
                 return pid
             lines = proc.stderr.strip().splitlines()
@@ -202,9 +207,9 @@ class Demo:
     def affinities(self, qpid: int, rpid: int) -> dict[tuple[str, int], str]:
         out: dict[tuple[str, int], str] = {}
         for what, pid in (("qemu", qpid), ("runc", rpid)):
-            for tid in procfs.tids("/proc", pid):
+            for tid in procfs.tids(HOST.proc, pid):
                 try:
-                    out[(what, tid)] = procfs.affinity("/proc", pid, tid).to_list()
+                    out[(what, tid)] = procfs.affinity(HOST.proc, pid, tid).to_list()
                 except VmpinError:
                     continue
         return out
@@ -229,10 +234,10 @@ class Demo:
                 done.append(f"runc container {self.runc_id}: {proc.stderr.strip()}")
         if self.qemu is not None:
             pid, start = self.qemu
-            if _still(pid, start):
+            if pid_alive(HOST, pid, start):
                 os.kill(pid, signal.SIGKILL)
                 deadline = time.monotonic() + 10
-                while _still(pid, start) and time.monotonic() < deadline:
+                while pid_alive(HOST, pid, start) and time.monotonic() < deadline:
                     time.sleep(0.02)
             done.append(f"QEMU pid {pid} killed")
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -240,17 +245,8 @@ class Demo:
         return done
 
 
-def _still(pid: int, start: int) -> bool:
-    try:
-        fields = procfs.stat_fields("/proc", pid)
-    except VmpinError:
-        return False
-    return fields[2] not in ("Z", "X") and int(fields[21]) == start
-
-
 def _online() -> CpuSet:
-    with open("/sys/devices/system/cpu/online") as f:
-        return CpuSet.parse(f.read())
+    return CpuSet.parse(online_text(HOST.sys) or "0")
 
 
 def _kvm_usable() -> bool:
