@@ -227,6 +227,24 @@ def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path
     assert live.exists()
 
 
+def test_a_live_writers_temp_survives_a_clock_step(paths: HostPaths, shared: Path) -> None:
+    """Temp maps are aged by the monotonic stamp in their names, as the journal's are: a live
+    writer's file whose mtime reads 1970 after a wall-clock step is kept; a stamp two
+    minutes old, or one from an earlier boot, is swept."""
+    (shared / "vmpin").mkdir()
+    now = time.monotonic_ns()
+    live = shared / "vmpin" / f".guest-map.json.{os.getppid()}.{now}.tmp"
+    live.write_text("{writing")
+    os.utime(live, (1, 1))
+    old = shared / "vmpin" / f".guest-map.json.{os.getppid()}.{now - 120 * 10**9}.tmp"
+    old.write_text("{half")
+    reboot = shared / "vmpin" / f".guest-map.json.{os.getppid()}.{now + 3600 * 10**9}.tmp"
+    reboot.write_text("{half")
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert live.exists() and not old.exists() and not reboot.exists()
+
+
 def test_corrupt_map_is_replaced(paths: HostPaths, shared: Path) -> None:
     (shared / "vmpin").mkdir()
     (shared / "vmpin" / "guest-map.json").write_text("{not json")

@@ -98,6 +98,18 @@ def read_bytes(
         os.close(fd)
 
 
+def stale_stamp(stamp: str, max_age: float, now_ns: int) -> bool | None:
+    """For a temp file named after ``time.monotonic_ns()`` when it was made: whether it is
+    older than ``max_age`` seconds, or from an earlier boot (a stamp ahead of the clock);
+    None when ``stamp`` is not such a number.  CLOCK_MONOTONIC is system-wide and no one
+    sets it: an mtime is wall-clock time, and a clock stepped forward made a live writer's
+    file look old to another process's sweep (issue 26)."""
+    if not stamp.isdigit():
+        return None
+    made = int(stamp)
+    return made > now_ns or now_ns - made > max_age * 1e9
+
+
 def save_cache(path: str, data: bytes) -> None:
     """Replace the cache file ``path`` with ``data``, best effort: a reader sees the old file
     or the new one, never part of one, and a write that fails (a read-only or full state

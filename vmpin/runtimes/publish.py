@@ -56,7 +56,7 @@ import time
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import identity, load_json, read_bytes, remember
+from vmpin.linux.files import identity, load_json, read_bytes, remember, stale_stamp
 from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
 from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
@@ -296,10 +296,12 @@ TMP_MAX_AGE = 60.0
 
 
 def _dead_writer(name: str, prefix: str, dir_fd: int) -> bool:
-    """Whether the temp file ``name`` (``<prefix><pid>.<random>.tmp``) is a dead writer's:
-    its pid is gone, or it is older than :data:`TMP_MAX_AGE` (a pass that went on without
-    the node lock may be writing beside this one)."""
-    pid = name[len(prefix) :].split(".", 1)[0]
+    """Whether the temp file ``name`` (``<prefix><pid>.<monotonic ns>.tmp``) is a dead
+    writer's: its pid is gone, or it is older than :data:`TMP_MAX_AGE` (a pass that went on
+    without the node lock may be writing beside this one) by the monotonic stamp in its name,
+    as the journal's temp files are aged (:func:`vmpin.linux.files.stale_stamp`); a name
+    without one (an older vmpin's) by its mtime."""
+    pid, _, rest = name[len(prefix) :].partition(".")
     if pid.isdigit():
         try:
             os.kill(int(pid), 0)
@@ -307,6 +309,9 @@ def _dead_writer(name: str, prefix: str, dir_fd: int) -> bool:
             return True
         except OSError:
             pass
+    stale = stale_stamp(rest.split(".", 1)[0], TMP_MAX_AGE, time.monotonic_ns())
+    if stale is not None:
+        return stale
     try:
         return time.time() - os.lstat(name, dir_fd=dir_fd).st_mtime > TMP_MAX_AGE
     except OSError:
@@ -342,7 +347,7 @@ def _write_atomically(
     ``hold``: see :func:`publish_map`."""
     data = wire.to_json(doc)
     fname = os.path.basename(path)
-    tmp = f".{fname}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    tmp = f".{fname}.{os.getpid()}.{time.monotonic_ns()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)

@@ -39,7 +39,7 @@ import time
 
 from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import fsync_path
+from vmpin.linux.files import fsync_path, stale_stamp
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
 from vmpin.wire.jsonio import dumps
@@ -334,12 +334,9 @@ def sweep_tmp(state_dir: str, now_ns: int | None = None) -> int:
     except OSError:
         return 0
     for n in names:
-        stamp = n[1:].split("-", 1)[0]
-        if not stamp.isdigit():
-            continue  # not a name append() makes: not ours to remove
-        made = int(stamp)
-        if made <= now_ns and now_ns - made <= TMP_MAX_AGE * 1e9:
-            continue  # maybe a live hook's
+        # None: not a name append() makes, not ours to remove; False: maybe a live hook's
+        if not stale_stamp(n[1:].split("-", 1)[0], TMP_MAX_AGE, now_ns):
+            continue
         try:
             os.unlink(os.path.join(d, n))
             removed += 1
