@@ -319,6 +319,7 @@ SHAPES: tuple[tuple[Any, ...], ...] = (
     *(("init", True, ("=",) * n) for n in (3, 4, 6, 8, 9, 11, 12, 13, 14, 15)),
     *(("init", False, ("=",) * n) for n in (3, 5)),
     ("init", True, ("=", "=", "=", "f", "=", "=")),
+    ("init", True, ("=", "=", "=", "f", "=", "=", "=")),  # Observation, with allocations
     ("init", True, ("=", "=", "=", "=", "=", "f", "=", "=", "=")),
     ("init", False, ("f", "f", "f")),
 )

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
+    from vmpin.state.allocations import Allocation
     from vmpin.state.store import PolicyRecord
 
     #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
@@ -203,6 +204,8 @@ class Observation:
     #: Kata's configuration files and whether one turns on Kata's own vCPU pinning
     #: (vmpin.runtimes.kataconfig); None when not read (a view that looks at no VMM)
     kata: KataConfigs | None = None
+    #: vmpin's own allocations, granted and waiting (vmpin.reconcile.allocations)
+    allocations: tuple[Allocation, ...] = ()
 
     @property
     def kata_pinning(self) -> bool:
@@ -371,7 +374,11 @@ class Observer:
                 out.append(SandboxObs("libvirt", "libvirt", self.policy, None, errors=(msg,)))
         if scope is FULL:
             self._last = {s.id: s for s in out}
-        return Observation(tuple(out), checkpoint, cp_error, originals, scope, kata)
+        from vmpin.reconcile.allocations import recorded as allocations
+
+        return Observation(
+            tuple(out), checkpoint, cp_error, originals, scope, kata, allocations(store)
+        )
 
     def _read_store(
         self, store: Store, scope: Scope

@@ -35,6 +35,8 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
+from vmpin.reconcile.allocations import SOURCE as ALLOC
+from vmpin.reconcile.allocations import overlay
 from vmpin.reconcile.observe import (
     FULL,
     ContainerObs,
@@ -285,8 +287,10 @@ def _pod(s: SandboxObs) -> str:
 
 def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all") -> NodePlan:
     """Plan every sandbox and runc container of the node from one observation."""
-    pool = obs.shared_pool
     online = topology.online
+    # vmpin's own allocations (issue 30; none under kubelet's static policy) shrink the pool
+    alloc = overlay(obs, topology)
+    pool = obs.shared_pool if alloc.pool is None else alloc.pool
     adoptions: list[Adoption] = []
     forget: list[str] = []
     live: dict[str, list[ContainerRec]] = {}
@@ -300,6 +304,7 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
             if rec is None:
                 forget.append(c.rec.id)
                 continue
+            rec = alloc.container(s.id, rec)
             recs.append(rec)
             cpus = _own_cpus(rec)
             desired = cpus if cpus is not None else pool
@@ -350,6 +355,8 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
             footprint[s.id] = fp | held if held else fp
 
     exclusive, conflicts = _claims(obs, live, pods, pool)
+    for cpu, sid in alloc.owner.items():  # a CPU vmpin allocated is its pod's alone
+        exclusive.setdefault(cpu, Claim(sid, pods.get(sid, f"sandbox:{sid}"), None, ALLOC))
     conflicted = {sid for c in conflicts for sid in c.sandboxes()}
     plans: list[SandboxPlan] = []
     # Every "all the others" set below is derived from per-CPU counts made once, so the

@@ -301,6 +301,10 @@ class Reconciler:
             except StateError:
                 if not again:
                     raise
+        if apply and not self.store.readonly:
+            from vmpin.reconcile.allocations import settle
+
+            settle(self.store, self.topology, self.observer.checkpoint()[0])  # (issue 30)
         plan = self.plan(scope=scope)
         applied = None
         if apply:
@@ -377,4 +381,7 @@ class Reconciler:
         with _GcPaused():
             obs = self.observe(scope)
             kata = obs.kata.notes() if obs.kata is not None else []
+            from vmpin.reconcile.allocations import notes
+
+            kata += notes(obs)  # pods waiting for exclusive CPUs, and why (issue 30)
             return audit(self.plan(obs), obs.checkpoint_error, kata)

@@ -71,6 +71,18 @@ class Resources(NamedTuple):
 
     cpus: CpuSet | None = None
     mems: str | None = None
+    #: the CFS limit, ``cpu.quota`` / ``cpu.period`` (microseconds; None = not set)
+    quota: int | None = None
+    period: int | None = None
+
+    @property
+    def whole_cpus(self) -> int | None:
+        """The CPU limit in whole CPUs; None without a limit or when it is not whole (only
+        integer CPUs are given exclusively, by kubelet and by vmpin: docs/allocation.md)."""
+        quota, period = self.quota, self.period
+        if not quota or not period or quota <= 0 or period <= 0 or quota % period:
+            return None
+        return quota // period
 
 
 class Identity(NamedTuple):
@@ -210,9 +222,12 @@ def parse_resources(obj: Any, where: str) -> Resources:
     res = _obj(obj, where)
     cpus_text: str | None = None
     mems: str | None = None
+    quota = period = None
     for cpu in _go_object(res, "cpu", _RESOURCES_FIELDS, where):
         cpus_text = _go_string(cpu, "cpus", _CPU_FIELDS, f"{where}.cpu") or cpus_text
         mems = _go_string(cpu, "mems", _CPU_FIELDS, f"{where}.cpu") or mems
+        quota = _go_int(cpu, "quota", quota)
+        period = _go_int(cpu, "period", period)
     for unified in _go_object(res, "unified", _RESOURCES_FIELDS, where):
         pairs = unified.pairs if isinstance(unified, gojson.Obj) else unified.items()
         for key, value in pairs:  # map keys are exact: they are file names
@@ -237,7 +252,17 @@ def parse_resources(obj: Any, where: str) -> Resources:
             CpuSet.parse_kernel(mems)
         except CpuSetError as err:
             raise SpecError(f"{where}.cpu.mems: {err}") from None
-    return Resources(cpus=cpus, mems=mems or None)
+    return Resources(cpus, mems or None, quota, period)
+
+
+def _go_int(obj: Any, name: str, out: int | None) -> int | None:
+    """An integer field of LinuxCPU as Go decodes it (keys folded, the last one wins), else
+    ``out``.  Only read for the CPU limit's count (vmpin.core.podpolicy): a value that is not
+    a 64-bit integer is left out rather than refused, as before vmpin read these fields."""
+    for value in gojson.field_values(obj, name, _CPU_FIELDS):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1 << 63:
+            out = value
+    return out
 
 
 def parse_resources_json(text: str | bytes, where: str) -> Resources:

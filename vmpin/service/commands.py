@@ -267,7 +267,9 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
             rec = fresh.get(c.rec.id, c.rec)
             row = container_json(rec, sp.runtime)
             row["stored_cpus"] = cpus(c.rec.cpus)
-            row["host_differs"] = rec.cpus != c.rec.cpus or c.rec.id in gone
+            # (a pod's allocation is the plan's, not news from the host: issue 30)
+            differs = rec.cpus != c.rec.cpus and rec.cpus_source != "vmpin-alloc"
+            row["host_differs"] = differs or c.rec.id in gone
             row["gone"] = c.rec.id in gone
             rows.append(row)
     return rows

@@ -12,7 +12,10 @@ event (vmpin.state.journal) -- the store applies it exactly once.  Then bring th
   the 28 ms that re + json + sqlite3 cost to import) off the start of every plain container.
 - a plain container while VM sandboxes run (the VM dir is not empty): its CPUs can change
   their plans (a vCPU pinned 1:1 on a CPU this container now uses), so the node is re-planned
-  as for Kata (issue 9: the invariant holds when the hook returns, agent or not).
+  as for Kata (issue 9: the invariant holds when the hook returns, agent or not);
+- likewise a plain container whose pod asks vmpin for exclusive CPUs, or any container while
+  vmpin holds allocations (vmpin.state.allocations.MARKER): its pod is allocated, or the
+  shared pool shrinks or grows, before the hook returns (issue 30).
 
 Never stalled by another process (issue 26): every wait on one -- the agent's answer, the
 node's plan lock, SQLite's write lock -- ends by the hook's budget (vmpin.service.budget: 2 s
@@ -55,6 +58,8 @@ from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES, parse_state
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
+from vmpin.state.allocations import asks_exclusive
+from vmpin.state.allocations import present as allocations_present
 from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog, build
 from vmpin.state.journal import sync as journal_sync
 
@@ -133,6 +138,9 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         event["runtime"] == "kata"
         or (sandbox is None and stage == "poststop")
         or _vms_present(paths)
+        # vmpin allocates exclusive CPUs here (issue 30): the pool moves with every pod
+        or allocations_present(paths.state_dir)
+        or asks_exclusive(event["annotations"])
     ):
         from vmpin.service.control import notify
 

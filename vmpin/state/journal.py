@@ -150,6 +150,9 @@ def build(paths: HostPaths, stage: str, state: State) -> dict[str, Any]:
             event["cpus"] = None if cpus is None else cpus.to_list()
             event["mems"] = config.resources.mems
             event["has_config"] = True
+            limit = config.resources.whole_cpus
+            if limit is not None:  # (only then: an event without a limit is as it was)
+                event["cpu_limit"] = limit
     try:
         ident = identity(state, annotations)
     except VmpinError:
@@ -211,6 +214,9 @@ def check_event(ev: Any) -> dict[str, Any]:
     if pid is not None and not 0 < pid <= PID_MAX:
         raise SpecError(f"field 'host_pid': {pid!r} is not a process id")
     _opt(ev, "pid_start", int)
+    _opt(ev, "cpu_limit", int)
+    if ev.get("cpu_limit") is not None and not 0 < ev["cpu_limit"] <= 1 << 32:
+        raise SpecError(f"field 'cpu_limit': {ev['cpu_limit']!r} out of range")
     if ev.get("pid_start") is not None and not 0 <= ev["pid_start"] <= _INT64:
         raise SpecError(f"field 'pid_start': {ev['pid_start']!r} out of range")
     ann = ev.get("annotations")

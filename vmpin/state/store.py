@@ -28,7 +28,7 @@ from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux.files import fsync_path, load_json, read_bytes
 from vmpin.runtimes.oci import Identity, identify
-from vmpin.state import journal
+from vmpin.state import allocations, journal
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 #: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
@@ -52,7 +52,7 @@ else:
     from vmpin.state.sqlite import sqlite3
 
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: vmpin's own allocations (vmpin.state.allocations)
 #: journal events applied per transaction (one fsync each): 10,000 pending events cost
 #: 20 commits, and a hook's time budget is checked between them.
 INGEST_BATCH = 500
@@ -135,7 +135,7 @@ CREATE TABLE IF NOT EXISTS threads (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS journal (name TEXT PRIMARY KEY);
-"""
+""" + allocations.SCHEMA
 
 
 class ContainerRec(NamedTuple):
@@ -445,7 +445,7 @@ class Store:
                 self.db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
                 self.db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
                 version = self.db.execute("PRAGMA user_version").fetchone()[0]
-                if version not in (0, SCHEMA_VERSION):
+                if version not in (0, 2, SCHEMA_VERSION):  # (2 lacks only new tables)
                     raise StateError(
                         f"{path}: schema version {version}, this vmpin reads {SCHEMA_VERSION}"
                     )
@@ -571,6 +571,7 @@ class Store:
                 pid_start=ev["pid_start"] if pid else None,
             )
         )
+        allocations.record_limit(self.db, ident.container_id, ev.get("cpu_limit"))
         return ident.sandbox_id
 
 

@@ -1,0 +1,238 @@
+"""vmpin allocates exclusive CPUs where kubelet does not (issue 30): who asks, who gets what.
+
+On a node whose kubelet CPU manager policy is ``none`` there is no checkpoint to follow: every
+container floats over every CPU.  A pod that asks (``vmpin.io/exclusive-cpus: N|limit``, or
+Crane's ``qos.gocrane.io/cpu-manager: exclusive``: :func:`vmpin.core.podpolicy.exclusive_request`)
+gets CPUs of its own here, chosen in kubelet's order (:mod:`vmpin.core.allocate`), and every
+other container and sandbox runs on what is left: the node's shared pool.
+
+Two steps, on either side of the pass's observe (vmpin.reconcile.reconciler):
+
+- :func:`settle` -- in a pass that applies, before it observes: under the node's plan lock
+  and inside one ``BEGIN IMMEDIATE`` transaction it reads the store's containers, their
+  pods' policy records and CPU limits, and the allocations table; it releases the
+  allocations of sandboxes whose last container is gone (or which no longer ask), grants the
+  waiting ones in the order they asked (first come, first served), and writes the difference
+  (vmpin.state.allocations).  Two processes settling at once queue on SQLite's write lock:
+  the second reads the first's rows before it chooses, so no CPU is handed out twice even by
+  a pass that went on without the node lock.  Nothing is written when nothing changes.
+- :func:`overlay` -- in the pure plan (vmpin.reconcile.plan.plan_node): with no static
+  checkpoint and at least one CPU allocated, the shared pool is the online CPUs less the
+  allocated ones; an allocated pod's app and init containers have its allocation as their CPU
+  set (``cpus_source`` ``vmpin-alloc``); every CPU allocated is an exclusive claim of its pod
+  (``audit``'s foreign-on-exclusive); a container of another pod whose own CPU set reaches
+  into an allocation keeps what is left of it, or the pool.
+
+A request that cannot be met (not enough free CPUs, the pool would be left empty, no integer
+CPU limit to count) waits in the table with its reason: the pod runs on the shared pool,
+``audit`` says why in its notes (:func:`notes`), the agent emits an ``AllocationRefused``
+Event, and the next pass after CPUs free up grants it.  Under kubelet's static policy vmpin
+grants nothing: kubelet allocates there, and vmpin follows its checkpoint as ever.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vmpin.core.allocate import Options, Refusal, allocate
+from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.core.podpolicy import exclusive_request
+from vmpin.runtimes.kubelet import is_infra
+from vmpin.state import allocations as table
+from vmpin.state.allocations import Allocation
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from vmpin.core.topology import Topology
+    from vmpin.reconcile.observe import Observation
+    from vmpin.runtimes.kubelet import Checkpoint
+    from vmpin.state.store import ContainerRec, PolicyRecord, Store
+
+#: a container's ``cpus_source`` when its CPU set is its pod's allocation
+SOURCE = "vmpin-alloc"
+
+
+def kubelet_allocates(checkpoint: Checkpoint | None) -> bool:
+    """kubelet's static policy hands out exclusive CPUs itself: vmpin grants none."""
+    return checkpoint is not None and checkpoint.policy == "static"
+
+
+def settle(
+    store: Store,
+    topology: Topology,
+    checkpoint: Checkpoint | None = None,
+    options: Options = Options(),
+) -> bool:
+    """Release, grow and grant allocations from what the store holds now; whether a row
+    changed.  A no-op (no transaction) on a node where no pod asks and none holds any."""
+    if store.readonly:
+        return False
+    memo = _SETTLED.get(id(store))
+    if memo is not None and memo == store.version():
+        return False  # nothing moved since this store's last settle: nothing to decide
+    oci, api = store.policy_records()
+    asks = any(
+        exclusive_request(r.annotations) is not None for r in (*oci.values(), *api.values())
+    )
+    if not asks and not table.present(store.state_dir) and not table.read(store.db):
+        _SETTLED[id(store)] = store.version()
+        return False
+    with store.transaction() as db:
+        before = table.read(db)
+        rows, gone = decide(
+            before,
+            store.containers(),
+            *store.policy_records(),
+            table.limits(db),
+            topology,
+            static=kubelet_allocates(checkpoint),
+            options=options,
+        )
+        old = {a.sandbox_id: a for a in before}
+        changed = [r for r in rows if old.get(r.sandbox_id) != r]
+        if changed or gone:
+            table.write(db, changed, gone)
+    table.mark(store.state_dir, rows)
+    _SETTLED[id(store)] = store.version()
+    return bool(changed or gone)
+
+
+#: id(store) -> the store's version after its last settle (an idle agent settles nothing)
+_SETTLED: dict[int, tuple[int, int]] = {}
+
+
+def decide(
+    before: list[Allocation],
+    containers: list[ContainerRec],
+    oci: Mapping[str, PolicyRecord],
+    api: Mapping[str, PolicyRecord],
+    limits: Mapping[str, int],
+    topology: Topology,
+    *,
+    static: bool = False,
+    options: Options = Options(),
+    now: float | None = None,
+) -> tuple[list[Allocation], list[str]]:
+    """The allocations as they are to be (every row kept, changed or new) and the sandboxes
+    whose rows go.  Pure: the store's records in, rows out."""
+    now = time.time() if now is None else now
+    by_sandbox: dict[str, list[ContainerRec]] = {}
+    for c in containers:
+        by_sandbox.setdefault(c.sandbox_id, []).append(c)
+    wanted: dict[str, tuple[str | None, int | None, str]] = {}
+    for sid, recs in by_sandbox.items():
+        uid = next((c.pod_uid for c in recs if c.pod_uid), None)
+        rec = (api.get(uid) if uid else None) or oci.get(sid)
+        req = exclusive_request(rec.annotations) if rec is not None else None
+        if req is None:
+            continue
+        count = req.size
+        if count is None:
+            apps = [c for c in recs if not is_infra(c.is_sandbox, c.pod_uid, c.name)]
+            whole = [limits[c.id] for c in apps if c.id in limits]
+            count = sum(whole) if whole else None
+        wanted[sid] = (uid, count, req.via)
+    old = {a.sandbox_id: a for a in before}
+    gone = [sid for sid in old if sid not in wanted]
+    held = {sid: a.cpus for sid, a in old.items() if sid in wanted and a.cpus}
+    taken = CpuSet.union_all(held.values())
+    rows: dict[str, Allocation] = {}
+    # first come, first served: rows in the order they were first recorded, new ones last
+    order = [a.sandbox_id for a in before if a.sandbox_id in wanted]
+    order += sorted(sid for sid in wanted if sid not in old)
+    for sid in order:
+        uid, count, via = wanted[sid]
+        a = old.get(sid) or Allocation(sid, uid, None, count, via, None, now, now)
+        a = a._replace(pod_uid=uid, size=count, via=via)
+        have = a.cpus or EMPTY
+        reason: str | None = None
+        if static:
+            reason = "kubelet's CPU manager policy is static: kubelet allocates on this node"
+        elif count is None:
+            reason = f"{via}, but no container of the pod has an integer CPU limit to count"
+        elif count > len(have):
+            got = allocate(topology, topology.online - taken, count - len(have), options)
+            if isinstance(got, Refusal):
+                reason = f"{via}: {got}" + (f" (holds {have})" if have else "")
+            else:
+                have = have | got
+                taken = taken | got
+        cpus = have or None
+        new = a._replace(cpus=cpus, reason=reason)
+        if new != old.get(sid):
+            new = new._replace(updated_at=now)
+        rows[sid] = new
+    return list(rows.values()), gone
+
+
+# -- the plan's view ------------------------------------------------------------------------------
+class Overlay:
+    """What the allocations mean to one plan (:func:`overlay`)."""
+
+    __slots__ = ("by_sandbox", "owner", "pool", "taken")
+
+    def __init__(self, by_sandbox: Mapping[str, CpuSet], online: CpuSet) -> None:
+        self.by_sandbox = by_sandbox
+        self.taken = CpuSet.union_all(by_sandbox.values())
+        #: the shared pool they leave (None: nothing allocated, the plan is as before)
+        self.pool = (online - self.taken) if self.taken else None
+        #: CPU -> the sandbox that holds it
+        self.owner = {cpu: sid for sid, cpus in by_sandbox.items() for cpu in cpus}
+
+    def container(self, sandbox_id: str, rec: ContainerRec) -> ContainerRec:
+        """The container's record as the plan counts it: its pod's allocation, or its own
+        CPU set kept off the other pods' allocations."""
+        if not self.taken:
+            return rec
+        mine = self.by_sandbox.get(sandbox_id)
+        if mine is not None and not is_infra(rec.is_sandbox, rec.pod_uid, rec.name):
+            return rec._replace(cpus=mine, cpus_source=SOURCE)
+        if rec.cpus is not None and rec.cpus & (self.taken - (mine or EMPTY)):
+            return rec._replace(cpus=(rec.cpus - self.taken) or self.pool)
+        return rec
+
+
+NONE = Overlay({}, EMPTY)
+
+
+def overlay(obs: Observation, topology: Topology) -> Overlay:
+    """The allocations as the plan of ``obs`` sees them: none under a static checkpoint
+    (kubelet's pool and entries rule there), else every granted one on online CPUs."""
+    if obs.shared_pool is not None or kubelet_allocates(obs.checkpoint):
+        return NONE
+    granted = {
+        a.sandbox_id: a.cpus & topology.online
+        for a in obs.allocations
+        if a.cpus is not None and a.cpus & topology.online
+    }
+    return Overlay(granted, topology.online) if granted else NONE
+
+
+def recorded(store: Store) -> tuple[Allocation, ...]:
+    """The allocations table as the store holds it (read again only when the store moved)."""
+    key = (id(store), store.version())
+    if _READ and _READ[0][0] == key:
+        return _READ[0][1]
+    rows = tuple(table.read(store.db))
+    _READ[:] = [(key, rows)]
+    return rows
+
+
+_READ: list[tuple[tuple[int, tuple[int, int]], tuple[Allocation, ...]]] = []
+
+
+def notes(obs: Observation) -> list[str]:
+    """``audit``'s notes: each pod waiting for exclusive CPUs and why; each allocation."""
+    out = []
+    for a in obs.allocations:
+        pod = f"sandbox {a.sandbox_id}"
+        pod = f"pod {a.pod_uid} ({pod})" if a.pod_uid else pod
+        if a.reason:
+            out.append(f"exclusive CPUs refused for {pod}: {a.reason}; it runs on the shared pool"
+                       " until CPUs free up")  # fmt: skip
+        elif a.cpus is not None:
+            out.append(f"{pod} holds CPUs {a.cpus} exclusively ({a.via}, allocated by vmpin)")
+    return out
+
