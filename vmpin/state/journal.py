@@ -333,12 +333,16 @@ def sweep_tmp(state_dir: str, now_ns: int | None = None) -> int:
     stamp ahead of the clock is from an earlier boot (a state dir on a disk).
     """
     d = journal_dir(state_dir)
-    now_ns = time.monotonic_ns() if now_ns is None else now_ns
     removed = 0
     try:
         names = [n for n in os.listdir(d) if n.startswith(".") and n.endswith(".tmp")]
     except OSError:
         return 0
+    # The clock is read after the listing: a file listed was made, and its stamp taken,
+    # before it.  Read before, a hook that named its file in between had a stamp "ahead of
+    # the clock", taken for an earlier boot's, and its live file was swept from under it
+    # ("event not recorded: No such file or directory"; seen with 50 hooks at once, issue 30).
+    now_ns = time.monotonic_ns() if now_ns is None else now_ns
     for n in names:
         # None: not a name append() makes, not ours to remove; False: maybe a live hook's
         if not stale_stamp(n[1:].split("-", 1)[0], TMP_MAX_AGE, now_ns):
