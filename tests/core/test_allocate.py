@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.conftest import FIXTURES
-from vmpin.core.allocate import Options, Refusal, allocate, take_by_topology
+from vmpin.core.allocate import Options, Refusal, allocate, reserved_cpus, take_by_topology
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.topology import CpuInfo, Topology
 from vmpin.linux.sysfs import read_topology
@@ -122,18 +122,40 @@ def test_fixture_machines(case: Case) -> None:
 
 def test_pool_keeps_one_cpu() -> None:
     topo = load("no-smt-server")
-    assert allocate(topo, P("0-15"), 15) == P("0-14")
-    refused = allocate(topo, P("0-15"), 16)
+    none = Options(reserved=CpuSet())
+    assert allocate(topo, P("0-15"), 15, none) == P("0-14")
+    refused = allocate(topo, P("0-15"), 16, none)
     assert isinstance(refused, Refusal) and "keeps at least 1" in str(refused)
     # CPUs held by nobody but not offered (reserved) count for the pool
     assert allocate(topo, P("1-15"), 15, Options(reserved=P("0"))) == P("1-15")
-    refused = allocate(topo, P("1-5"), 6)
+    refused = allocate(topo, P("1-5"), 6, none)
     assert isinstance(refused, Refusal) and "6 exclusive CPUs, 5 free (1-5)" in str(refused)
 
 
 def test_reserved_cpus_are_never_allocated() -> None:
     got = allocate(SINGLE_SOCKET_HT, P("0-7"), 2, Options(reserved=P("0,4")))
     assert got == P("1,5")
+
+
+@pytest.mark.parametrize(
+    ("machine", "keep", "reserved", "two"),
+    [
+        # as kubelet reserves a CPU count: its own order over every CPU, so CPU 0 (and on
+        # SMT machines the next exclusive pick avoids CPU 0's core, as kubelet's does)
+        ("xeon-gold-6258r-2s", 1, "0", "1,57"),
+        ("xeon-gold-6258r-2s", 2, "0,56", "1,57"),
+        ("no-smt-server", 1, "0", "1-2"),
+        ("offline-isolated", 1, "2", "0,4"),
+    ],
+)
+def test_default_reserved_is_kubelets_pick(
+    machine: str, keep: int, reserved: str, two: str
+) -> None:
+    topo = load(machine)
+    assert reserved_cpus(topo, Options(keep=keep)) == P(reserved)
+    assert allocate(topo, topo.online, 2, Options(keep=keep)) == P(two)
+    refused = allocate(topo, P(reserved), 1, Options(keep=keep))
+    assert isinstance(refused, Refusal) and f"CPUs {P(reserved)} are reserved" in str(refused)
 
 
 def test_full_pcpus_only() -> None:
@@ -146,9 +168,10 @@ def test_full_pcpus_only() -> None:
     refused = allocate(SINGLE_SOCKET_HT, P("0-3"), 2, Options(full_pcpus_only=True))
     assert isinstance(refused, Refusal) and "whole cores" in str(refused)
     # without the option kubelet's order takes threads of split cores
-    assert allocate(SINGLE_SOCKET_HT, P("0-3"), 2) == P("0,1")
+    assert allocate(SINGLE_SOCKET_HT, P("0-3"), 2) == P("1,2")  # (0: reserved)
     # no SMT: every count is whole cores
-    assert allocate(load("no-smt-server"), P("0-15"), 3, Options(full_pcpus_only=True)) == P("0-2")
+    no_smt = load("no-smt-server")
+    assert allocate(no_smt, P("0-15"), 3, Options(full_pcpus_only=True)) == P("1-3")
 
 
 def test_count_below_one_is_refused() -> None:

@@ -13,6 +13,7 @@ import pytest
 from tests.support.kubeserver import KubeServer, serving
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import Policy
+from vmpin.reconcile.allocations import REFUSED
 from vmpin.reconcile.reconciler import SandboxReport, ThreadReport
 from vmpin.runtimes import kubeapi
 from vmpin.service.kube import KubeLink
@@ -101,6 +102,23 @@ def test_passes_become_events_and_a_valid_report(link: Link) -> None:
     link.link.forget_sandbox(s)
     link.flush()
     assert link.server.pinnings[link.node]["status"]["sandboxCount"] == 0
+
+
+def test_refused_allocation_is_a_warning_event(link: Link) -> None:
+    """A pod vmpin could not give its exclusive CPUs (issue 30) hears why, as a Warning
+    (validated by the test server as events.k8s.io/v1); repeats are counted, not resent."""
+    s = "al-" + uuid.uuid4().hex[:6]
+    r = report(s, mode="float", reason="the shared pool")
+    r.notes = [f"{REFUSED}: vmpin.io/exclusive-cpus=1: needs 1 exclusive CPUs, 0 free; it"
+               " runs on the shared pool until CPUs free up"]  # fmt: skip
+    link.link.after_pass(rec(s), r, drift=False)
+    link.link.after_pass(rec(s), r, drift=False)
+    link.flush()
+    assert link.reasons()["AllocationRefused"][0] == "Warning"
+    with link.server.cond:
+        (ev,) = [e for e in link.server.events.values() if e["reason"] == "AllocationRefused"]
+    assert "needs 1 exclusive CPUs" in ev["note"] and ev["action"] == "Allocate"
+    assert link.server.rejected == []
 
 
 def test_runc_containers_in_the_report(link: Link) -> None:

@@ -28,7 +28,10 @@ Options (kubelet's static-policy options that bear on the choice):
 
 - ``full_pcpus_only``: whole cores only -- a count that is not a multiple of the threads per
   core, or more whole cores than are free, is refused (kubelet's SMTAlignmentError);
-- ``reserved``: kubelet's ``reservedSystemCPUs``: never allocated, they stay in the pool;
+- ``reserved``: kubelet's reserved CPUs (``reservedSystemCPUs``): never allocated, they stay
+  in the pool.  Not given, they are what kubelet reserves when only a CPU count is reserved:
+  the first ``keep`` CPUs in this same order over every online CPU (CPU 0 on most machines);
+  ``EMPTY`` reserves none;
 - ``keep``: CPUs the shared pool keeps at the least (kubelet's pool never goes empty: 1).
 """
 
@@ -57,9 +60,18 @@ class Refusal(NamedTuple):
 
 class Options(NamedTuple):
     full_pcpus_only: bool = False
-    reserved: CpuSet = EMPTY
+    #: None: the first ``keep`` CPUs in kubelet's order (:func:`reserved_cpus`)
+    reserved: CpuSet | None = None
     #: CPUs the shared pool keeps, at the least
     keep: int = 1
+
+
+def reserved_cpus(topology: Topology, options: Options) -> CpuSet:
+    """The CPUs never allocated: the option's, or kubelet's choice for ``keep`` CPUs."""
+    if options.reserved is not None:
+        return options.reserved & topology.online
+    got = take_by_topology(topology, topology.online, max(0, options.keep))
+    return got if isinstance(got, CpuSet) else EMPTY
 
 
 def allocate(
@@ -77,12 +89,14 @@ def allocate(
     if count < 1:
         return Refusal(f"asks for {count} CPUs: nothing to allocate")
     free = free & topology.online
-    offered = free - options.reserved
-    pool_after = len(free | pool_floor | (options.reserved & topology.online)) - count
+    reserved = reserved_cpus(topology, options)
+    offered = free - reserved
+    pool_after = len(free | pool_floor | reserved) - count
     if count > len(offered):
         return Refusal(
             f"needs {count} exclusive CPUs, {len(offered)} free"
             + (f" ({offered})" if offered else "")
+            + (f"; CPUs {reserved} are reserved for the shared pool" if reserved else "")
         )
     if pool_after < options.keep:
         return Refusal(
@@ -116,7 +130,7 @@ def take_by_topology(
                 if acc.done:
                     return acc.result
     for core in acc.free_cores():
-        if acc.needs(len(core)):
+        if acc.needs(topology.threads_per_core):
             acc.take(core)
             if acc.done:
                 return acc.result
@@ -196,7 +210,10 @@ class _Accumulator:
         return out
 
     def free_cores(self) -> list[CpuSet]:
-        return [cpus for cpus in self._core_order() if cpus <= self.free]
+        """Whole free cores: every thread a core of this machine has (kubelet's
+        CPUsPerCore), all free; a core whose sibling is offline is not whole."""
+        tpc = self.topo.threads_per_core
+        return [cpus for cpus in self._core_order() if cpus <= self.free and len(cpus) == tpc]
 
     def packed_cpus(self) -> Iterable[int]:
         for core in self._core_order():

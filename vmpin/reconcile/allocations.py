@@ -23,6 +23,11 @@ Two steps, on either side of the pass's observe (vmpin.reconcile.reconciler):
   (``audit``'s foreign-on-exclusive); a container of another pod whose own CPU set reaches
   into an allocation keeps what is left of it, or the pool.
 
+Once vmpin has granted CPUs on a node it keeps the node's pool from then on (a row
+:data:`NODE_ROW` in the table says so): when the last allocation goes, the pool is every
+online CPU again and the containers and sandboxes that were shrunk to it grow back, rather
+than being left on the last pool when nothing is allocated any more.
+
 A request that cannot be met (not enough free CPUs, the pool would be left empty, no integer
 CPU limit to count) waits in the table with its reason: the pod runs on the shared pool,
 ``audit`` says why in its notes (:func:`notes`), the agent emits an ``AllocationRefused``
@@ -52,6 +57,8 @@ if TYPE_CHECKING:
 
 #: a container's ``cpus_source`` when its CPU set is its pod's allocation
 SOURCE = "vmpin-alloc"
+#: the table's row that says vmpin has allocated on this node (no sandbox has this id)
+NODE_ROW = ""
 
 
 def kubelet_allocates(checkpoint: Checkpoint | None) -> bool:
@@ -76,7 +83,8 @@ def settle(
     asks = any(
         exclusive_request(r.annotations) is not None for r in (*oci.values(), *api.values())
     )
-    if not asks and not table.present(store.state_dir) and not table.read(store.db):
+    held = any(a.sandbox_id != NODE_ROW for a in table.read(store.db))
+    if not asks and not held and not table.present(store.state_dir):
         _SETTLED[id(store)] = store.version()
         return False
     with store.transaction() as db:
@@ -94,7 +102,7 @@ def settle(
         changed = [r for r in rows if old.get(r.sandbox_id) != r]
         if changed or gone:
             table.write(db, changed, gone)
-    table.mark(store.state_dir, rows)
+    table.mark(store.state_dir, [r for r in rows if r.sandbox_id != NODE_ROW])
     _SETTLED[id(store)] = store.version()
     return bool(changed or gone)
 
@@ -135,6 +143,8 @@ def decide(
             count = sum(whole) if whole else None
         wanted[sid] = (uid, count, req.via)
     old = {a.sandbox_id: a for a in before}
+    node = old.pop(NODE_ROW, None)
+    before = [a for a in before if a.sandbox_id != NODE_ROW]
     gone = [sid for sid in old if sid not in wanted]
     held = {sid: a.cpus for sid, a in old.items() if sid in wanted and a.cpus}
     taken = CpuSet.union_all(held.values())
@@ -164,20 +174,31 @@ def decide(
         if new != old.get(sid):
             new = new._replace(updated_at=now)
         rows[sid] = new
-    return list(rows.values()), gone
+    if node is None and any(a.cpus for a in rows.values()):
+        said = "vmpin allocates on this node"
+        node = Allocation(NODE_ROW, None, None, None, said, None, now, now)
+    return ([node] if node is not None else []) + list(rows.values()), gone
 
 
 # -- the plan's view ------------------------------------------------------------------------------
 class Overlay:
     """What the allocations mean to one plan (:func:`overlay`)."""
 
-    __slots__ = ("by_sandbox", "owner", "pool", "taken")
+    __slots__ = ("by_sandbox", "notes", "owner", "pool", "taken")
 
-    def __init__(self, by_sandbox: Mapping[str, CpuSet], online: CpuSet) -> None:
+    def __init__(
+        self,
+        by_sandbox: Mapping[str, CpuSet],
+        online: CpuSet,
+        allocating: bool = True,
+        notes: Mapping[str, str] | None = None,
+    ) -> None:
         self.by_sandbox = by_sandbox
+        #: sandbox -> what its allocation is, or why it waits (``show``, Events)
+        self.notes = notes or {}
         self.taken = CpuSet.union_all(by_sandbox.values())
-        #: the shared pool they leave (None: nothing allocated, the plan is as before)
-        self.pool = (online - self.taken) if self.taken else None
+        #: the shared pool they leave (None: vmpin never allocated here, the plan is as before)
+        self.pool = (online - self.taken) if allocating else None
         #: CPU -> the sandbox that holds it
         self.owner = {cpu: sid for sid, cpus in by_sandbox.items() for cpu in cpus}
 
@@ -194,20 +215,24 @@ class Overlay:
         return rec
 
 
-NONE = Overlay({}, EMPTY)
+NONE = Overlay({}, EMPTY, allocating=False)
 
 
 def overlay(obs: Observation, topology: Topology) -> Overlay:
     """The allocations as the plan of ``obs`` sees them: none under a static checkpoint
     (kubelet's pool and entries rule there), else every granted one on online CPUs."""
+    said = {a.sandbox_id: _note(a) for a in obs.allocations if a.sandbox_id != NODE_ROW}
     if obs.shared_pool is not None or kubelet_allocates(obs.checkpoint):
-        return NONE
+        return Overlay({}, EMPTY, False, said) if said else NONE
     granted = {
         a.sandbox_id: a.cpus & topology.online
         for a in obs.allocations
         if a.cpus is not None and a.cpus & topology.online
     }
-    return Overlay(granted, topology.online) if granted else NONE
+    allocating = bool(granted) or any(a.sandbox_id == NODE_ROW for a in obs.allocations)
+    if not allocating:
+        return Overlay({}, EMPTY, False, said) if said else NONE
+    return Overlay(granted, topology.online, True, said)
 
 
 def recorded(store: Store) -> tuple[Allocation, ...]:
@@ -223,16 +248,30 @@ def recorded(store: Store) -> tuple[Allocation, ...]:
 _READ: list[tuple[tuple[int, tuple[int, int]], tuple[Allocation, ...]]] = []
 
 
+#: how a sandbox's note starts when its request waits (the agent's AllocationRefused Event)
+REFUSED = "exclusive CPUs refused"
+
+
+def _note(a: Allocation) -> str:
+    if a.reason:
+        return f"{REFUSED}: {a.reason}; it runs on the shared pool until CPUs free up"
+    if a.cpus is not None:
+        return f"holds CPUs {a.cpus} exclusively ({a.via}, allocated by vmpin)"
+    return f"{a.via}: waiting"  # (not written: a row waits with its reason)
+
+
 def notes(obs: Observation) -> list[str]:
     """``audit``'s notes: each pod waiting for exclusive CPUs and why; each allocation."""
     out = []
     for a in obs.allocations:
+        if a.sandbox_id == NODE_ROW:
+            continue
         pod = f"sandbox {a.sandbox_id}"
         pod = f"pod {a.pod_uid} ({pod})" if a.pod_uid else pod
-        if a.reason:
-            out.append(f"exclusive CPUs refused for {pod}: {a.reason}; it runs on the shared pool"
-                       " until CPUs free up")  # fmt: skip
-        elif a.cpus is not None:
-            out.append(f"{pod} holds CPUs {a.cpus} exclusively ({a.via}, allocated by vmpin)")
+        note = _note(a)
+        if note.startswith(REFUSED):
+            out.append(f"{REFUSED} for {pod}{note[len(REFUSED):]}")
+        else:
+            out.append(f"{pod} {note}")
     return out
 

@@ -400,6 +400,10 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
         if p.id in kept_off else p
         for p in plans
     ]
+    plans = [  # what vmpin allocated to each pod, or why it waits (issue 30)
+        _replace(p, notes=(*p.notes, note)) if (note := alloc.notes.get(p.id)) else p
+        for p in plans
+    ]
     problems = check_node(plans, exclusive, pods)
     return NodePlan(
         tuple(plans),

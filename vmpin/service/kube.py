@@ -10,7 +10,8 @@ hence the ``kubernetes`` client (335 ms, 35 MB of RSS here).  It owns:
   re-plan lands well within a second; annotations it cannot use become a log line and a
   ``BadAnnotation`` Event, and the node default applies to that setting;
 - turning each sandbox pass into Events (``Pinned``, ``Repinned``, ``DriftRepaired``,
-  ``Conflict``, ``CouldNotPin``, ``BadAnnotation``; aggregated by :class:`EventRecorder`);
+  ``Conflict``, ``CouldNotPin``, ``BadAnnotation``, ``AllocationRefused``; aggregated by
+  :class:`EventRecorder`);
 - the NodePinning status built from the passes (:class:`NodeReport` rate-limits its writes).
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import exclusive_cpus
 from vmpin.core.podpolicy import is_policy_key, parse
+from vmpin.reconcile.allocations import REFUSED
 from vmpin.reconcile.reconciler import SandboxReport
 from vmpin.runtimes import kubeapi
 from vmpin.runtimes.kubeapi import EventRecorder, NodeReport, Pod, PodRef, PodWatch, Publisher
@@ -177,6 +179,10 @@ class KubeLink:
                                    action="Pin")
             if conflicts:
                 self.events.record(ref, "Conflict", conflicts[0], type="Warning", action="Plan")
+            for note in r.notes:  # vmpin could not allocate the CPUs the pod asks for
+                if note.startswith(REFUSED):
+                    self.events.record(ref, "AllocationRefused", note, type="Warning",
+                                       action="Allocate")
             if pinned or cgroups:
                 n = len(pinned) + cgroups
                 if drift:
