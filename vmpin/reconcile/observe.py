@@ -31,6 +31,7 @@ from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.core.planner import Policy
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.podpolicies import PodPolicies
 from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 TYPE_CHECKING = False
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from dataclasses import dataclass, field
 
     from vmpin.linux.cgroups import CgroupRef
-    from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
     from vmpin.state.store import PolicyRecord
@@ -336,8 +336,6 @@ class Observer:
     # -- the node ----------------------------------------------------------------------------
     def observe(self, store: Store, scope: Scope = FULL) -> Observation:
         """The node as the host and the store show it now (``scope``: see :class:`Scope`)."""
-        from vmpin.reconcile.podpolicies import PodPolicies
-
         checkpoint, cp_error = self.checkpoint()
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
         recorded, sandboxes, (oci, api) = self._read_store(store, scope)
@@ -372,6 +370,26 @@ class Observer:
         if scope is FULL:
             self._last = {s.id: s for s in out}
         return Observation(tuple(out), checkpoint, cp_error, originals, scope, kata)
+
+    def observe_plain(self, store: Store, sandbox_id: str) -> Observation | None:
+        """One plain (runc) sandbox alone, read through the store's indexes: for a pass that
+        changes nothing but its cgroups (``Reconciler.reconcile_plain``), whose cost must not
+        grow with the node (issue 26).  None when the sandbox is not a tracked runc one.
+
+        Its plan is the node plan's for it (a runc container's desired set is its own or the
+        shared pool, whatever the others do); the observation leaves every other sandbox out,
+        so it is never to be planned for anything else, and it records no originals (apply
+        then deletes none)."""
+        rec = store.sandbox(sandbox_id)
+        if rec is None or rec.runtime != "runc":
+            return None
+        checkpoint, cp_error = self.checkpoint()
+        recorded = _Recorded({sandbox_id: store.containers(sandbox_id)}, {}, {}, {})
+        # (a runc sandbox's plan takes nothing from its pod's policy)
+        s = self._sandbox(recorded, PodPolicies(self.policy, {}, {}), rec, checkpoint)
+        if s.runtime != "runc":
+            return None  # it has a VM dir now: Kata's, planned with the node
+        return Observation((s,), checkpoint, cp_error)
 
     def _read_store(
         self, store: Store, scope: Scope
