@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import os
 
+from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import StateError, VmpinError
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
@@ -36,13 +37,13 @@ from vmpin.state.store import SandboxRec, Store
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Container
     from typing import Any
 
-    from vmpin.core.cpuset import CpuSet
     from vmpin.core.planner import Policy
     from vmpin.core.topology import Topology
     from vmpin.linux.affinity import AffinityBackend
+    from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.observe import Observation, Observer, Scope
     from vmpin.reconcile.plan import NodePlan
     from vmpin.reconcile.sources import DomainSource
@@ -183,14 +184,22 @@ class Reconciler:
         return self._observer
 
     # -- the pass ------------------------------------------------------------------------
-    def observe(self, scope: Scope | None = None) -> Observation:
-        """The node now; a read-only view may narrow it (``scope``, see observe.Scope)."""
+    def observe(
+        self, scope: Scope | None = None, fresh: Container[str] | None = None
+    ) -> Observation:
+        """The node now; a read-only view may narrow it (``scope``, see observe.Scope), an
+        event's pass read only the sandboxes it names afresh (``fresh``: Observer.observe)."""
         if scope is None:
-            return self.observer.observe(self.store)
-        return self.observer.observe(self.store, scope)
+            return self.observer.observe(self.store, fresh=fresh)
+        return self.observer.observe(self.store, scope, fresh)
 
-    def plan(self, obs: Observation | None = None, scope: Scope | None = None) -> NodePlan:
-        """The node's plan (of ``obs``, or of a fresh observation within ``scope``)."""
+    def plan(
+        self,
+        obs: Observation | None = None,
+        scope: Scope | None = None,
+        fresh: Container[str] | None = None,
+    ) -> NodePlan:
+        """The node's plan (of ``obs``, or of a new observation within ``scope``/``fresh``)."""
         from vmpin.reconcile.plan import plan_node
 
         with _GcPaused():
@@ -200,7 +209,7 @@ class Reconciler:
                 # hardly stand, and the old one is not to be kept while the node is observed
                 # anew (three nodes' worth in memory at once: the agent's RSS peak).
                 self._plan_memo = self.last_plan = None
-            obs = obs if obs is not None else self.observe(scope)
+            obs = obs if obs is not None else self.observe(scope, fresh)
             topology, float_policy = self.topology, self.float_policy
             memo = self._plan_memo
             if (
@@ -228,12 +237,15 @@ class Reconciler:
         *,
         apply: bool = True,
         scope: Scope | None = None,
+        fresh: Container[str] | None = None,
     ) -> list[SandboxReport]:
         """One node-wide pass; the reports of ``sandbox_ids`` (default: every tracked one).
 
         With ``apply``, pending journal events are applied first and the whole node is
         brought into line, whichever sandboxes are asked about.  Without, a view may narrow
         what is observed (``scope``, e.g. only the threads of the sandboxes it reports).
+        ``fresh`` (an event's pass): the host is read for these sandboxes, and for those
+        whose records changed; the others are planned as last observed (Observer.observe).
         """
         if apply and scope is not None:
             raise ValueError("a pass that applies observes the whole node")
@@ -242,7 +254,7 @@ class Reconciler:
                 return self._reconcile(sandbox_ids, apply, scope)
             held = self._lock()
             try:
-                return self._applying(sandbox_ids, held)
+                return self._applying(sandbox_ids, held, fresh)
             finally:
                 self._unlock()
 
@@ -270,7 +282,9 @@ class Reconciler:
         if self._node_lock is not None:
             self._node_lock.release()
 
-    def _applying(self, sandbox_ids: list[str] | None, held: bool) -> list[SandboxReport]:
+    def _applying(
+        self, sandbox_ids: list[str] | None, held: bool, fresh: Container[str] | None = None
+    ) -> list[SandboxReport]:
         """One pass that applies; planned again while it may have applied an older plan
         than another process did (see the module's docstring), or while a plain container's
         event it did not plan with is one its node summary would not let a hook pass."""
@@ -280,7 +294,7 @@ class Reconciler:
             for attempt in range(REPLANS + 1):
                 seen = store.data_version()
                 inputs = self._summary_inputs() if held else None
-                reports = self._reconcile(sandbox_ids, True, again=attempt > 0)
+                reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
                 if held and lock is not None and inputs is not None:
                     # nobody went on without the lock while this pass held it: nothing
                     # applied since this pass observed the node but by this pass
@@ -296,6 +310,23 @@ class Reconciler:
                 # every plain hook beside a VM re-plans until the next pass writes one)
                 self._forget_summary()
         return reports
+
+    def _note_applied(self, applied: Applied) -> None:
+        """What the pass wrote and read back, into the observation an event's pass may give
+        again (Observer.note_applied)."""
+        threads = {
+            key: o.actual
+            for key, o in applied.threads.items()
+            if o.action == "pinned" and o.actual is not None
+        }
+        cgroups = {
+            (sid, d["container"]): CpuSet.parse(d["desired"])
+            for sid, drifts in applied.cgroups.items()
+            for d in drifts
+            if d.get("repaired")
+        }
+        if threads or cgroups:
+            self.observer.note_applied(threads, cgroups)
 
     # -- the node summary (vmpin.state.summary) ------------------------------------------------
     def _summary_inputs(self) -> tuple[list[str], str, str]:
@@ -353,6 +384,7 @@ class Reconciler:
         apply: bool,
         scope: Scope | None = None,
         again: bool = False,
+        fresh: Container[str] | None = None,
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import sandbox_report
 
@@ -364,7 +396,7 @@ class Reconciler:
             except StateError:
                 if not again:
                     raise
-        plan = self.plan(scope=scope)
+        plan = self.plan(scope=scope, fresh=fresh)
         applied = None
         if apply:
             from vmpin.reconcile.apply import Applier
@@ -377,6 +409,7 @@ class Reconciler:
                 maps_later=self.maps_later,
                 hold=self.held_maps,
             ).apply(self.store, plan)
+            self._note_applied(applied)
         conflicts: dict[str, list[dict[str, Any]]] = {}
         for c in plan.conflicts:
             entry = {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
