@@ -39,7 +39,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vmpin.core.errors import VmpinError
-from vmpin.guest.program import GuestError, read_map
+from vmpin.guest.common import GuestError
+from vmpin.guest.inputs import read_map
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes import publish, runcstate
 from vmpin.runtimes.kubelet import read_checkpoint

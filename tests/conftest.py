@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import capabilities
-from tests.support.session import Swept, sweep
+from tests.support.session import Swept, sweep, vmpin_env
 from vmpin.linux.paths import HostPaths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,23 +81,7 @@ def paths(state_dir: Path, vm_dir: Path, tmp_path: Path) -> HostPaths:
 @pytest.fixture
 def env(paths: HostPaths) -> dict[str, str]:
     """Environment for a vmpin subprocess that uses this test's paths."""
-    e = dict(os.environ)
-    e.update(
-        VMPIN_STATE_DIR=paths.state_dir,
-        VMPIN_VM_DIR=paths.vm_dir,
-        VMPIN_RUNC_ROOT=paths.runc_root,
-        VMPIN_KUBELET_STATE=paths.kubelet_state,
-        VMPIN_PUBLISH_DIR=paths.publish_dir,
-        VMPIN_KATA_CONFIG=paths.kata_config,
-        # no Kubernetes API unless a test brings its own (tests/support/kubeserver.py)
-        KUBECONFIG=str(Path(paths.state_dir) / "no-kubeconfig"),
-        # Domains on this host's libvirtd (another test's, another engineer's) are not this
-        # test's sandboxes; the libvirt tests turn it back on for themselves.
-        VMPIN_LIBVIRT="none",
-    )
-    for key in ("KUBERNETES_SERVICE_HOST", "VMPIN_KUBECONFIG"):
-        e.pop(key, None)
-    return e
+    return vmpin_env(paths)
 
 
 @pytest.fixture

@@ -647,7 +647,7 @@ def guest_hook(
     Options (--strict, --verbose, --widen-parents, --wait, --map): `vmpin guest hook -h`;
     the channel is described in docs/guest.md.
     """
-    from vmpin.guest.program import main as guest_main
+    from vmpin.guest.hook import main as guest_main
 
     raise typer.Exit(guest_main([stage]))
 
@@ -664,7 +664,7 @@ def guest_follow(
     Reached here only for --help (vmpin.entry runs it without typer); all options
     (--strict, --verbose, --map, --state, ...): `vmpin guest follow -h`; docs/guest.md.
     """
-    from vmpin.guest.program import follow_main
+    from vmpin.guest.follower import follow_main
 
     raise typer.Exit(follow_main([*(["--once"] if once else []), "--interval", str(interval)]))
 

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 save(cache)  # (after a miss only; never raises: not a container start's end)
             return code
         if rest[:2] == ["guest", "hook"] and "--help" not in rest:
-            from vmpin.guest.program import main as guest_main
+            from vmpin.guest.hook import main as guest_main
 
             _hook_ran = True
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             return guest_code
         if rest[:2] == ["guest", "follow"] and "--help" not in rest:
             # The in-guest follower: as lean as the guest hook (a small guest image).
-            from vmpin.guest.program import follow_main
+            from vmpin.guest.follower import follow_main
 
             _hook_ran = True
 

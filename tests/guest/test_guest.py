@@ -1,4 +1,4 @@
-"""The guest side (vmpin.guest.program), run for real: a runc container stands in for the guest's.
+"""The guest side (vmpin.guest), run for real: a runc container stands in for the guest's.
 
 Inside a Kata VM the agent runs ``vmpin guest hook STAGE`` with the container's OCI state on
 stdin; here runc plays the agent (a container started without any CPU set, so on every CPU,
@@ -32,9 +32,13 @@ import pytest
 from tests.conftest import vmpin_cmd
 from tests.support import capabilities, runc_util
 from tests.support.runc_util import RuncSession, new_id
-from vmpin.guest import bundle
-from vmpin.guest import program as guest
+from vmpin.guest import bundle, follower
+from vmpin.guest.common import GuestError, format_cpus, parse_cpus
+from vmpin.guest.inputs import lookup, read_map
+from vmpin.guest.options import DEFAULT_GUEST_STATE, DEFAULT_INTERVAL, parse_args, parse_follow_args
+from vmpin.guest.records import start_time
 from vmpin.linux.paths import HostPaths
+from vmpin.wire.guestmap import DEFAULT_GUEST_MAP
 
 REPO = Path(__file__).resolve().parents[2]
 CPUSET = Path("/sys/fs/cgroup/cpuset")
@@ -206,56 +210,77 @@ def plain_process() -> Iterator[tuple[int, int]]:
     [("", set()), ("0", {0}), ("0-3,8", {0, 1, 2, 3, 8}), (" 1\n", {1}), ("2-2", {2})],
 )
 def test_parse_cpus(text: str, cpus: set[int]) -> None:
-    assert guest.parse_cpus(text) == frozenset(cpus)
+    assert parse_cpus(text) == frozenset(cpus)
 
 
 @pytest.mark.parametrize("bad", ["0,", ",3", "1-", "3-0", "0--3", "-1", "a", "0x3", "1 2"])
 def test_parse_cpus_rejects(bad: str) -> None:
-    with pytest.raises(guest.GuestError):
-        guest.parse_cpus(bad)
+    with pytest.raises(GuestError):
+        parse_cpus(bad)
 
 
 @pytest.mark.parametrize("bad", ["99999", "0-8192", "8192"])
 def test_guest_caps_cpus_like_the_host(bad: str, tmp_path: Path) -> None:
     """The guest parses CPU lists with the host's parser: no CPU past vmpin.core.cpuset's cap
     (the guest's old copy accepted 99999)."""
-    with pytest.raises(guest.GuestError):
-        guest.parse_cpus(bad)
-    m = guest.read_map(str(write_map(tmp_path / "m.json", {"c": bad, "ok": "1"})))
-    with pytest.raises(guest.GuestError, match="entry of c"):
-        guest.lookup(m, "c")
-    ok = guest.lookup(m, "ok")  # one bad entry is an error against its container only
+    with pytest.raises(GuestError):
+        parse_cpus(bad)
+    m = read_map(str(write_map(tmp_path / "m.json", {"c": bad, "ok": "1"})))
+    with pytest.raises(GuestError, match="entry of c"):
+        lookup(m, "c")
+    ok = lookup(m, "ok")  # one bad entry is an error against its container only
     assert ok is not None and ok.guest_cpus == frozenset({1})
 
 
 def test_format_cpus() -> None:
-    assert guest.format_cpus(frozenset({0, 1, 2, 5, 7, 8})) == "0-2,5,7-8"
-    assert guest.format_cpus(frozenset()) == ""
+    assert format_cpus(frozenset({0, 1, 2, 5, 7, 8})) == "0-2,5,7-8"
+    assert format_cpus(frozenset()) == ""
 
 
 def test_read_map_and_lookup(tmp_path: Path) -> None:
-    m = guest.read_map(str(write_map(tmp_path / "m.json", {"c": "1-2"}, future_key=1)))
-    e = guest.lookup(m, "c")
+    m = read_map(str(write_map(tmp_path / "m.json", {"c": "1-2"}, future_key=1)))
+    e = lookup(m, "c")
     assert e is not None and e.guest_cpus == frozenset({1, 2}) and e.exact
-    assert guest.lookup(m, "other") is None
+    assert lookup(m, "other") is None
 
 
 def test_parse_args_env_and_order() -> None:
     env = {"VMPIN_GUEST_MAP": "/m", "VMPIN_GUEST_PROC_ROOT": "/p", "VMPIN_GUEST_CGROUP_ROOT": "/c"}
-    o = guest.parse_args(["--strict", "prestart", "--wait=1.5", "-v"], env)
+    o = parse_args(["--strict", "prestart", "--wait=1.5", "-v"], env)
     assert (o.stage, o.strict, o.verbose, o.wait) == ("prestart", True, True, 1.5)
     assert (o.map_path, o.proc, o.cgroup_root) == ("/m", "/p", "/c")
-    o = guest.parse_args(["poststart", "--map", "/x", "--proc-root", "/q"], env)
+    o = parse_args(["poststart", "--map", "/x", "--proc-root", "/q"], env)
     assert (o.map_path, o.proc, o.cgroup_root) == ("/x", "/q", "/c")
-    d = guest.parse_args(["poststop"], {})
+    d = parse_args(["poststop"], {})
     assert (d.map_path, d.proc, d.cgroup_root) == (
-        guest.DEFAULT_GUEST_MAP,
+        DEFAULT_GUEST_MAP,
         "/proc",
         "/sys/fs/cgroup",
     )
 
 
 # -- lean and self-contained ------------------------------------------------------------------
+def assert_loads_what_the_zipapp_ships(mods: set[str], not_loaded: set[str]) -> None:
+    """``mods`` (a guest command's ``sys.modules``) holds nothing heavy, and of vmpin exactly
+    what the zipapp ships (its list is closed) but ``not_loaded``, plus the console entry
+    point.  The zipapp's own entry (vmpin.guest.program) is never loaded through the package;
+    the other command's module must not be either: each runs in a small guest, the hook at
+    every container start."""
+    for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
+        assert heavy not in mods
+    shipped = {
+        rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for rel in bundle.GUEST_MODULES
+    }
+    assert not_loaded <= shipped
+    # (_shapes: precompiled record templates, used where present; the zipapp compiles them)
+    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.core._shapes"} == (
+        shipped - not_loaded - {"vmpin.guest.program"}
+    ) | {"vmpin.entry"}
+    assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",
+            "vmpin.wire.guestmap"} <= shipped
+
+
 def test_hook_path_imports_nothing_heavy() -> None:
     """What `vmpin guest hook` loads: no store/sqlite3, typer, pydantic, psutil, no vmpin core."""
     code = (
@@ -268,25 +293,14 @@ def test_hook_path_imports_nothing_heavy() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
-    mods = set(json.loads(out.stdout.splitlines()[-1]))
-    for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
-        assert heavy not in mods
-    # exactly the shared stdlib-only modules the zipapp ships (its list is closed), plus the
-    # console entry point
-    shipped = {
-        rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        for rel in bundle.GUEST_MODULES
-    }
-    # (_shapes: precompiled record templates, used where present; the zipapp compiles them)
-    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.core._shapes"} == shipped | {
-        "vmpin.entry"}
-    assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",
-            "vmpin.wire.guestmap"} <= shipped
+    assert_loads_what_the_zipapp_ships(
+        set(json.loads(out.stdout.splitlines()[-1])), not_loaded={"vmpin.guest.follower"}
+    )
 
 
 @needs_two_cpus
 def test_runs_as_a_single_copied_file(tmp_path: Path) -> None:
-    """guest.py alone (no vmpin package, no site-packages) pins a process: a guest image
+    """The zipapp alone (no vmpin package, no site-packages) pins a process: a guest image
     needs only python3 and this one file, called as kata-agent or the shipped wrapper does."""
     script = Path(bundle.build(str(tmp_path / "vmpin-guest.pyz")))
     m = write_map(tmp_path / "map.json", {"solo": "1"})
@@ -645,7 +659,7 @@ def test_end_to_end(
 
         vmpin("reconcile", "--once")
         published = shared / "vmpin" / "guest-map.json"
-        doc = guest.read_map(str(published))
+        doc = read_map(str(published))
         assert doc.sandbox == sid and doc.mode == "1:1" and doc.nvcpus == 2
         assert doc.vcpu_to_host == {"0": 0, "1": 1}
         first = os.stat(published)
@@ -653,8 +667,8 @@ def test_end_to_end(
         for cid, cpus in cids.items():
             gm = json.loads(vmpin("guest-map", cid, "--json").stdout)
             assert (gm["guest_cpus"], gm["host_cpus"], gm["exact"]) == (cpus, cpus, True)
-            entry = guest.lookup(doc, cid)
-            assert entry is not None and entry.guest_cpus == guest.parse_cpus(cpus)
+            entry = lookup(doc, cid)
+            assert entry is not None and entry.guest_cpus == parse_cpus(cpus)
             assert entry.exact
 
         # an idle pass does not rewrite the map
@@ -769,9 +783,9 @@ def publish_host_cpus(paths: HostPaths, sandbox: str, containers: Mapping[str, s
 def mapped(map_path: Path, cid: str) -> tuple[str, int]:
     """The container's guest vCPUs and entry generation as published (the planner decides
     which vCPU a host CPU is; on this machine they coincide, elsewhere they may not)."""
-    entry = guest.lookup(guest.read_map(str(map_path)), cid)
+    entry = lookup(read_map(str(map_path)), cid)
     assert entry is not None
-    return guest.format_cpus(entry.guest_cpus), entry.generation
+    return format_cpus(entry.guest_cpus), entry.generation
 
 
 def in_root_cpuset() -> bool:
@@ -952,7 +966,7 @@ def test_follow_loop_reads_the_map_only_when_something_changed(
     with plain_process() as (pid, _):
         assert hook({"id": "c", "pid": pid}, m).returncode == 0
         reads: list[str] = []
-        real_read_map = guest.read_map
+        real_read_map = read_map
 
         def counting_read_map(path: str) -> dict[str, object]:
             reads.append(path)
@@ -967,16 +981,16 @@ def test_follow_loop_reads_the_map_only_when_something_changed(
             if len(ticks) == 30:
                 os.kill(os.getpid(), signal.SIGTERM)  # handled by the follower: it stops
 
-        monkeypatch.setattr(guest, "read_map", counting_read_map)
-        monkeypatch.setattr(guest.time, "sleep", fake_sleep)
-        opts = guest.parse_follow_args(
+        monkeypatch.setattr(follower, "read_map", counting_read_map)
+        monkeypatch.setattr(follower.time, "sleep", fake_sleep)
+        opts = parse_follow_args(
             ["--interval", "0.05", "--verbose"],
             {"VMPIN_GUEST_MAP": str(m), "VMPIN_GUEST_STATE": str(guest_state)},
         )
         lines: list[str] = []
         saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            assert guest.follow(opts, lines.append) == 0
+            assert follower.follow(opts, lines.append) == 0
         finally:
             for s, handler in saved.items():
                 signal.signal(s, handler)
@@ -995,10 +1009,10 @@ def stat_line(pid: int, start: int) -> str:
 def test_start_time_reads_field_22(tmp_path: Path) -> None:
     (tmp_path / "7").mkdir()
     (tmp_path / "7" / "stat").write_text(stat_line(7, 4242))
-    assert guest.start_time(str(tmp_path), 7) == 4242
-    assert guest.start_time(str(tmp_path), 8) is None
+    assert start_time(str(tmp_path), 7) == 4242
+    assert start_time(str(tmp_path), 8) is None
     me = Path(f"/proc/{os.getpid()}/stat").read_text().rpartition(")")[2].split()[19]
-    assert guest.start_time("/proc", os.getpid()) == int(me)
+    assert start_time("/proc", os.getpid()) == int(me)
 
 
 def test_follow_failure_is_one_line_strict_exits_1_and_hook_keeps_what_held(
@@ -1134,18 +1148,18 @@ def test_follow_map_trouble_is_reported_when_something_is_recorded(
 
 def test_parse_follow_args_and_bad_usage(tmp_path: Path) -> None:
     env = {"VMPIN_GUEST_MAP": "/m", "VMPIN_GUEST_STATE": "/s"}
-    o = guest.parse_follow_args([], env)
+    o = parse_follow_args([], env)
     assert (o.once, o.interval, o.strict, o.map_path, o.state_dir) == (
         False,
-        guest.DEFAULT_INTERVAL,
+        DEFAULT_INTERVAL,
         False,
         "/m",
         "/s",
     )
-    o = guest.parse_follow_args(["--once", "--interval=0.5", "--state", "/t", "-v"], env)
+    o = parse_follow_args(["--once", "--interval=0.5", "--state", "/t", "-v"], env)
     assert (o.once, o.interval, o.state_dir, o.verbose) == (True, 0.5, "/t", True)
-    d = guest.parse_follow_args([], {})
-    assert (d.map_path, d.state_dir) == (guest.DEFAULT_GUEST_MAP, guest.DEFAULT_GUEST_STATE)
+    d = parse_follow_args([], {})
+    assert (d.map_path, d.state_dir) == (DEFAULT_GUEST_MAP, DEFAULT_GUEST_STATE)
     for bad in (["--interval", "0"], ["--interval", "soon"], ["--bogus"], ["extra"]):
         out = follow(tmp_path / "s", tmp_path / "m.json", *bad)
         assert out.returncode == 2
@@ -1173,24 +1187,12 @@ def test_follow_imports_nothing_heavy(tmp_path: Path) -> None:
     )
     rc, mods = json.loads(out.stdout.splitlines()[-1])
     assert rc == 0
-    for heavy in ("sqlite3", "typer", "click", "pydantic", "psutil", "kubernetes", "libvirt"):
-        assert heavy not in mods
-    # exactly the shared stdlib-only modules the zipapp ships (its list is closed), plus the
-    # console entry point
-    shipped = {
-        rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        for rel in bundle.GUEST_MODULES
-    }
-    # (_shapes: precompiled record templates, used where present; the zipapp compiles them)
-    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.core._shapes"} == shipped | {
-        "vmpin.entry"}
-    assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",
-            "vmpin.wire.guestmap"} <= shipped
+    assert_loads_what_the_zipapp_ships(set(mods), not_loaded={"vmpin.guest.hook"})
 
 
 @needs_two_cpus
 def test_follow_runs_from_the_single_copied_file(tmp_path: Path) -> None:
-    """guest.py alone (no package, no site-packages): hook, then `follow --once`, both ways
+    """The zipapp alone (no package, no site-packages): hook, then `follow --once`, both ways
     the file can be called."""
     script = Path(bundle.build(str(tmp_path / "vmpin-guest.pyz")))
     m = write_map(tmp_path / "map.json", {"solo": "1"})

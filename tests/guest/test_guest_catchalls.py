@@ -36,7 +36,8 @@ from tests.guest.test_guest import (
     wait_until,
     write_map,
 )
-from vmpin.guest import program as guest
+from vmpin.guest import follower, hook
+from vmpin.guest.options import parse_follow_args
 
 pytestmark = pytest.mark.multi_cpu  # maps name CPU 1; the processes start on every CPU
 
@@ -67,7 +68,7 @@ def run_hook(
     """``vmpin guest hook prestart ARGS`` in this process: (exit status, stderr lines)."""
     monkeypatch.setenv("VMPIN_GUEST_MAP", str(map_path))
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(state).encode())))
-    rc = guest.main(["prestart", *args])
+    rc = hook.main(["prestart", *args])
     out, err = capsys.readouterr()
     assert out == ""
     return rc, err.splitlines()
@@ -131,12 +132,12 @@ def test_follower_outlives_a_pass_that_blows_up(
             os.kill(os.getpid(), signal.SIGTERM)  # the follower's handler stops it
 
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    opts = guest.parse_follow_args(["--interval", "0.05"])
+    opts = parse_follow_args(["--interval", "0.05"])
     opts = opts._replace(map_path=str(m), state_dir=str(state_dir))
     helper = threading.Thread(target=drive)
     helper.start()
     try:
-        rc = guest.follow(opts, said.append)
+        rc = follower.follow(opts, said.append)
     finally:
         helper.join(30)
         signal.signal(signal.SIGTERM, old_term)

@@ -3,7 +3,7 @@ on change.
 
 Every test writes a real file under a temporary publish dir laid out like Kata's
 ``/run/kata-containers/shared/sandboxes/<sandbox>/mounts/``, and reads it back with the
-guest's own reader (vmpin.guest.program), the contract's other half.
+guest's own reader (vmpin.guest.inputs), the contract's other half.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from vmpin.core.errors import HostError, IdError
 from vmpin.core.guestmap import map_sandbox
 from vmpin.core.planner import Thread, plan_sandbox
 from vmpin.core.topology import Topology
-from vmpin.guest import program as guest
+from vmpin.guest.inputs import lookup, read_map
 from vmpin.linux.paths import HostPaths
 from vmpin.linux.sysfs import read_topology
 from vmpin.runtimes import publish
 from vmpin.state.locks import NodeLock
+from vmpin.wire.guestmap import DEFAULT_GUEST_MAP
 
 SID = "sb-1"
 
@@ -64,8 +65,8 @@ def test_default_location_is_kata_shared_dir(paths: HostPaths) -> None:
     )
     assert HostPaths().publish_dir == "/run/kata-containers/shared/sandboxes"
     # ... which the guest sees under its shared containers dir
-    assert publish.guest_path() == guest.DEFAULT_GUEST_MAP
-    assert guest.DEFAULT_GUEST_MAP == "/run/kata-containers/shared/containers/vmpin/guest-map.json"
+    assert publish.guest_path() == DEFAULT_GUEST_MAP
+    assert DEFAULT_GUEST_MAP == "/run/kata-containers/shared/containers/vmpin/guest-map.json"
 
 
 def test_content(paths: HostPaths, shared: Path) -> None:
@@ -96,12 +97,12 @@ def test_content(paths: HostPaths, shared: Path) -> None:
 
 def test_parseable_by_the_guest_reader(paths: HostPaths, shared: Path) -> None:
     res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9,65"}))
-    m = guest.read_map(res.path)
-    a = guest.lookup(m, "a")
-    b = guest.lookup(m, "b")
+    m = read_map(res.path)
+    a = lookup(m, "a")
+    b = lookup(m, "b")
     assert a is not None and a.guest_cpus == frozenset({0, 1}) and a.exact and a.generation == 1
     assert b is not None and b.guest_cpus == frozenset({2, 3})
-    assert guest.lookup(m, "nope") is None
+    assert lookup(m, "nope") is None
 
 
 def test_unchanged_is_not_rewritten(paths: HostPaths, shared: Path) -> None:
@@ -125,7 +126,7 @@ def test_change_bumps_generation_per_entry(paths: HostPaths, shared: Path) -> No
     assert doc["containers"]["b"]["generation"] == 2 and doc["containers"]["b"]["guest_cpus"] == "2"
     # a container that left is gone from the map
     res3 = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
-    assert res3.generation == 3 and set(guest.read_map(res3.path).containers) == {"a"}
+    assert res3.generation == 3 and set(read_map(res3.path).containers) == {"a"}
 
 
 def test_atomic_replace(paths: HostPaths, shared: Path) -> None:
@@ -165,7 +166,7 @@ def test_map_preallocated_and_written_where_preallocation_fails(
     assert second.generation == 2 and (offset, length) == (0, os.path.getsize(first.path))
     mocker.patch.object(publish.os, "posix_fallocate", side_effect=OSError(95, "not supported"))
     res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
-    assert res.written and guest.read_map(res.path).containers["a"]["guest_cpus"] == "0-1"
+    assert res.written and read_map(res.path).containers["a"]["guest_cpus"] == "0-1"
     assert os.listdir(os.path.dirname(first.path)) == ["guest-map.json"]
 
 
@@ -186,7 +187,7 @@ def test_first_map_in_a_new_dir_still_counts_a_racing_writers_map(
     mocker.patch.object(publish, "identity", side_effect=identity)
     res = publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
     assert res.written and res.generation == 2
-    assert guest.read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
+    assert read_map(res.path).containers["a"]["guest_cpus"] == "2-3"
 
 
 def test_a_replaced_map_can_be_held_open_for_its_caller_to_free(
@@ -203,7 +204,7 @@ def test_a_replaced_map_can_be_held_open_for_its_caller_to_free(
     st = os.fstat(fd)
     assert st.st_ino == old_ino and st.st_nlink == 0  # the old map, unlinked, still open
     assert json.loads(os.pread(fd, 1 << 16, 0))["containers"]["a"]["guest_cpus"] == "0-1"
-    assert guest.read_map(first.path).containers["a"]["guest_cpus"] == "2-3"
+    assert read_map(first.path).containers["a"]["guest_cpus"] == "2-3"
     os.close(fd)
     full = list(range(publish.HOLD_MAX))  # (stand-ins: a full list takes no more)
     publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}), hold=full)
@@ -250,7 +251,7 @@ def test_corrupt_map_is_replaced(paths: HostPaths, shared: Path) -> None:
     (shared / "vmpin" / "guest-map.json").write_text("{not json")
     res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
     assert res.written and res.generation == 1
-    assert guest.lookup(guest.read_map(res.path), "a") is not None
+    assert lookup(read_map(res.path), "a") is not None
 
 
 def test_not_shared_writes_nothing(paths: HostPaths) -> None:
@@ -278,7 +279,7 @@ def test_location_configurable(tmp_path: Path) -> None:
     )
     res = publish.publish_map(f, SID, sandbox_map({"a": "8,64"}))
     assert res.path == str(tmp_path / "guests" / SID / "cpus" / f"map-{SID}.json")
-    assert guest.read_map(res.path).sandbox == SID
+    assert read_map(res.path).sandbox == SID
 
 
 def test_location_from_environment(tmp_path: Path) -> None:
@@ -335,7 +336,7 @@ def test_concurrent_writers(paths: HostPaths, shared: Path) -> None:
         pr.join(60)
         assert pr.exitcode == 0
     path = publish.map_path(paths, SID)
-    doc = guest.read_map(path)
+    doc = read_map(path)
     assert doc.generation == 4 * 15
     # the last writer's last map is what stays
     assert len(doc.containers) == 1 and set(doc.containers) <= {f"w{k}-14" for k in range(4)}
@@ -363,7 +364,7 @@ def test_a_settled_current_map_is_checked_without_reading_it(
     path.write_bytes(good.replace(b'"a"', b'"z"'))
     fixed = publish.publish_map(paths, SID, gm)
     assert fixed.written and read.call_count == 2
-    assert guest.lookup(guest.read_map(fixed.path), "a") is not None
+    assert lookup(read_map(fixed.path), "a") is not None
     # removed: written again
     time.sleep(0.15)
     publish.publish_map(paths, SID, gm)  # (remembered again)

@@ -1,6 +1,6 @@
 """Every hook path stays lean: what `vmpin hook` actually loads, checked at run time.
 
-import-linter checks the static imports of vmpin.service.hook and vmpin.guest.program; this
+import-linter checks the static imports of vmpin.service.hook and vmpin.guest; this
 runs the real launcher (bin/vmpin, what pip installs as the `vmpin` command) in a fresh
 interpreter without site (``-S``: nothing is loaded before it but the interpreter's own
 start), on every path a hook can take, and lists every module it loaded:

@@ -27,8 +27,23 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vmpin.linux.paths import ENVVARS, HostPaths
+
 #: ``p<pid>s<start time in clock ticks since boot>``: which process created an id.
 TAG_RE = re.compile(r"(?:^|-)p(\d+)s(\d+)-[0-9a-f]{8}")
+
+
+def vmpin_env(paths: HostPaths) -> dict[str, str]:
+    """The environment of a vmpin process that works on ``paths`` (every root, as the
+    ``VMPIN_*`` variables say them), with no Kubernetes API and no libvirt domains unless a
+    test brings its own (tests/support/kubeserver.py, tests/support/libvirt_util.py): domains
+    on this host's libvirtd (another test's, another engineer's) are not this test's."""
+    e = dict(os.environ)
+    e.update({var: getattr(paths, key) for key, var in ENVVARS.items()})
+    e.update(KUBECONFIG=str(Path(paths.state_dir) / "no-kubeconfig"), VMPIN_LIBVIRT="none")
+    for key in ("KUBERNETES_SERVICE_HOST", "VMPIN_KUBECONFIG"):
+        e.pop(key, None)
+    return e
 
 
 def start_time(pid: int, proc: str = "/proc") -> int | None:

@@ -321,6 +321,7 @@ SHAPES: tuple[tuple[Any, ...], ...] = (
     ("init", True, ("=", "=", "=", "f", "=", "=")),
     ("init", True, ("=", "=", "=", "f", "=", "=", "=")),  # Observation, with allocations
     ("init", True, ("=", "=", "=", "=", "=", "f", "=", "=", "=")),
+    ("init", True, ("=", "=", "=", "=", "=", "f", "=", "=", "=", "f")),  # NodePlan, with masks
     ("init", False, ("f", "f", "f")),
 )
 

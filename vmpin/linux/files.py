@@ -132,6 +132,15 @@ def save_cache(path: str, data: bytes) -> None:
             pass
 
 
+def listing(directory: str) -> list[str]:
+    """The names in ``directory``, sorted; none when it is missing or cannot be listed (the
+    VM dir: a pass records its entries and a hook compares them, vmpin.state.summary)."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
 def fsync_path(path: str) -> None:
     """fsync the file or directory at ``path`` (a directory: the renames and creations in
     it); OSError as the kernel gives it."""

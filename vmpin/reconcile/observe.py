@@ -31,20 +31,22 @@ from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.core.planner import Policy
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.podpolicies import PodPolicies
 from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Container, Mapping, Sequence
     from dataclasses import dataclass, field
+    from typing import TypeVar
 
     from vmpin.linux.cgroups import CgroupRef
-    from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
     from vmpin.state.allocations import Allocation
     from vmpin.state.store import PolicyRecord
 
+    _T = TypeVar("_T")
     #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
     _PolicyRecords = tuple[Mapping[str, PolicyRecord], Mapping[str, PolicyRecord]]
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
@@ -337,13 +339,21 @@ class Observer:
         return self._kata_reader.read(save=save)
 
     # -- the node ----------------------------------------------------------------------------
-    def observe(self, store: Store, scope: Scope = FULL) -> Observation:
-        """The node as the host and the store show it now (``scope``: see :class:`Scope`)."""
-        from vmpin.reconcile.podpolicies import PodPolicies
+    def observe(
+        self, store: Store, scope: Scope = FULL, fresh: Container[str] | None = None
+    ) -> Observation:
+        """The node as the host and the store show it now (``scope``: see :class:`Scope`).
 
+        ``fresh``: the sandboxes an event names (the agent's event passes).  Every other one
+        whose records in the store, and whose policy, are what the last observation was made
+        from is given as that observation, its host values unread: an event's pass then
+        costs its sandboxes' reads, not the node's (issue 28: churn's round trips had grown
+        with the node since passes went node-wide).  What the last pass wrote to the host
+        is in it (:meth:`note_applied`); what changed behind vmpin's back is read by the next
+        pass without ``fresh`` (the agent's periodic one)."""
         checkpoint, cp_error = self.checkpoint()
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
-        recorded, sandboxes, (oci, api) = self._read_store(store, scope)
+        recorded, sandboxes, (oci, api) = self._read_store(store, scope, fresh is not None)
         originals = recorded.originals
         policies = PodPolicies(self.policy, oci, api)
         out: list[SandboxObs] = []
@@ -355,6 +365,16 @@ class Observer:
         last = self._last if scope is FULL else {}
         for rec in sandboxes:
             seen.add(rec.id)
+            before = last.get(rec.id)
+            if (
+                fresh is not None
+                and before is not None
+                and rec.id not in fresh
+                and self._unchanged(before, rec, recorded, policies)
+            ):
+                # (with the record as it is now: its generation is what apply marks done)
+                out.append(before if before.record == rec else _replace(before, record=rec))
+                continue
             try:
                 found = self._sandbox(recorded, policies, rec, checkpoint, scope)
                 before = last.get(rec.id)
@@ -365,7 +385,11 @@ class Observer:
                     SandboxObs(rec.id, rec.runtime, self._policy(rec.id), rec, errors=(msg,))
                 )
         for sid in self._vm_dir_ids(seen) if scope.vmms else ():
-            out.append(self._untracked(sid, originals, scope))
+            before = last.get(sid)
+            if fresh is not None and sid not in fresh and before is not None and not before.tracked:
+                out.append(before)
+            else:
+                out.append(self._untracked(sid, originals, scope))
         if self.domains is not None:
             try:
                 out.extend(self.domains.sandboxes(self._policy))
@@ -380,8 +404,79 @@ class Observer:
             tuple(out), checkpoint, cp_error, originals, scope, kata, allocations(store)
         )
 
+    def observe_plain(self, store: Store, sandbox_id: str) -> Observation | None:
+        """One plain (runc) sandbox alone, read through the store's indexes: for a pass that
+        changes nothing but its cgroups (``Reconciler.reconcile_plain``), whose cost must not
+        grow with the node (issue 26).  None when the sandbox is not a tracked runc one.
+
+        Its plan is the node plan's for it (a runc container's desired set is its own or the
+        shared pool, whatever the others do); the observation leaves every other sandbox out,
+        so it is never to be planned for anything else, and it records no originals (apply
+        then deletes none)."""
+        rec = store.sandbox(sandbox_id)
+        if rec is None or rec.runtime != "runc":
+            return None
+        checkpoint, cp_error = self.checkpoint()
+        recorded = _Recorded({sandbox_id: store.containers(sandbox_id)}, {}, {}, {})
+        # (a runc sandbox's plan takes nothing from its pod's policy)
+        s = self._sandbox(recorded, PodPolicies(self.policy, {}, {}), rec, checkpoint)
+        if s.runtime != "runc":
+            return None  # it has a VM dir now: Kata's, planned with the node
+        return Observation((s,), checkpoint, cp_error)
+
+    def _unchanged(
+        self, before: SandboxObs, rec: SandboxRec, recorded: _Recorded, policies: PodPolicies
+    ) -> bool:
+        """Whether ``before`` was observed from the records the store holds now, under the
+        policy that applies now (see :meth:`observe`'s ``fresh``)."""
+        was = before.record
+        if was is None or before.errors or (rec.runtime, rec.pod_uid) != (was.runtime, was.pod_uid):
+            return False
+        # the VMM it was observed with: the one recorded then, or the one found then (which
+        # the pass has recorded since); the generations are bookkeeping, not observation
+        vmm = (rec.vmm_pid, rec.vmm_start)
+        found = (before.vmm.pid, before.vmm.start) if before.vmm is not None else None
+        if vmm != (was.vmm_pid, was.vmm_start) and vmm != found:
+            return False
+        recs = recorded.containers.get(rec.id, ())
+        if len(recs) != len(before.containers) or any(
+            c.rec != r for c, r in zip(before.containers, recs, strict=True)
+        ):
+            return False
+        if rec.id in self.policy_for:
+            return before.policy == self.policy_for[rec.id]
+        r = policies.resolve(rec.id, rec.pod_uid)
+        return (before.policy, before.policy_source, before.policy_at) == (r.policy, r.source, r.at)
+
+    def note_applied(
+        self, threads: Mapping[tuple[str, int], CpuSet], cgroups: Mapping[tuple[str, str], CpuSet]
+    ) -> None:
+        """What a pass wrote to the host and read back -- thread affinities by (sandbox, tid),
+        cgroup cpusets by (sandbox, container) -- put into the last observation, which the
+        next event's pass may give again (:meth:`observe`'s ``fresh``): it must not find the
+        threads where they were before this pass moved them."""
+        by_sandbox: dict[str, tuple[dict[int, CpuSet], dict[str, CpuSet]]] = {}
+        for (sid, tid), cpus in threads.items():
+            by_sandbox.setdefault(sid, ({}, {}))[0][tid] = cpus
+        for (sid, cid), cpus in cgroups.items():
+            by_sandbox.setdefault(sid, ({}, {}))[1][cid] = cpus
+        for sid, (tids, cids) in by_sandbox.items():
+            s = self._last.get(sid)
+            if s is None:
+                continue
+            vmm = s.vmm
+            if vmm is not None and tids:
+                vmm = _replace(vmm, threads=tuple(
+                    _replace(t, actual=tids[t.tid]) if t.tid in tids else t for t in vmm.threads
+                ))  # fmt: skip
+            containers = tuple(
+                _replace(c, cgroup_cpus=cids[c.rec.id]) if c.rec.id in cids else c
+                for c in s.containers
+            )
+            self._last[sid] = _replace(s, vmm=vmm, containers=containers)
+
     def _read_store(
-        self, store: Store, scope: Scope
+        self, store: Store, scope: Scope, keep_last: bool = False
     ) -> tuple[_Recorded, list[SandboxRec], _PolicyRecords]:
         """The store's tables a pass reads, read again only when the store has changed
         (:meth:`Store.version`; an idle node's passes find it unchanged).  What is returned
@@ -394,7 +489,8 @@ class Observer:
             # with the store moved the node is planned anew anyway, and building a node's
             # observation while the last one is kept was the agent's RSS peak.
             memo = self._store_memo = None
-            self._last = {}
+            if not keep_last:
+                self._last = {}
             memo = (
                 store,
                 key,
@@ -723,13 +819,13 @@ def _parse(text: str) -> CpuSet:
     return cpus
 
 
-def _replace(t: ThreadObs, **kw: object) -> ThreadObs:
+def _replace(t: _T, **kw: object) -> _T:
     if TYPE_CHECKING:
         from dataclasses import replace
     else:
         from vmpin.core._lean import replace
 
-    return replace(t, **kw)  # type: ignore[arg-type]
+    return replace(t, **kw)  # type: ignore[type-var]
 
 
 __all__ = [

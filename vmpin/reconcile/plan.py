@@ -48,6 +48,7 @@ from vmpin.reconcile.observe import (
 )
 from vmpin.runtimes.kubelet import is_infra
 from vmpin.state.store import ContainerRec
+from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -172,6 +173,8 @@ class NodePlan:
     originals: tuple[str, ...] = ()
     #: what its observation covered: a view's plan (narrower than FULL) is never applied
     scope: Scope = FULL
+    #: each sandbox's mask as the node's rules counted it (before the planner's own cuts)
+    masks: Mapping[str, CpuSet] = field(default_factory=dict)
 
     def sandbox(self, sandbox_id: str) -> SandboxPlan | None:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
@@ -395,9 +398,16 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
             )
         )
     plans = [
-        _replace(p, notes=(*p.notes, f"CPUs {kept_off[p.id]} kept free for a pod with"
-                           " qos.gocrane.io/cpu-manager: exclusive"))
-        if p.id in kept_off else p
+        _replace(
+            p,
+            notes=(
+                *p.notes,
+                f"CPUs {kept_off[p.id]} kept free for a pod with"
+                " qos.gocrane.io/cpu-manager: exclusive",
+            ),
+        )
+        if p.id in kept_off
+        else p
         for p in plans
     ]
     plans = [  # what vmpin allocated to each pod, or why it waits (issue 30)
@@ -415,6 +425,38 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
         pool,
         tuple(obs.originals),
         obs.scope,
+        masks,
+    )
+
+
+def summarize(plan: NodePlan, vms: list[str], checkpoint: str, online: str) -> Summary:
+    """What the VMs' plans in ``plan`` depend on, for a plain container's hook to check
+    against (vmpin.state.summary); ``vms``, ``checkpoint``, ``online``: the VM dir's entries,
+    kubelet's checkpoint identity and the online list as the pass found them before it
+    observed the node."""
+    holders: dict[int, int] = {}
+    for sp in plan.sandboxes:
+        for cpu in sp.footprint:
+            holders[cpu] = holders.get(cpu, 0) + 1
+    in_masks: dict[int, int] = {}
+    for cpus in plan.masks.values():
+        for cpu in cpus:
+            in_masks[cpu] = in_masks.get(cpu, 0) + 1
+    vm_plans = [sp for sp in plan.sandboxes if sp.runtime != "runc" and sp.plan is not None]
+    return Summary(
+        tuple(vms),
+        checkpoint,
+        online.strip(),
+        plan.shared_pool,
+        CpuSet(cpu for sp in vm_plans for cpu in sp.footprint if holders[cpu] == 1),
+        CpuSet(cpu for sp in vm_plans for cpu in sp.footprint if holders[cpu] == 2),
+        CpuSet.union_all(
+            plan.masks.get(sp.id, sp.mask) for sp in plan.sandboxes if sp.runtime != "runc"
+        ),
+        CpuSet.union_all(
+            sp.obs.policy.housekeeping for sp in vm_plans if sp.obs.policy.helpers == "isolate"
+        ),
+        CpuSet(cpu for cpu, n in in_masks.items() if n > 1),
     )
 
 

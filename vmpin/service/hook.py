@@ -11,11 +11,15 @@ event (vmpin.state.journal) -- the store applies it exactly once.  Then bring th
   event is applied by whichever vmpin process opens the store next.  This keeps sqlite3 (and
   the 28 ms that re + json + sqlite3 cost to import) off the start of every plain container.
 - a plain container while VM sandboxes run (the VM dir is not empty): its CPUs can change
-  their plans (a vCPU pinned 1:1 on a CPU this container now uses), so the node is re-planned
-  as for Kata (issue 9: the invariant holds when the hook returns, agent or not);
-- likewise a plain container whose pod asks vmpin for exclusive CPUs, or any container while
-  vmpin holds allocations (vmpin.state.allocations.MARKER): its pod is allocated, or the
-  shared pool shrinks or grows, before the hook returns (issue 30).
+  their plans (a vCPU pinned 1:1 on a CPU this container now uses; issue 9: the invariant
+  holds when the hook returns, agent or not).  The last pass's node summary
+  (vmpin.state.summary) says whether they can: when not (a container on the shared pool, on
+  CPUs others use already), the event is only journaled, as without VMs, so the hook's cost
+  does not grow with the node (issue 26: 1.9 s at 10,000 containers); else the node is
+  re-planned as for Kata.
+- a plain container whose pod asks vmpin for exclusive CPUs, or any container while vmpin
+  holds allocations (vmpin.state.allocations.MARKER): re-planned as for Kata, so its pod is
+  allocated, or the shared pool shrinks or grows, before the hook returns (issue 30).
 
 Never stalled by another process (issue 26): every wait on one -- the agent's answer, the
 node's plan lock, SQLite's write lock -- ends by the hook's budget (vmpin.service.budget: 2 s
@@ -54,6 +58,7 @@ import sys
 import time
 
 from vmpin.core.errors import SpecError, VmpinError
+from vmpin.linux.files import listing
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import STAGES, parse_state
 from vmpin.service.budget import AGENT_WAIT, BUDGET
@@ -65,6 +70,8 @@ from vmpin.state.journal import sync as journal_sync
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
+    from typing import Any
+
     from vmpin.state.store import Store
 
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
@@ -106,16 +113,6 @@ def _main(opts: dict[str, str], args: list[str]) -> int:
     return 1 if strict else 0
 
 
-def _vms_present(paths: HostPaths) -> bool:
-    import os
-
-    try:
-        with os.scandir(paths.vm_dir) as it:
-            return any(True for _ in it)
-    except OSError:
-        return False
-
-
 __all__ = ["AGENT_WAIT", "BUDGET", "main", "reconcile_here", "run"]
 
 
@@ -134,26 +131,37 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     event = build(paths, stage, state)
     ident = event["ident"]
     sandbox = ident["sandbox_id"] if ident else None
-    if (
+    name: str | None = None
+    replan = (
         event["runtime"] == "kata"
         or (sandbox is None and stage == "poststop")
-        or _vms_present(paths)
         # vmpin allocates exclusive CPUs here (issue 30): the pool moves with every pod
         or allocations_present(paths.state_dir)
         or asks_exclusive(event["annotations"])
-    ):
+    )
+    if not replan:
+        vms = listing(paths.vm_dir)
+        if vms:
+            # VMs run: their plans may depend on this container -- unless the node summary
+            # of the last pass says they cannot (vmpin.state.summary); then the event is
+            # journaled as on a node without VMs, at a cost that does not grow with the node.
+            replan, name = _beside_vms(paths, event, vms)
+    if replan:
         from vmpin.service.control import notify
 
         # The event's file is whole before the agent hears of it; it and the journal's
         # directory are synced while the agent's pass runs (a disk's two syncs, ~0.5 ms,
         # off the start's path) and always before this hook says the event is recorded,
-        # i.e. returns (issue 14).
-        name = append(paths.state_dir, event, durable=False)
-        synced = []
+        # i.e. returns (issue 14).  (Journaled already, and synced: by _beside_vms.)
+        synced = [True] if name is not None else []
+        if name is None:
+            name = append(paths.state_dir, event, durable=False)
+        journaled = name
 
         def sync() -> None:
-            journal_sync(paths.state_dir, name)
-            synced.append(True)
+            if not synced:
+                journal_sync(paths.state_dir, journaled)
+                synced.append(True)
 
         # The invariant is to hold when the hook returns: the agent replies "done" only after
         # a node pass that started after this request (so it ingested our event) has ended.
@@ -168,10 +176,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
             # failure is then the hook's one line, and the pins stand).  A thread that synced
             # beside the pass was measured too (issue 14): on this machine no faster on ext4,
             # and ~0.02x slower on tmpfs (its GIL hand-offs), so there is none.
-            if not synced:
-                sync()
+            sync()
         return sandbox
-    append(paths.state_dir, event)
+    if name is None:
+        append(paths.state_dir, event)
     if sandbox is not None:
         from vmpin.service.control import post
 
@@ -188,6 +196,35 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         except StateError:
             pass  # the write lock is another's past the budget: it applies the journal next
     return sandbox
+
+
+def _beside_vms(paths: HostPaths, event: dict[str, Any], vms: list[str]) -> tuple[bool, str | None]:
+    """A plain container's event while VMs run: (whether the node must be re-planned, the
+    journal name when the event was journaled here).
+
+    The node summary (vmpin.state.summary) is judged first; an event it lets through is
+    journaled, durably, and then the summary must still be the one it was judged by: a pass
+    that replaced it meanwhile either saw the event (it looks for such events after writing
+    its summary) or wrote the summary this loop judges next.
+    """
+    from vmpin.linux.sysfs import online_text
+    from vmpin.state import summary
+
+    checkpoint = summary.checkpoint_id(paths.kubelet_state)
+    online = online_text(paths.sys)
+    name = None
+    for _ in range(3):
+        got = summary.read(paths.state_dir)
+        if got is None:
+            return True, name
+        ident, s = got
+        if summary.stale(s, vms, checkpoint, online) or summary.event_needs_pass(s, event):
+            return True, name
+        if name is None:
+            name = append(paths.state_dir, event)
+        if summary.current(paths.state_dir, ident):
+            return False, name
+    return True, name
 
 
 def reconcile_here(

@@ -107,6 +107,7 @@ HOOK_MODULES = (
     "vmpin/state/locks.py",
     "vmpin/state/sqlite.py",
     "vmpin/state/store.py",
+    "vmpin/state/summary.py",
     "vmpin/wire/__init__.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/jsonio.py",

@@ -109,7 +109,7 @@ def update_container(
         store.defer_durability()
         rec = store.set_container_cpus(container_id, cpus, "update")
         try:
-            return _repin(paths, store, rec, cpus, reconciler_factory, settings, wait, deadline)
+            return _repin(paths, store, rec, old.cpus, reconciler_factory, settings, wait, deadline)
         except BaseException:
             # Failing means changing nothing: put the old set back before saying so -- if
             # the store still holds this write.  Another update may have been written and
@@ -125,7 +125,7 @@ def _repin(
     paths: HostPaths,
     store: Store,
     rec: ContainerRec,
-    cpus: CpuSet,
+    old: CpuSet | None,
     reconciler_factory: Callable[[Store], Reconciler] | None,
     settings: Settings | None,
     wait: float,
@@ -149,12 +149,22 @@ def _repin(
         # the node's plan lock: waited for until the deadline, then done without (a holder
         # may be stopped; vmpin.state.locks)
         rec_.deadline = deadline
-        reports = rec_.reconcile([rec.sandbox_id])
+        # A plain container's sandbox alone when no VM's plan depends on the change (the
+        # node summary says so): the cost of a container's, not the node's; else the node.
+        sandbox = store.sandbox(rec.sandbox_id)
+        reports = None
+        if sandbox is not None and sandbox.runtime == "runc":
+            from vmpin.runtimes.kubelet import is_infra
+
+            infra = is_infra(rec.is_sandbox, rec.pod_uid, rec.name)
+            reports = rec_.reconcile_plain(rec.sandbox_id, old, rec.cpus, infra)
+        if reports is None:
+            reports = rec_.reconcile([rec.sandbox_id])
         errors = [e for r in reports for e in r.errors]
         applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
     return {
         "id": rec.id,
         "sandbox": rec.sandbox_id,
-        "cpus": cpus.to_list(),
+        "cpus": None if rec.cpus is None else rec.cpus.to_list(),
         "applied_by": applied,
     }

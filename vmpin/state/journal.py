@@ -39,7 +39,7 @@ import time
 
 from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import fsync_path, stale_stamp
+from vmpin.linux.files import fsync_path, load_json, read_bytes, stale_stamp
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
 from vmpin.wire.jsonio import dumps
@@ -153,6 +153,14 @@ def build(paths: HostPaths, stage: str, state: State) -> dict[str, Any]:
             limit = config.resources.whole_cpus
             if limit is not None:  # (only then: an event without a limit is as it was)
                 event["cpu_limit"] = limit
+    elif state.bundle:
+        # what a container gives up when it goes (its spec's CPUs, when its bundle is still
+        # there): whether a VM may have them to itself now (vmpin.state.summary)
+        try:
+            cpus = read_config(state.bundle).resources.cpus
+        except SpecError:
+            cpus = None
+        event["cpus"] = None if cpus is None else cpus.to_list()
     try:
         ident = identity(state, annotations)
     except VmpinError:
@@ -295,8 +303,11 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
         if not isinstance(err, OSError):
             raise
         # (the hint only where it is the cause: ENOSPC, EDQUOT, EROFS)
-        hint = " (the state dir's filesystem is full or read-only)" if err.errno in (
-            28, 122, 30) else ""
+        hint = (
+            " (the state dir's filesystem is full or read-only)"
+            if err.errno in (28, 122, 30)
+            else ""
+        )
         raise StateError(
             f"{os.path.join(d, name)}: event not recorded: {err.strerror}{hint}"
         ) from None
@@ -365,6 +376,16 @@ def quarantined(state_dir: str) -> int:
         return sum(1 for n in os.listdir(bad_dir(state_dir)) if n.endswith(".json"))
     except OSError:
         return 0
+
+
+def read_event(state_dir: str, name: str) -> dict[str, Any]:
+    """The event in the journal file ``name``, checked (:func:`check_event`).
+
+    FileNotFoundError when another process applied and removed it; OSError or VmpinError
+    (naming the entry) when it cannot be read or is not a valid event."""
+    raw = read_bytes(os.path.join(journal_dir(state_dir), name), limit=MAX_EVENT,
+                     what="journal entry")  # fmt: skip
+    return check_event(load_json(raw, f"journal entry {name}"))
 
 
 def backlog(state_dir: str) -> int:

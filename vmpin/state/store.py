@@ -24,9 +24,9 @@ from stat import S_ISREG
 from sys import intern as _intern
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import SpecError, StateError, VmpinError
+from vmpin.core.errors import SpecError, StateError, UnsafeFile
 from vmpin.core.ids import check_id
-from vmpin.linux.files import fsync_path, load_json, read_bytes
+from vmpin.linux.files import fsync_path
 from vmpin.runtimes.oci import Identity, identify
 from vmpin.state import allocations, journal
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
@@ -85,6 +85,7 @@ def state_error(path: str, err: BaseException) -> StateError:
     else:
         hint = "run `vmpin doctor` to move it aside and rebuild it from the host"
     return StateError(f"{path}: {text}: {hint}")
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -574,7 +575,6 @@ class Store:
         allocations.record_limit(self.db, ident.container_id, ev.get("cpu_limit"))
         return ident.sandbox_id
 
-
     def _keep_policy_annotations(self, sandbox_id: str, annotations: Mapping[str, str]) -> None:
         """Record a sandbox's per-pod policy annotations as its containers' specs carry them.
 
@@ -767,6 +767,16 @@ class Store:
         self._settled_at = self.db.total_changes
         return self._remove_files([n for n in names if n in applied])
 
+    def unapplied(self, names: list[str]) -> list[str]:
+        """Those of ``names`` (journal file names, sorted) no ingest has applied yet."""
+        if not names:
+            return []
+        try:
+            done = self._applied(self.db, names)
+        except sqlite3.Error as err:
+            raise state_error(self.path, err) from None
+        return [n for n in names if n not in done]
+
     @staticmethod
     def _applied(db: sqlite3.Connection, names: list[str]) -> set[str]:
         """Those of ``names`` (sorted, not empty) the journal table records as applied."""
@@ -792,7 +802,6 @@ class Store:
     def _ingest_batch(
         self, names: list[str], touched: list[str], consume: bool, settle: bool = True
     ) -> None:
-        d = journal.journal_dir(self.state_dir)
         bad: list[tuple[str, str]] = []
         with self.transaction() as db:
             done = self._applied(db, names)
@@ -800,20 +809,21 @@ class Store:
                 if name in done:
                     continue
                 try:
-                    raw = read_bytes(
-                        os.path.join(d, name), limit=journal.MAX_EVENT, what="journal entry"
-                    )
+                    ev = journal.read_event(self.state_dir, name)
                 except FileNotFoundError:
                     continue  # another process applied and removed it
-                except (OSError, VmpinError) as err:
+                except (OSError, UnsafeFile) as err:
                     bad.append((name, f"unreadable: {getattr(err, 'strerror', None) or err}"))
+                    db.execute("INSERT OR IGNORE INTO journal VALUES (?)", (name,))
+                    continue
+                except Exception as err:  # whatever it is, it is this entry's
+                    bad.append((name, f"{type(err).__name__}: {err}"))
                     db.execute("INSERT OR IGNORE INTO journal VALUES (?)", (name,))
                     continue
                 # A savepoint per event: a failure half-way through one event undoes exactly
                 # that event, and the batch goes on.
                 db.execute("SAVEPOINT ev")
                 try:
-                    ev = journal.check_event(load_json(raw, f"journal entry {name}"))
                     sid = self._apply(ev)
                 except sqlite3.OperationalError:
                     raise  # the database itself (locked, full, read-only): not this entry's fault
@@ -849,12 +859,18 @@ class Store:
         """Move an entry that cannot be applied to ``journal/bad/`` with a ``.reason`` file."""
         d = journal.journal_dir(self.state_dir)
         bad = journal.bad_dir(self.state_dir)
-        print(f"vmpin: journal entry {os.path.join(d, name)}: {reason}; moved to {bad}/",
-              file=sys.stderr)
+        print(
+            f"vmpin: journal entry {os.path.join(d, name)}: {reason}; moved to {bad}/",
+            file=sys.stderr,
+        )
         try:
             os.makedirs(bad, mode=0o700, exist_ok=True)
-            with open(os.path.join(bad, name + ".reason"), "w", encoding="utf-8",
-                      errors="backslashreplace") as f:
+            with open(
+                os.path.join(bad, name + ".reason"),
+                "w",
+                encoding="utf-8",
+                errors="backslashreplace",
+            ) as f:
                 f.write(reason + "\n")
             os.rename(os.path.join(d, name), os.path.join(bad, name))
         except FileNotFoundError:

@@ -3,7 +3,7 @@
 The host builds a sandbox's map (:func:`vmpin.core.guestmap.map_sandbox`), publishes it
 (:mod:`vmpin.runtimes.publish`, adding ``generation`` and ``published_at``), prints a
 container's entry (``vmpin guest-map``), and the guest program reads it
-(:mod:`vmpin.guest.program`).  All of them take the format from here, so they cannot drift.
+(:mod:`vmpin.guest.inputs`).  All of them take the format from here, so they cannot drift.
 
 Format ``1`` (``docs/guest.md``)::
 

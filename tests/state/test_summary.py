@@ -1,0 +1,91 @@
+"""The node summary's rules, as a table: what a plain container may do beside VMs without the
+node being re-planned (vmpin.state.summary), and the file that carries them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.state import summary
+from vmpin.state.summary import Summary
+
+
+def _s(**kw: object) -> Summary:
+    base: dict[str, object] = {
+        "vms": ("vm1",), "checkpoint": "-", "online": "0-7", "pool": CpuSet.parse("0-3"),
+        "private": CpuSet.parse("6-7"), "contended": CpuSet.parse("5"),
+        "claimed": CpuSet.parse("4-7"), "isolate": CpuSet(), "shared": CpuSet(),
+    }  # fmt: skip
+    base.update(kw)
+    return Summary(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "infra", "kw", "why"),
+    [
+        ("0-3", False, {}, None),  # the shared pool
+        ("1", False, {}, None),
+        ("5", False, {}, "claimed by a VM's pod"),  # another pod's own CPU, outside the pool
+        ("6", False, {}, "a VM's own"),  # a CPU a vCPU may have to itself
+        (None, False, {}, "a VM's own"),  # no set: its cgroup's parent's, any CPU
+        ("5", True, {}, None),  # an infra container's set claims nothing
+        ("6", True, {}, "a VM's own"),  # ... but its threads still run there
+        ("5", False, {"pool": None}, None),  # no pool, no claims (plan._claims)
+        ("2", False, {"pool": None, "isolate": CpuSet.parse("2")}, "helper threads"),
+        ("2", False, {"pool": None, "isolate": CpuSet.parse("2"), "shared": CpuSet.parse("2")},
+         None),
+    ],
+)
+def test_what_a_new_container_may_do(
+    cpus: str | None, infra: bool, kw: dict[str, object], why: str | None
+) -> None:
+    got = summary.needs_pass(_s(**kw), None if cpus is None else CpuSet.parse(cpus), infra)
+    assert (got is None) if why is None else (got is not None and why in got), got
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "why"),
+    [
+        ("0-3", "0-1", None),
+        ("5", "0-3", "a VM's own"),  # gives up a CPU one VM shares with it alone
+        ("0-3", "6", "a VM's own"),
+        (None, "1", None),
+    ],
+)
+def test_what_an_update_may_do(old: str | None, new: str, why: str | None) -> None:
+    got = summary.change_needs_pass(
+        _s(), None if old is None else CpuSet.parse(old), CpuSet.parse(new), False
+    )
+    assert (got is None) if why is None else (got is not None and why in got), got
+
+
+def test_events_are_judged_by_stage() -> None:
+    ident = {"container_id": "c", "sandbox_id": "p", "is_sandbox": False, "name": "c"}
+    s = _s()
+    create = {"stage": "createRuntime", "runtime": "runc", "ident": ident, "cpus": "0-3"}
+    assert summary.event_needs_pass(s, create) is None
+    assert summary.event_needs_pass(s, {**create, "runtime": "kata"})
+    assert summary.event_needs_pass(s, {**create, "ident": None})
+    gone = {**create, "stage": "poststop"}
+    assert summary.event_needs_pass(s, gone) is None
+    assert summary.event_needs_pass(s, {**gone, "cpus": "5"})  # contended: may be the VM's
+    assert summary.event_needs_pass(s, {**gone, "cpus": None})  # unknown: any CPU
+
+
+def test_the_file_round_trips_and_anything_else_is_no_summary(tmp_path: Path) -> None:
+    s = _s()
+    assert summary.parse(summary.to_text(s)) == s
+    assert summary.parse(summary.to_text(_s(pool=None, vms=()))) == _s(pool=None, vms=())
+    summary.write(str(tmp_path), s)
+    got = summary.read(str(tmp_path))
+    assert got is not None and got[1] == s and summary.current(str(tmp_path), got[0])
+    for text in ("", "vmpin node summary 2\n", summary.to_text(s).replace("private", "x"),
+                 summary.to_text(s).replace("6-7", "7-6")):  # fmt: skip
+        assert summary.parse(text) is None, text
+    Path(summary.path(str(tmp_path))).write_bytes(b"\xff\xfe")
+    assert summary.read(str(tmp_path)) is None
+    summary.remove(str(tmp_path))
+    assert summary.read(str(tmp_path)) is None
+    assert not summary.current(str(tmp_path), got[0])
