@@ -95,6 +95,9 @@ def main(
     kata_config: Annotated[
         Optional[str], typer.Option(*G["kata_config"].flags, help=G["kata_config"].help)
     ] = None,
+    kubelet_config: Annotated[
+        Optional[str], typer.Option(*G["kubelet_config"].flags, help=G["kubelet_config"].help)
+    ] = None,
     helper_policy: Annotated[
         Optional[str], typer.Option(*G["helpers"].flags, help=G["helpers"].help)
     ] = None,
@@ -128,6 +131,7 @@ def main(
         "kubelet_state": kubelet_state,
         "publish_dir": publish_dir,
         "kata_config": kata_config,
+        "kubelet_config": kubelet_config,
         "helpers": helper_policy,
         "housekeeping": housekeeping,
         "vcpus": vcpu_policy,

@@ -36,6 +36,7 @@ GLOBAL_OPTIONS = {
     "--kubelet-state": "kubelet_state",
     "--publish-dir": "publish_dir",
     "--kata-config": "kata_config",
+    "--kubelet-config": "kubelet_config",
 }
 
 

@@ -174,6 +174,28 @@ def test_cli_on_fixture_machine(pods: PlainPods, request: pytest.FixtureRequest)
     assert not (Path(pods.env["VMPIN_STATE_DIR"]) / "allocations").exists()
 
 
+def test_kubelet_config_reserved_cpus_and_full_cores(pods: PlainPods) -> None:
+    """kubelet's configuration file (--kubelet-config / VMPIN_KUBELET_CONFIG): its reserved
+    CPUs are never allocated, full-pcpus-only refuses a pod that would split a core, and
+    what vmpin does not follow yet is said in audit's notes."""
+    config = pods.tmp / "kubelet-config.yaml"
+    config.write_text(
+        "kind: KubeletConfiguration\nreservedSystemCPUs: 0-1,56-57\n"
+        "cpuManagerPolicyOptions:\n  full-pcpus-only: 'true'\n  align-by-socket: 'true'\n"
+    )
+    pods.env["VMPIN_KUBELET_CONFIG"] = str(config)
+    pods.create("a", {"vmpin.io/exclusive-cpus": "4"})
+    pods.create("b", {"vmpin.io/exclusive-cpus": "3"})
+    cg = pods.cgroups()
+    assert cg["a-app"] == P("2-3,58-59")
+    audit = json.loads(pods.vmpin("audit", "--json").stdout)
+    notes = audit["notes"]
+    assert any("refused for pod uid-b" in n and "not a whole number of cores" in n
+               for n in notes), notes  # fmt: skip
+    assert any("align-by-socket: not followed" in n for n in notes), notes
+    assert cg["b-app"] == pods.online - P("2-3,58-59")  # the pool, reserved CPUs and all
+
+
 # -- many hooks at once ---------------------------------------------------------------------------
 def test_200_concurrent_hooks_never_hand_out_a_cpu_twice(pods: PlainPods) -> None:
     """50 pods, each created (pause, app) and 30 of them deleted again by concurrent hook

@@ -26,6 +26,9 @@ DEFAULTS: dict[str, str] = {
     # containerd's runc shim, one root per containerd namespace (k8s.io on Kubernetes)
     "runc_root": "/run/runc:/run/containerd/runc/*",
     "kubelet_state": "/var/lib/kubelet/cpu_manager_state",
+    # kubelet's configuration file (KubeletConfiguration), read for the CPUs it reserves and
+    # its static-policy options when vmpin allocates (vmpin.runtimes.kubeletconfig)
+    "kubelet_config": "/var/lib/kubelet/config.yaml",
     "publish_dir": "/run/kata-containers/shared/sandboxes",
     # Kata's configuration files, for its own vCPU pinning (vmpin.runtimes.kataconfig): Kata's
     # two default paths (the first that exists), then kata-deploy's one file per runtime class
@@ -43,6 +46,7 @@ ENVVARS: dict[str, str] = {
     "cgroup": "VMPIN_CGROUP_ROOT",
     "runc_root": "VMPIN_RUNC_ROOT",
     "kubelet_state": "VMPIN_KUBELET_STATE",
+    "kubelet_config": "VMPIN_KUBELET_CONFIG",
     "publish_dir": "VMPIN_PUBLISH_DIR",
     "kata_config": "VMPIN_KATA_CONFIG",
 }
@@ -58,6 +62,7 @@ class HostPaths(NamedTuple):
     kubelet_state: str = DEFAULTS["kubelet_state"]
     publish_dir: str = DEFAULTS["publish_dir"]
     kata_config: str = DEFAULTS["kata_config"]
+    kubelet_config: str = DEFAULTS["kubelet_config"]
 
     @classmethod
     def from_env(

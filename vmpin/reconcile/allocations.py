@@ -70,10 +70,14 @@ def settle(
     store: Store,
     topology: Topology,
     checkpoint: Checkpoint | None = None,
-    options: Options = Options(),
+    kubelet_config: str | None = None,
 ) -> bool:
     """Release, grow and grant allocations from what the store holds now; whether a row
-    changed.  A no-op (no transaction) on a node where no pod asks and none holds any."""
+    changed.  A no-op (no transaction) on a node where no pod asks and none holds any.
+
+    ``kubelet_config``: kubelet's configuration file, whose reserved CPUs and static-policy
+    options the allocation follows (vmpin.runtimes.kubeletconfig); its notes are kept on the
+    table's node row, for ``audit``."""
     if store.readonly:
         return False
     memo = _SETTLED.get(id(store))
@@ -87,6 +91,11 @@ def settle(
     if not asks and not held and not table.present(store.state_dir):
         _SETTLED[id(store)] = store.version()
         return False
+    options, config_notes = Options(), list[str]()
+    if kubelet_config:
+        from vmpin.runtimes.kubeletconfig import read_options
+
+        options, config_notes = read_options(kubelet_config)
     with store.transaction() as db:
         before = table.read(db)
         rows, gone = decide(
@@ -97,6 +106,7 @@ def settle(
             topology,
             static=kubelet_allocates(checkpoint),
             options=options,
+            node_note="; ".join(config_notes) or None,
         )
         old = {a.sandbox_id: a for a in before}
         changed = [r for r in rows if old.get(r.sandbox_id) != r]
@@ -122,6 +132,7 @@ def decide(
     static: bool = False,
     options: Options = Options(),
     now: float | None = None,
+    node_note: str | None = None,
 ) -> tuple[list[Allocation], list[str]]:
     """The allocations as they are to be (every row kept, changed or new) and the sandboxes
     whose rows go.  Pure: the store's records in, rows out."""
@@ -176,7 +187,9 @@ def decide(
         rows[sid] = new
     if node is None and any(a.cpus for a in rows.values()):
         said = "vmpin allocates on this node"
-        node = Allocation(NODE_ROW, None, None, None, said, None, now, now)
+        node = Allocation(NODE_ROW, None, None, None, said, node_note, now, now)
+    elif node is not None and node.reason != node_note:
+        node = node._replace(reason=node_note, updated_at=now)
     return ([node] if node is not None else []) + list(rows.values()), gone
 
 
@@ -265,6 +278,8 @@ def notes(obs: Observation) -> list[str]:
     out = []
     for a in obs.allocations:
         if a.sandbox_id == NODE_ROW:
+            if a.reason:  # what kubelet's configuration file said that vmpin cannot follow
+                out.append(a.reason)
             continue
         pod = f"sandbox {a.sandbox_id}"
         pod = f"pod {a.pod_uid} ({pod})" if a.pod_uid else pod

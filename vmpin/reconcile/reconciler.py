@@ -399,7 +399,8 @@ class Reconciler:
         if apply and not self.store.readonly:
             from vmpin.reconcile.allocations import settle
 
-            settle(self.store, self.topology, self.observer.checkpoint()[0])  # (issue 30)
+            cp = self.observer.checkpoint()[0]
+            settle(self.store, self.topology, cp, self.paths.kubelet_config)  # (issue 30)
         plan = self.plan(scope=scope, fresh=fresh)
         applied = None
         if apply:

@@ -81,6 +81,10 @@ GLOBALS = (
         " namespace). [env: VMPIN_RUNC_ROOT]", path=True),
     Opt(("--kubelet-state",), "kubelet_state",
         "kubelet's cpu_manager_state (read only). [env: VMPIN_KUBELET_STATE]", path=True),
+    Opt(("--kubelet-config",), "kubelet_config",
+        "kubelet's configuration file (read only): its reserved CPUs and CPU manager policy"
+        " options, which vmpin's own allocation follows (docs/allocation.md). Default"
+        " /var/lib/kubelet/config.yaml. [env: VMPIN_KUBELET_CONFIG]", path=True),
     Opt(("--publish-dir",), "publish_dir",
         "[env: VMPIN_PUBLISH_DIR] Host dir shared with each guest, where guest maps are"
         " published (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox}"

@@ -89,6 +89,7 @@ HOOK_MODULES = (
     "vmpin/reconcile/report.py",
     "vmpin/runtimes/__init__.py",
     "vmpin/runtimes/kataconfig.py",
+    "vmpin/runtimes/kubeletconfig.py",
     "vmpin/runtimes/kubelet.py",
     "vmpin/runtimes/oci.py",
     "vmpin/runtimes/publish.py",
