@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def count_passes(paths: HostPaths, passes: int) -> dict[str, Any]:
 
     Reconciler.reconcile = counted  # type: ignore[method-assign]
     try:
-        agent = Agent(paths, lambda s: Reconciler(paths, s), interval=3600, metrics_port=0)
+        agent = Agent(paths, partial(Reconciler, paths), interval=3600, metrics_port=0)
         agent.start()
         wait_pass(agent, 1)
         startup = calls[0]

@@ -87,7 +87,7 @@ def test_drift_behind_vmpins_back_waits_for_the_pass_that_reads_everything(
 ) -> None:
     with Store(paths.state_dir) as store:
         a, _ = _sandbox(store, vmms, "0")
-        b, b_pid = _sandbox(store, vmms, "1")
+        _, b_pid = _sandbox(store, vmms, "1")
         rec = Reconciler(paths, store, publish=False)
         rec.reconcile()
         real = SchedAffinity()

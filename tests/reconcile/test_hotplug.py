@@ -9,6 +9,7 @@ topology again when it changed.  On sysfs fixture trees (a CPU taken offline los
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,7 @@ def test_a_long_lived_reconciler_follows_the_online_list(
     shutil.copytree(SYSFS / "no-smt-server", root)
     paths = paths._replace(sys=str(root))
     with Store(paths.state_dir) as store:
-        rec = Reconciler(paths, store)
-        rec.follow_hotplug = follow
+        rec = Reconciler(paths, store, follow_hotplug=follow)
         before = rec.topology
         assert rec.topology is before  # nothing changed: the same object, nothing read
         unplug(root, 15)
@@ -63,7 +63,7 @@ def test_the_agent_plans_for_a_cpu_unplugged_while_it_runs(
     shutil.copytree(SYSFS / "no-smt-server", root)
     paths = paths._replace(sys=str(root))
     reads = mocker.spy(sysfs, "read_topology")
-    agent = Agent(paths, lambda s: Reconciler(paths, s), interval=3600, workers=1,
+    agent = Agent(paths, partial(Reconciler, paths), interval=3600, workers=1,
                   metrics_port=0)  # fmt: skip
     agent.start()
     try:

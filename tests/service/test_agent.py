@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -710,7 +711,7 @@ def test_idle_pass_makes_no_affinity_call(
     counter = CountingAffinity()
     agent = Agent(
         paths,
-        lambda s: Reconciler(paths, s, affinity=counter),
+        partial(Reconciler, paths, affinity=counter),
         interval=3600,
         workers=2,
         metrics_port=0,
@@ -840,7 +841,7 @@ def inproc_agent(paths: HostPaths) -> Iterator[Callable[..., Agent]]:
 
     def start(**kw: Any) -> Agent:
         kw = {"interval": 3600, "workers": 2, "metrics_port": 0, **kw}
-        agent = Agent(paths, lambda s: Reconciler(paths, s), **kw)
+        agent = Agent(paths, partial(Reconciler, paths), **kw)
         agent.start()
         started.append(agent)
         assert wait_until(

@@ -22,6 +22,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def test_agent_worker_survives_a_crashing_sandbox(
         register(store, bad_id, "1")
         register(store, good_id, "1")
     agent = Agent(
-        paths, lambda s: Reconciler(paths, s, affinity=CrashingAffinity(bad.pid)),
+        paths, partial(Reconciler, paths, affinity=CrashingAffinity(bad.pid)),
         interval=3600, workers=1, metrics_port=0,
     )
     agent.start()
@@ -202,7 +203,7 @@ def test_control_socket_refuses_another_uid(open_state_dir: HostPaths) -> None:
     if os.geteuid() != 0:
         pytest.fail("needs root to run a peer as another uid")
     paths = open_state_dir
-    agent = Agent(paths, lambda s: Reconciler(paths, s), interval=3600, workers=1, metrics_port=0)
+    agent = Agent(paths, partial(Reconciler, paths), interval=3600, workers=1, metrics_port=0)
     agent.start()
     try:
         os.chmod(paths.state_dir, 0o755)

@@ -43,9 +43,10 @@ CRI = "io.kubernetes.cri."
 #: never on any hook path (json and dataclasses pull in re and inspect: vmpin.wire.jsonio and
 #: vmpin.core._lean stand in for them; the agent's socket and QMP's use _socket)
 FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
-             "prometheus_client", "vmpin.cli", "vmpin.service.agent", "vmpin.service.watch",
-             "json", "typing", "dataclasses", "inspect", "socket", "selectors",
-             "subprocess")  # fmt: skip
+             "prometheus_client", "vmpin.cli", "vmpin.service.agent",
+             "vmpin.service.agent_accounting", "vmpin.service.agent_passes",
+             "vmpin.service.agent_protocol", "vmpin.service.watch", "json", "typing",
+             "dataclasses", "inspect", "socket", "selectors", "subprocess")  # fmt: skip
 #: not where the hook only journals and notifies
 LEAN = ("re", "enum", "functools", "contextlib", "collections")
 #: only where this process re-plans (no agent answered and VMs are involved)

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -610,7 +611,7 @@ def test_emfile_in_the_periodic_pass_is_logged_counted_and_outlived(
     from vmpin.reconcile.reconciler import Reconciler
     from vmpin.service.agent import Agent
 
-    agent = Agent(paths, lambda s: Reconciler(paths, s), interval=0.05, metrics_port=0)
+    agent = Agent(paths, partial(Reconciler, paths), interval=0.05, metrics_port=0)
     records = _Records()
     logger = logging.getLogger("vmpin.service.agent")
     logger.addHandler(records)

@@ -95,6 +95,9 @@ class Reconciler:
         float_policy: str = "all",
         publish: bool = True,
         domains: DomainSource | None = None,
+        ingest_first: bool = True,
+        hold_maps: bool = False,
+        follow_hotplug: bool = False,
     ) -> None:
         self.paths = paths
         self.store = store if store is not None else Store(paths.state_dir)
@@ -116,14 +119,14 @@ class Reconciler:
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = None
         #: False: a pass does not apply the journal first (its caller just did, without
         #: waiting for the disk: the agent's pass, the Kata hook's own; Store.ingest)
-        self.ingest_first = True
+        self.ingest_first = ingest_first
         #: a list: the guest maps a pass replaces are held open there until
         #: :meth:`release_maps` (the agent, after its answers: publish_map's ``hold``)
-        self.held_maps: list[int] | None = None
-        #: True (set before the first pass): the topology read from sysfs is read again
+        self.held_maps: list[int] | None = [] if hold_maps else None
+        #: True: the topology read from sysfs is read again
         #: once the online CPU list changes (CPU hotplug), checked at each use: for the
         #: agent, which plans for its whole life; a command's pass lasts milliseconds
-        self.follow_hotplug = False
+        self.follow_hotplug = follow_hotplug
         #: the online list the topology read from sysfs was read after (None: not read
         #: here, or given to the constructor)
         self._online_seen: str | None = None

@@ -6,8 +6,9 @@ sandbox over instead (:mod:`vmpin.service.control`), which keeps hooks fast and 
 into a handful of plans.  The shape::
 
     control socket ──► dirty set (per-sandbox coalescing) ──► the planner ──► Reconciler
-    (server.py; a thread   (queue.py)      every ready entry: (one thread; logs.py,
-     per connection)          ▲            one node pass       metrics.py, workers.py)
+    (server.py; a thread   (queue.py)      every ready entry: (one thread;
+     per connection;          ▲            one node pass       agent_passes.py)
+     agent_protocol.py)       │
                               └── periodic full pass (main thread, every ``interval``)
 
 - **Events only mark sandboxes dirty.**  The writer (hook, update) has already stored the new
@@ -50,12 +51,18 @@ into a handful of plans.  The shape::
   fields), Prometheus metrics (:mod:`vmpin.service.metrics`) on a loopback port, and
   ``{"op":"status"}`` on the socket (what ``vmpin status`` prints).
 
-Control protocol (one JSON object per line, one reply line; socket mode 0600, and the peer's
-uid must be ours): ``{"op":"dirty","sandboxes":[ids]}`` -> ``{"ok":true,"queued":n}``;
-``{"op":"dirty","sandboxes":[ids],"wait":s}`` (0 < s <= 60) -> ``{"ok":true,"queued":n,
-"done":bool}`` (:mod:`vmpin.service.control`);
-``{"op":"status"[,"sandbox":id]}`` -> health and counters (one sandbox's bookkeeping when
-asked); ``{"op":"reconcile"}`` -> start a full pass now.
+The agent's rooms, each a small class given its collaborators:
+
+- this module: :class:`Agent`, the lifecycle (the state dir's lock, the socket and the
+  metrics port, the threads, signals, the drain) and the composition of the others;
+  :func:`serve`, the foreground process;
+- :mod:`vmpin.service.agent_protocol`: the control requests (``dirty``, ``status``,
+  ``reconcile``; the wire format is there), notifications, and the blocking replies;
+- :mod:`vmpin.service.agent_passes`: a full pass queued, the planner thread, a node pass;
+- :mod:`vmpin.service.agent_accounting`: what the passes did, for ``status``, gauges, logs;
+- beside them: the queue (:mod:`~vmpin.service.queue`), the socket
+  (:mod:`~vmpin.service.server`), logs and faults (:mod:`~vmpin.service.logs`), metrics
+  (:mod:`~vmpin.service.metrics`), the per-sandbox records (:mod:`~vmpin.service.workers`).
 """
 
 from __future__ import annotations
@@ -63,7 +70,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import math
 import os
@@ -72,59 +78,32 @@ import socket
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vmpin import __version__
-from vmpin.core.errors import IdError, StateError, VmpinError
-from vmpin.core.ids import check_id, valid_id
+from vmpin.core.errors import StateError, VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 from vmpin.service import limits
-from vmpin.service.logs import Throttle, log, log_event, setup_logging
-from vmpin.service.metrics import Metrics, MetricsServer, Snapshot
+from vmpin.service.agent_accounting import Accounting
+from vmpin.service.agent_passes import Planner, ReconcilerFactory
+from vmpin.service.agent_protocol import ControlProtocol, Waiters
+from vmpin.service.logs import HOST_FAULTS, Faults, log_event, setup_logging
+from vmpin.service.metrics import Metrics, MetricsServer
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
-from vmpin.service.server import AgentRunning, ControlServer, Reply
+from vmpin.service.server import AgentRunning, ControlServer
 from vmpin.service.settings import POLICY_KEYS, Settings
-from vmpin.service.workers import FullPass, SandboxStat
+from vmpin.service.workers import SandboxStat
 from vmpin.state import journal
-from vmpin.state.locks import WAIT
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
     from vmpin.reconcile.domains import LibvirtDomains
     from vmpin.service.kube import KubeLink
 
-#: thread actions whose thread carries its plan (vmpin.reconcile.apply, .report)
-_CARRYING = ("ok", "pinned")
-
-#: the work item of a full pass that stands for every libvirt domain (not store sandboxes)
-DOMAINS_WORK = "libvirt-domains"
-
 DEFAULT_INTERVAL = 5.0
 DEFAULT_WORKERS = 2
 DEFAULT_DRAIN_TIMEOUT = 10.0
-#: the least time between two log lines about one recurring fault (:meth:`Agent.fault`)
-FAULT_LOG_EVERY = 60.0
-#: errors the host raises that a loop of the agent outlives (issue 26: EMFILE, ENFILE,
-#: ENOMEM, EIO ...): counted as ``host`` errors; anything else is a bug, ``internal``
-HOST_FAULTS = (OSError, MemoryError)
-
-
-class _Waiter:
-    """A blocking ``dirty`` request: the pass it waits for, and how to answer it."""
-
-    __slots__ = ("answer", "maps_first", "queued", "reply", "target")
-
-    def __init__(self, answer: Reply | None, maps_first: bool = True) -> None:
-        self.answer = answer
-        #: answered only once the pass's guest maps are published (a Kata hook: the guest
-        #: hook of the container about to start reads its entry); False for ``vmpin
-        #: update``, whose map the guest's follower picks up whenever it comes
-        self.maps_first = maps_first
-        self.target = 0
-        self.queued = 0
-        self.reply: dict[str, Any] | None = None
 
 
 class CtxLike(Protocol):
@@ -133,14 +112,13 @@ class CtxLike(Protocol):
     paths: HostPaths
     settings: Settings
 
-    def reconciler(self, store: Store | None = None) -> Reconciler: ...
+    @property
+    def reconciler(self) -> ReconcilerFactory: ...
 
 
 MAX_INTERVAL = 86400.0
 MAX_HOLDOFF = 60.0
 MAX_WORKERS = 64
-#: the longest a blocking ``dirty`` request may ask to wait (seconds)
-MAX_WAIT = 60.0
 
 
 def check_seconds(name: str, value: float, *, low: float, high: float) -> float:
@@ -151,11 +129,50 @@ def check_seconds(name: str, value: float, *, low: float, high: float) -> float:
     return float(value)
 
 
+def take_lock(state_dir: str) -> int:
+    """One agent per state dir: an exclusive ``flock`` on ``agent.lock`` (released by the
+    kernel even on kill -9) holding our pid; its fd."""
+    from vmpin.state.locks import check_parent, open_lock_file
+
+    path = os.path.join(state_dir, "agent.lock")
+    # owner-only, in a state dir no one else may write: whoever could open it could
+    # keep every agent from starting (vmpin.state.locks)
+    check_parent(state_dir)
+    fd = open_lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise AgentRunning(
+                f"another vmpin agent (pid {holder}) is running on {state_dir}"
+            ) from None
+        raise StateError(f"{path}: {err.strerror}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+    os.close(fd)  # closing the last fd releases the flock
+
+
 class Agent:
+    """The agent's life: start, the main loop, signals, the drain; and what it is made of.
+
+    Its parts are built here and handed their collaborators: :class:`Accounting`,
+    :class:`Waiters` and :class:`ControlProtocol` (the socket's requests), :class:`Planner`
+    (the passes).  What others call on the agent -- the socket's ``handle``, the watchers'
+    and the Kubernetes link's ``notify``, ``fault`` -- are those parts' methods.
+    """
+
     def __init__(
         self,
         paths: HostPaths,
-        reconciler_factory: Callable[[Store], Reconciler],
+        reconciler_factory: ReconcilerFactory,
         *,
         interval: float = DEFAULT_INTERVAL,
         workers: int = DEFAULT_WORKERS,
@@ -180,12 +197,10 @@ class Agent:
                 f"--metrics-address {metrics_address!r}: not an IPv4 or IPv6 address"
             ) from None
         self.paths = paths
-        self.reconciler_factory = reconciler_factory
         #: libvirt domains (vmpin.reconcile.domains): planned in every node-wide pass; their
         #: lifecycle events queue work (vmpin.service.domain_events)
         self.domains = domains
         self._domain_events: Any = None
-        self._conflicts: set[tuple[str, Any, Any]] = set()
         self.interval = interval
         #: ``--workers`` as given (validated, kept for compatibility): node passes are
         #: serialised on one planner thread whatever it says
@@ -203,62 +218,53 @@ class Agent:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wakeup_fd_set = False
         self.started = time.monotonic()
-        self._lock = threading.Lock()  # guards the bookkeeping below
-        self._stats: dict[str, SandboxStat] = {}
-        self._pass: FullPass | None = None
-        self._passes = 0
-        self._last_pass: dict[str, Any] | None = None
-        self._last_pass_end: float | None = None
+        self._lock = threading.Lock()  # guards _pass_requested
         self._pass_requested = False
-        self._events = 0
-        self._plans = 0
-        self._errors = 0
-        self._node_passes = 0
-        #: the last pass whose guest maps are published, and the waiters that do not need
-        #: them first but are not registered yet (under _pass_cond)
-        self._maps_done = 0
-        self._maps_after_coming = 0
-        #: node passes started / finished / finished without raising (numbered from 1), and
-        #: the condition blocking ``dirty`` requests sleep on (signalled at each pass's end)
-        self._pass_cond = threading.Condition()
-        self._node_started = 0
-        self._node_finished = 0
-        self._node_ok = 0
-        self._stopping = False
-        #: blocking ``dirty`` requests not answered yet (under ``_pass_cond``)
-        self._waiters: list[_Waiter] = []
         self._workers: list[threading.Thread] = []
         self._server: ControlServer | None = None
         self._lockfd: int | None = None
         self._metrics_server: MetricsServer | None = None
         #: (control, metrics) connections at once, sized from the fd limit at start
         self.caps = (limits.CONTROL_CAP, limits.METRICS_CAP)
+        #: the main thread's connection: each full pass applies the journal and lists the
+        #: sandboxes on it (the planner has its own)
         self._store: Store | None = None
         self._watcher: Any = None  # vmpin.service.watch.Watcher: runc/kubelet changes -> notify
-        self._tracked_lock = threading.Lock()
-        self._tracked_cache: tuple[float, dict[str, tuple[str, int]]] | None = None
-        #: bumped (under ``_lock``) whenever ``_stats`` changes: the gauges and status sum
-        #: the per-sandbox bookkeeping again only then (a status poll during an idle node
-        #: cost a walk over 2,000 records)
-        self._stats_version = 0
-        self._snapshot_cache: tuple[tuple[float, int], Snapshot] | None = None
-        #: the Kubernetes link (vmpin.service.kube) when the API is configured
-        self.kube: KubeLink | None = None
-        #: the pods' policy annotations as last recorded in the store (planner thread only;
-        #: None until the first pass reads them), and the link's version they came from
-        self._api_policies: dict[str, dict[str, str]] | None = None
-        self._api_policy_version = -1
-        self.metrics.track_state(self._snapshot)
+        self.metrics_error: str | None = None
+        # -- the parts ----------------------------------------------------------------------
+        #: recurring faults of the loops, counted, and said once a minute
+        self.faults = Faults(lambda kind: self.metrics.errors.labels(kind).inc())
+        self.fault = self.faults.report
+        self.accounting = Accounting(paths, self.metrics)
+        self.waiters = Waiters(self.fault)
+        self.control = ControlProtocol(
+            self.queue, self.waiters, self.metrics, self.accounting,
+            status=self.status, request_pass=self.request_pass,
+        )  # fmt: skip
+        self.handle = self.control.handle
+        self.notify = self.control.notify
+        self.notify_and_wait = self.control.notify_and_wait
+        self.planner = Planner(
+            paths, reconciler_factory, self.queue, self.waiters, self.accounting, self.metrics,
+            fault=self.fault, pause=self._pause, fatal=self._planner_failed,
+            interval=interval, domains=domains is not None,
+        )  # fmt: skip
+        self.metrics.track_state(self.accounting.snapshot)
         self.metrics.track_queue(self.queue.depth, self.queue.running)
         self.metrics.track_journal(
             lambda: float(journal.backlog(paths.state_dir)),
             lambda: float(journal.quarantined(paths.state_dir)),
         )
-        #: recurring faults of the loops, said once a minute (:meth:`fault`)
-        self._faults = Throttle(FAULT_LOG_EVERY)
-        #: why the store cannot be written (read-only, full), while pinning goes on
-        self.store_error: str | None = None
-        self.metrics_error: str | None = None
+
+    @property
+    def kube(self) -> KubeLink | None:
+        """The Kubernetes link (vmpin.service.kube) when the API is configured
+        (:func:`attach_kube`)."""
+        return self.planner.kube
+
+    @kube.setter
+    def kube(self, link: KubeLink | None) -> None:
+        self.planner.kube = link
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -267,7 +273,7 @@ class Agent:
             os.makedirs(self.paths.state_dir, mode=0o700, exist_ok=True)
         except OSError as err:
             raise StateError(f"{self.paths.state_dir}: {err.strerror}") from None
-        self._take_lock()
+        self._lockfd = take_lock(self.paths.state_dir)
         # the soft fd limit up to the hard one, and the endpoints' caps sized from it
         # (vmpin.service.limits): what they serve can never take the passes' fds
         was, nofile, hard = limits.raise_nofile()
@@ -296,7 +302,7 @@ class Agent:
             # planned again from the stored level by the start-up pass, which (node-wide like
             # every pass) plans every sandbox whether marked dirty or not.  So nothing is
             # marked here: that cost a write per sandbox per start and changed no plan.
-            t = threading.Thread(target=self._planner, name="vmpin-planner", daemon=True)
+            t = threading.Thread(target=self.planner.run, name="vmpin-planner", daemon=True)
             t.start()
             self._workers.append(t)
             assert self._server is not None
@@ -365,6 +371,18 @@ class Agent:
         log_event(logging.INFO, "stopping", signal=self._stop_signal)
         return self.shutdown()
 
+    def full_pass(self, cause: str) -> bool:
+        """Queue every sandbox (:meth:`Planner.full_pass`); False when the previous full pass
+        has not finished yet."""
+        assert self._store is not None
+        return self.planner.full_pass(self._store, cause)
+
+    def request_pass(self) -> None:
+        """A full pass as soon as the main loop wakes (``{"op":"reconcile"}``)."""
+        with self._lock:
+            self._pass_requested = True
+        self._wake()
+
     def watch_signals(self) -> None:
         """Wake the main loop on any signal (main thread only; undone by :meth:`shutdown`)."""
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -382,29 +400,15 @@ class Agent:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def fault(self, where: str, err: BaseException) -> None:
-        """An error one of the agent's loops outlives (the main loop and its periodic pass,
-        the planner, the watcher, the accept loops): counted in ``vmpin_errors_total`` --
-        ``host`` for what the host refused (EMFILE, ENFILE, ENOMEM, EIO: an OSError or
-        MemoryError), ``internal`` for anything else -- and logged the first time per
-        (where, what), then at most once a minute with how many went unsaid: a host out of
-        fds must not also fill the node's journal.  The loop then tries again at its next
-        turn (issue 26: an EMFILE in the periodic pass used to end the agent)."""
-        # (a VmpinError translated from the host's OSError chains it: ``raise ... from err``)
-        cause = err.__cause__ if isinstance(err.__cause__, HOST_FAULTS) else err
-        host = isinstance(cause, HOST_FAULTS)
-        self.metrics.errors.labels("host" if host else "internal").inc()
-        code = getattr(cause, "errno", None)
-        what = errno.errorcode.get(code, type(cause).__name__) if code else type(cause).__name__
-        unsaid = self._faults.due((where, what))
-        if unsaid is None:
-            return
-        fields = {"where": where, "error": what, "detail": str(err), "unsaid": unsaid}
-        log.error(
-            "host error: going on" if host else "internal error: going on",
-            exc_info=None if host else err,
-            extra={"fields": fields},
-        )
+    def _pause(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True when the agent is stopping."""
+        return self.stop_event.wait(seconds) or bool(self._stop_signal)
+
+    def _planner_failed(self) -> None:
+        """The planner cannot start (a setting it cannot plan with): the agent ends, 1."""
+        self._exit_code = 1
+        self.waiters.release()
+        self.request_stop()
 
     def shutdown(self) -> int:
         """Drain: drop queued periodic work (the next start repeats it), finish the events
@@ -415,7 +419,7 @@ class Agent:
             self._watcher.close()
         dropped = self.queue.drop_background()
         drained = self.queue.wait_idle(self.drain_timeout)
-        self._release_waiters()  # no pass is coming for whoever still waits: done=false
+        self.waiters.release()  # no pass is coming for whoever still waits: done=false
         if self.kube is not None:
             self.kube.stop()
         self._close_socket()
@@ -434,48 +438,24 @@ class Agent:
             self._wakeup_fd_set = False
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+        plans, events = self.accounting.totals()
         log_event(
             logging.INFO,
             "agent stopped",
             drained=drained,
             dropped_periodic=dropped,
             left=self.queue.depth(),
-            plans=self._plans,
-            events=self._events,
+            plans=plans,
+            events=events,
         )
         return self._exit_code
 
-    # -- the state dir lock and the socket ---------------------------------------------------
-    def _take_lock(self) -> None:
-        from vmpin.state.locks import check_parent, open_lock_file
-
-        path = os.path.join(self.paths.state_dir, "agent.lock")
-        # owner-only, in a state dir no one else may write: whoever could open it could
-        # keep every agent from starting (vmpin.state.locks)
-        check_parent(self.paths.state_dir)
-        fd = open_lock_file(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise AgentRunning(
-                    f"another vmpin agent (pid {holder}) is running on {self.paths.state_dir}"
-                ) from None
-            raise StateError(f"{path}: {err.strerror}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lockfd = fd
-
+    # -- the state dir lock, the control socket (vmpin.service.server), the metrics port ------
     def _release_lock(self) -> None:
         if self._lockfd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._lockfd, 0)
-            os.close(self._lockfd)  # closing the last fd releases the flock
+            release_lock(self._lockfd)
             self._lockfd = None
 
-    # -- the control socket (vmpin.service.server) -------------------------------------------
     def _open_socket(self) -> None:
         slots = self.metrics.slots("control", self.caps[0], (b"\n",))
         self._server = ControlServer(
@@ -490,661 +470,57 @@ class Agent:
     def _refused(self) -> None:
         self.metrics.errors.labels("control").inc()
 
-    # -- control requests -----------------------------------------------------------------
-    def handle(self, line: bytes, answer: Reply | None = None) -> dict[str, Any] | None:
-        """One request line -> one reply (a dict; ``ok`` says whether it was understood).
-
-        None when the reply went out on ``answer`` already (a blocking ``dirty``, answered by
-        the planner: :meth:`notify_and_wait`)."""
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            return self._bad("request is not JSON")
-        if not isinstance(msg, dict):
-            return self._bad("request is not a JSON object")
-        op = msg.get("op")
-        if op == "dirty":
-            ids = msg.get("sandboxes")
-            if not isinstance(ids, list):
-                return self._bad("dirty: 'sandboxes' must be a list of ids")
-            try:
-                sids = [check_id(s, "sandbox id") for s in ids]
-            except IdError as err:
-                return self._bad(f"dirty: {err}")
-            if "wait" not in msg:
-                return {"ok": True, "queued": self.notify(sids)}
-            wait = msg["wait"]
-            if (
-                isinstance(wait, bool)
-                or not isinstance(wait, (int, float))
-                or not (math.isfinite(wait) and 0 < wait <= MAX_WAIT)
-            ):
-                return self._bad(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
-            guest_map = msg.get("guest_map", "before")
-            if guest_map not in ("before", "after"):
-                return self._bad("dirty: 'guest_map' must be \"before\" or \"after\" the answer")
-            maps_first = guest_map == "before"
-            if answer is None:
-                return self.notify_and_wait(sids, float(wait), maps_first=maps_first)
-            self.notify_and_wait(sids, float(wait), answer, maps_first=maps_first)
-            return None
-        if op == "status":
-            sid = msg.get("sandbox")
-            return self.status(sid if isinstance(sid, str) else None)
-        if op == "reconcile":
-            with self._lock:
-                self._pass_requested = True
-            self._wake()
-            return {"ok": True}
-        return self._bad(f"unknown op {op!r} (dirty, status, reconcile)")
-
-    def _bad(self, error: str) -> dict[str, Any]:
-        self.metrics.errors.labels("control").inc()
-        # said once a minute: whoever sends a flood of them must not fill the log too
-        unsaid = self._faults.due(("control", "bad request"))
-        if unsaid is not None:
-            log_event(logging.WARNING, "bad control request", error=error, unsaid=unsaid)
-        return {"ok": False, "error": error}
-
-    def notify(self, sandbox_ids: list[str], *, urgent: bool = False) -> int:
-        """Mark sandboxes dirty (their new level is already in the store); how many queued.
-
-        ``urgent``: a caller blocks on the pass, so no hold-off (:class:`DirtyQueue`).
-        """
-        now = time.monotonic()
-        added = self.queue.add_all(sandbox_ids, "event", now, urgent=urgent)
-        queued = sum(added)
-        self.metrics.events.inc(len(added))
-        if len(added) > queued:
-            self.metrics.coalesced.inc(len(added) - queued)
-        with self._lock:
-            self._events += len(sandbox_ids)
-        return queued
-
-    def notify_and_wait(
-        self,
-        sandbox_ids: list[str],
-        wait: float,
-        answer: Reply | None = None,
-        *,
-        maps_first: bool = True,
-    ) -> dict[str, Any]:
-        """The blocking ``dirty``: reply once a node pass that started after now has ended.
-
-        Runs on the request's own connection thread (:class:`ControlServer` serves each
-        connection on one), so the accept loop and other clients go on meanwhile.  No
-        polling: the planner answers every waiter its pass satisfies at the end of that pass,
-        itself, on the waiter's connection (``answer``), and only then wakes the waiting
-        threads; a waiter past its deadline (or the agent stopping) answers ``done: false``
-        itself.  A pass that raised does not count (the caller then does the work itself),
-        a later one does.  The reply is returned too (for callers without a connection).
-        ``maps_first``: the pass publishes its guest maps before answering (else after).
-        """
-        deadline = time.monotonic() + wait
-        waiter = _Waiter(answer, maps_first)
-        with self._pass_cond:
-            # passes are numbered in the order they start, and one runs at a time: the first
-            # to start from now on is number started + 1 (it ingests and reads the store
-            # after this point, so it sees whatever the caller wrote before asking)
-            waiter.target = self._node_started + 1
-            if not maps_first:
-                self._maps_after_coming += 1  # (a pass that starts now defers its maps)
-        waiter.queued = self.notify(sandbox_ids, urgent=True)
-        self.queue.kick()  # a pass even if every id folded into one running, or none was given
-        with self._pass_cond:
-            # registered once complete, so the planner answers it whole; a pass that ended
-            # meanwhile is caught by the loop's first test
-            self._waiters.append(waiter)
-            if not maps_first:
-                self._maps_after_coming -= 1
-            while waiter.reply is None:
-                if self._stopping or (
-                    self._node_finished >= waiter.target
-                    and (self._maps_done >= waiter.target or not maps_first)
-                ):
-                    self._answer(waiter)
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._answer(waiter)
-                    break
-                self._pass_cond.wait(left)
-        assert waiter.reply is not None
-        return waiter.reply
-
-    def _answer(self, waiter: _Waiter) -> None:
-        """Reply to one waiter (under ``_pass_cond``): done when its pass ended well."""
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
-        waiter.reply = {
-            "ok": True,
-            "queued": waiter.queued,
-            "done": self._node_ok >= waiter.target,
-        }
-        if waiter.answer is not None:
-            waiter.answer.send(waiter.reply)
-
-    def _release_waiters(self) -> None:
-        with self._pass_cond:
-            self._stopping = True
-            self._pass_cond.notify_all()
-
-    # -- passes -----------------------------------------------------------------------------
-    def full_pass(self, cause: str) -> bool:
-        """Queue every sandbox; False when the previous full pass has not finished yet."""
-        assert self._store is not None
-        with self._lock:
-            if self._pass is not None:
-                log_event(
-                    logging.WARNING,
-                    "previous pass still running: tick skipped",
-                    number=self._pass.number,
-                    remaining=len(self._pass.remaining),
-                )
-                return False
-            self._passes += 1
-            self._ingest(self._store)  # containers whose hooks nobody has applied yet
-            ids = [s.id for s in self._store.sandboxes()]
-            if self.domains is not None:
-                # domains are not in the store; one node-wide pass covers them all
-                ids.append(DOMAINS_WORK)
-            # forget bookkeeping of sandboxes deleted behind our back (e.g. by a hook)
-            for gone in set(self._stats) - set(ids):
-                del self._stats[gone]
-                self._stats_version += 1
-            p = FullPass(self._passes, cause, ids)
-            self._pass = p
-        self.queue.add_all(ids, cause)  # all at once: one node pass, not a few and the rest
-        if not ids:
-            self._finish_pass_if_done(p)
-        return True
-
-    def _finish_pass_if_done(self, p: FullPass) -> None:
-        with self._lock:
-            if p.remaining or self._pass is not p:
-                return
-            self._pass = None
-            wall = time.monotonic() - p.started
-            cpu = time.process_time() - p.started_cpu
-            self._last_pass_end = time.monotonic()
-            self._last_pass = {
-                "number": p.number,
-                "cause": p.cause,
-                "sandboxes": p.total,
-                "duration_s": round(wall, 4),
-                "cpu_s": round(cpu, 4),
-                "repaired": p.repaired,
-                "errors": p.errors,
-            }
-        self.metrics.full_pass.observe(wall)
-        self.metrics.full_pass_cpu.set(cpu)
-        self.metrics.last_full_pass.set_to_current_time()
-        level = logging.INFO if (p.repaired or p.errors or p.cause == "startup") else logging.DEBUG
-        log_event(level, "pass done", **self._last_pass)
-
-    def _planner(self) -> None:
-        """The one planning thread: every ready entry -> one node pass -> each one accounted."""
-        while True:
-            try:
-                store = Store(self.paths.state_dir)
-                try:
-                    reconciler = self._planner_setup(store)
-                except BaseException:
-                    store.close()
-                    raise
-                break
-            except (StateError, sqlite3.Error, *HOST_FAULTS) as err:
-                # the store cannot be opened now (EMFILE, ENOMEM, EIO): not a setting that
-                # is wrong, so try again rather than end the agent
-                self.fault("planner start", err)
-                if self.stop_event.wait(min(self.interval, 5.0)) or self._stop_signal:
-                    return
-            except VmpinError as err:  # a setting the planner cannot plan with
-                log_event(logging.ERROR, "planner cannot start", error=str(err))
-                self.metrics.errors.labels("internal").inc()
-                self._exit_code = 1
-                self._release_waiters()
-                self.request_stop()
-                return
-        with store:
-            while True:
-                batch = self.queue.take_batch()
-                if batch is None:
-                    return
-                try:
-                    self._run_batch(batch, store, reconciler)
-                except Exception as err:  # after the pass (maps, settling): the next one runs
-                    self.fault("planner", err)
-
-    def _planner_setup(self, store: Store) -> Reconciler:
-        # a waiting hook or `vmpin update` gets its answer before any sync: the pass's
-        # writes reach the disk with the checkpoint after it (_settle)
-        store.defer_durability()
-        reconciler = self.reconciler_factory(store)
-        # a replaced guest map is freed after the pass's answers, not in its rename
-        # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
-        reconciler.held_maps = []
-        # the agent plans for its whole life: a CPU hot(un)plugged is planned for at the
-        # next pass (one read of the online list each)
-        reconciler.follow_hotplug = True
-        return reconciler
-
-    def _run_batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
-        with self._pass_cond:
-            self._node_started += 1
-            number = self._node_started
-            # the guest maps wait for the answers only when a waiter does not need them
-            # first (vmpin update); else they are written in the pass, as they are made (a
-            # full pass's 2,000 maps kept to its end were ~1 MB of the agent's RSS)
-            later = self._maps_after_coming > 0 or any(not w.maps_first for w in self._waiters)
-            reconciler.maps_later = [] if later else None
-        ok = False
-        try:
-            self._node_pass(batch, store, reconciler)
-            ok = True
-        except HOST_FAULTS as err:  # EMFILE, ENOMEM, EIO: said once a minute, not per pass
-            with self._lock:
-                self._errors += 1
-            self.fault("node pass", err)
-        except Exception as err:  # the planner must survive any one pass
-            self.metrics.errors.labels("internal").inc()
-            with self._lock:
-                self._errors += 1
-            if isinstance(err, sqlite3.OperationalError):  # full (or gone read-only)
-                if self.store_error is None:
-                    log_event(logging.ERROR, "cannot write the store", error=str(err))
-                self.store_error = f"{store.path}: {err}"
-            log.error(
-                "node pass failed",
-                # the database failing (full, read-only, corrupt) is one line, not a
-                # traceback per pass
-                exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
-                extra={
-                    "fields": {
-                        "sandboxes": [w.sandbox_id for w in batch[:20]],
-                        "batch": len(batch),
-                        "error": str(err),
-                    }
-                },
-            )
-        finally:
-            self.queue.done_all([w.sandbox_id for w in batch])
-            self._progress(batch)
-            with self._pass_cond:
-                self._node_finished = number
-                if ok:
-                    self._node_ok = number
-                due = [w for w in self._waiters if w.target <= number]
-                maps_now = any(w.maps_first for w in due)
-                if maps_now:
-                    # a Kata hook: its container's guest hook reads the map once it returns
-                    self._publish_maps(reconciler, number)
-                # answered from here, before their threads wake (Reply)
-                for waiter in due:
-                    self._answer(waiter)
-                self._pass_cond.notify_all()
-        if not maps_now:
-            # after the answers: the maps no waiter needed first (an update's: the guest's
-            # follower polls for it); a waiter that registered late waits for them
-            self._publish_maps(reconciler, number)
-            with self._pass_cond:
-                if self._waiters:
-                    self._pass_cond.notify_all()
-        # the maps the pass replaced, freed now that no one waits (Reconciler.held_maps)
-        reconciler.release_maps()
-        # then the pass's journal events made durable, their files removed
-        self._settle(store)
-
-    def _publish_maps(self, reconciler: Reconciler, number: int) -> None:
-        """The guest maps of pass ``number`` (and those before it) published."""
-        try:
-            reconciler.publish_maps()
-        except Exception as err:  # the planner must survive any one pass (said once a minute)
-            self.fault("publishing guest maps", err)
-        self._maps_done = number
-
-    def _settle(self, store: Store) -> None:
-        try:
-            store.settle_journal()
-        except StateError as err:
-            self._store_failed(err)
-
     def _metrics_where(self, port: int | None = None) -> str:
         host = self.metrics_address
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{self.metrics_port if port is None else port}"
 
-    def _store_failed(self, err: StateError) -> None:
-        """A store that cannot be written (read-only, full), or whose journal the host does
-        not let us read (EMFILE, EIO: a ``host`` fault, :meth:`fault`): logged once, shown
-        in status until an ingest succeeds again."""
-        if isinstance(err.__cause__, HOST_FAULTS):
-            self.fault("store", err)
-        else:
-            if self.store_error != str(err):
-                log_event(logging.ERROR, "cannot write the store", error=str(err))
-            self.metrics.errors.labels("internal").inc()
-        self.store_error = str(err)
-
-    def _record_api_policies(self, store: Store) -> None:
-        """The pods' policy annotations as the Kubernetes API shows them, into the store
-        when they changed since the last pass: every process then plans with them (issue 25:
-        they lived in the agent alone; ``audit`` called its choice drift and ``reconcile
-        --once`` reverted it)."""
-        kube = self.kube
-        if kube is None:
-            return
-        shown = kube.policies(self._api_policy_version)
-        if shown is None:
-            return  # not listed yet, or nothing changed since the last pass
-        version, policies = shown
-        if self._api_policies is None:
-            self._api_policies = {
-                uid: dict(r.annotations) for uid, r in store.policy_records()[1].items()
-            }
-        known = self._api_policies
-        changes: dict[str, Mapping[str, str] | None] = {
-            uid: ann for uid, ann in policies.items() if known.get(uid) != ann and valid_id(uid)
-        }
-        changes.update({uid: None for uid in known if uid not in policies})
-        if changes:
-            try:
-                store.record_api_policies(changes)
-            except StateError as err:
-                self._store_failed(err)
-                return
-            for uid, ann in changes.items():
-                if ann is None:
-                    known.pop(uid, None)
-                else:
-                    known[uid] = dict(ann)
-        self._api_policy_version = version
-
-    def _ingest(self, store: Store, durable: bool = True) -> None:
-        """Apply the journal; a store that cannot be written (read-only, full) is logged and
-        shown in status, and the pass goes on pinning from what is stored and the host."""
-        try:
-            store.ingest(durable=durable)
-        except StateError as err:
-            self._store_failed(err)
-        else:
-            self.store_error = None
-
-    def _progress(self, batch: list[Work]) -> None:
-        """Tick the running full pass off for the entries it queued (not older ones)."""
-        with self._lock:
-            p = self._pass
-            if p is None:
-                return
-            for work in batch:
-                if work.taken_at >= p.started:
-                    p.remaining.discard(work.sandbox_id)
-        self._finish_pass_if_done(p)
-
-    def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
-        """One node-wide pass for every sandbox in ``batch``, then each one's accounting.
-
-        The journal is applied without waiting for the disk, and settled after the pass,
-        once its waiters have their answer (:meth:`_settle`; issue 14: a Kata hook waits for
-        this pass, and the sync and checkpoint were a third of it).
-        """
-        t0 = time.monotonic()
-        # once per pass: a plain container's hook journals its event and only notifies us
-        self._ingest(store, durable=False)
-        self._record_api_policies(store)
-        # each sandbox's generation before the pass (for drift), in one read
-        recs = {rec.id: rec for rec in store.sandboxes()}
-        ids = [w.sandbox_id for w in batch]
-        reconciler.ingest_first = False  # (just done)
-        reports = {r.id: r for r in reconciler.reconcile(ids)}
-        if reconciler.went_unlocked:
-            # another process held the node's plan lock past its wait (stopped, or stuck):
-            # this pass went on without it, and either side plans again when needed
-            log_event(
-                logging.WARNING,
-                "pass ran without the node lock",
-                lock=reconciler.lock_error or f"held by another process past {WAIT:g} s",
-            )
-        self._note_conflicts(reconciler)
-        # the node's plan (with the observation it holds) is not needed between passes: do
-        # not keep every sandbox's plan alive until the next one (agent RSS, issue #14)
-        reconciler.last_plan = None
-        end = time.monotonic()
-        self.metrics.sandbox_pass.observe(end - t0)
-        self.metrics.node_passes.inc()
-        with self._lock:
-            self._node_passes += 1
-        kube = self.kube
-        now = time.time()
-        # per cause, not per sandbox: an idle pass over 2,000 sandboxes is one counter update
-        plans: dict[str, int] = {}
-        try:
-            for work in batch:
-                sid = work.sandbox_id
-                rec = recs.get(sid)
-                if rec is None:  # deleted (poststop), or a libvirt domain: the pass undid its pins
-                    with self._lock:
-                        if self._stats.pop(sid, None) is not None:
-                            self._stats_version += 1
-                    if kube is not None:
-                        kube.forget_sandbox(sid, publish=False)
-                    continue
-                report = reports.get(sid)
-                if report is None:  # gone during the pass
-                    report = SandboxReport(sid, rec.runtime)
-                    report.vanished = True
-                plans[work.cause] = plans.get(work.cause, 0) + 1
-                if work.first_event is not None:
-                    self.metrics.latency.observe(end - work.first_event)
-                drift = self._account(work, rec.gen, rec.dirty, report, now)
-                if kube is not None:
-                    kube.after_pass(rec, report, drift=drift, publish=False)
-        finally:
-            for cause, n in plans.items():
-                self.metrics.plans.labels(cause).inc(n)
-        if kube is not None:
-            kube.publish()
-
-    def _note_conflicts(self, reconciler: Reconciler) -> None:
-        """Invariant 5: conflicting exclusive claims are a metric and a log line, never merged."""
-        plan = reconciler.last_plan
-        if plan is None:
-            return
-        self.metrics.conflicts.set(len(plan.conflicts))
-        seen = {(c.cpus.to_list(), c.first, c.second) for c in plan.conflicts}
-        with self._lock:
-            # every pass re-plans the node: log a conflict when it appears, not every pass
-            new = seen - self._conflicts
-            self._conflicts = seen
-        for c in plan.conflicts:
-            if (c.cpus.to_list(), c.first, c.second) not in new:
-                continue
-            log_event(
-                logging.WARNING,
-                "conflict",
-                cpus=c.cpus.to_list(),
-                claimants=[c.first.to_json(), c.second.to_json()],
-            )
-
-    def _account(
-        self, work: Work, gen: int, dirty: bool, r: SandboxReport, now: float | None = None
-    ) -> bool:
-        """Metrics, bookkeeping and a log line for one sandbox pass.
-
-        Runs for every sandbox of every pass (2,000 of them in an idle node pass): one walk
-        over its threads, metrics touched only for what happened, and the log line's fields
-        built only when the line is written (issue 14: the agent's idle pass)."""
-        # Drift = what a pass repaired that no stored change asked for.  A periodic (or
-        # start-up) pass over a dirty sandbox is applying an update whose notification is
-        # still on its way, or that a crash interrupted.
-        drift = work.cause != "event" and not dirty
-        pinned_threads = []
-        failed = []
-        pinned: dict[str, int] = {}
-        for t in r.threads:
-            if t.action == "pinned":
-                pinned_threads.append(t)
-            elif t.action == "error":
-                failed.append(t)
-            # "ok" / "pinned": the kernel holds the plan (actual == desired, read back; a
-            # container outside its cgroup's set is "drift"), so no need to compare again
-            if (
-                t.desired is not None
-                and t.actual is not None
-                and (t.action in _CARRYING or not t.violates())
-            ):
-                pinned[t.role] = pinned.get(t.role, 0) + 1
-        cgroup_fixed = sum(1 for d in r.cgroup_drift if d.get("repaired")) if r.cgroup_drift else 0
-        errors = list(r.errors) + [f"tid {t.tid}: {t.error}" for t in failed]
-        for t in pinned_threads:
-            self.metrics.affinity_writes.labels(t.role).inc()
-        if failed:
-            self.metrics.errors.labels("affinity").inc(len(failed))
-        if r.errors:
-            self.metrics.errors.labels("sandbox").inc(len(r.errors))
-        if drift:
-            if pinned_threads:
-                self.metrics.drift.labels("thread").inc(len(pinned_threads))
-            if cgroup_fixed:
-                self.metrics.drift.labels("cgroup").inc(cgroup_fixed)
-            if r.vanished:
-                self.metrics.drift.labels("vanished").inc()
-        with self._lock:
-            self._plans += 1
-            self._errors += len(errors)
-            self._stats_version += 1
-            p = self._pass
-            if p is not None and work.sandbox_id in p.remaining:
-                if drift:
-                    p.repaired += len(pinned_threads) + cgroup_fixed + int(r.vanished)
-                p.errors += len(errors)
-            if r.vanished:
-                self._stats.pop(work.sandbox_id, None)
-            else:
-                st = self._stats.get(work.sandbox_id)
-                if st is None:
-                    st = self._stats[work.sandbox_id] = SandboxStat(r.runtime)
-                st.plans += 1
-                st.gen = gen
-                st.last = time.time() if now is None else now
-                st.containers = len(r.containers)
-                st.threads = len(r.threads)
-                st.mask = r.mask  # rendered as a list when status asks for it
-                st.mode = r.mode
-                st.errors = errors
-                st.pinned = pinned
-        changed = bool(pinned_threads or cgroup_fixed or r.vanished or errors)
-        level = logging.INFO if changed else logging.DEBUG
-        if log.isEnabledFor(level):
-            log_event(
-                level,
-                "sandbox pass",
-                sandbox=r.id,
-                cause=work.cause,
-                gen=gen,
-                mode=r.mode,
-                mask=r.mask.to_list(),
-                pinned=len(pinned_threads),
-                cgroups=cgroup_fixed,
-                vanished=r.vanished,
-                drift=drift and bool(pinned_threads or cgroup_fixed or r.vanished),
-                errors=errors,
-            )
-        return drift
-
-    # -- status and metrics ---------------------------------------------------------------------
-    def _tracked(self) -> tuple[float, dict[str, tuple[str, int]]]:
-        """Sandbox -> (runtime, containers), as the store says now (cached for a second), and
-        when it was read.
-
-        Read from the store rather than from the agent's bookkeeping: a sandbox whose last
-        container went away in a hook that notified nobody (a poststop of the sandbox
-        container) must not linger in the gauges until the next periodic pass.  A short-lived
-        connection of this thread's own (sqlite connections are per thread).
-        """
-        now = time.monotonic()
-        with self._tracked_lock:
-            cached = self._tracked_cache
-            if cached is not None and now - cached[0] < 1.0:
-                return cached
-            with Store(self.paths.state_dir) as store:
-                self._tracked_cache = (now, store.tracked())
-            return self._tracked_cache
-
-    def _snapshot(self) -> Snapshot:
-        """The gauges' sums: computed again only when the store's view or the bookkeeping
-        changed since the last time."""
-        try:
-            read_at, tracked = self._tracked()
-        except (VmpinError, sqlite3.Error) as err:
-            log_event(logging.WARNING, "cannot read the store for metrics", error=str(err))
-            read_at, tracked = -1.0, {}
-        with self._lock:
-            key = (read_at, self._stats_version)
-            cached = self._snapshot_cache
-            if cached is not None and cached[0] == key and read_at >= 0:
-                return cached[1]
-            roles: dict[str, int] = {}
-            for sid, st in self._stats.items():
-                if sid in tracked:  # (the next full pass forgets the others)
-                    for role, n in st.pinned.items():
-                        roles[role] = roles.get(role, 0) + n
-        runtimes: dict[str, tuple[int, int]] = {}
-        for runtime, n_containers in tracked.values():
-            n_s, n_c = runtimes.get(runtime, (0, 0))
-            runtimes[runtime] = (n_s + 1, n_c + n_containers)
-        snapshot = (runtimes, roles)
-        with self._lock:
-            self._snapshot_cache = (key, snapshot)
-        return snapshot
-
+    # -- status ---------------------------------------------------------------------------
     def status(self, sandbox_id: str | None = None) -> dict[str, Any]:
+        """``{"op":"status"}``: health, counters, and one sandbox's bookkeeping when asked."""
         now = time.monotonic()
-        runtimes, roles = self._snapshot()
-        with self._lock:
-            last_end = self._last_pass_end
-            age = None if last_end is None else now - last_end
-            # Healthy: the planner alive and a full pass finished lately (one may take
-            # longer than an interval on a crowded node: allow three, plus start-up slack).
-            workers_alive = sum(1 for t in self._workers if t.is_alive())
-            since = age if age is not None else now - self.started
-            healthy = (
-                workers_alive == self.n_workers
-                and since < 3 * self.interval + 10
-                and self.store_error is None
-            )
-            out: dict[str, Any] = {
-                "ok": True,
-                "healthy": healthy,
-                "pid": os.getpid(),
-                "version": __version__,
-                "uptime_s": round(now - self.started, 3),
-                "interval_s": self.interval,
-                "workers": workers_alive,
-                "sandboxes": sum(n for n, _ in runtimes.values()),
-                "containers": sum(c for _, c in runtimes.values()),
-                "threads_pinned": sum(roles.values()),
-                "queue": self.queue.depth(),
-                "running": self.queue.running(),
-                "events": self._events,
-                "plans": self._plans,
-                "node_passes": self._node_passes,
-                "errors": self._errors,
-                "passes": self._passes,
-                "pass_running": self._pass is not None,
-                "last_pass_age_s": None if age is None else round(age, 3),
-                "journal_pending": journal.backlog(self.paths.state_dir),
-                "journal_bad": journal.quarantined(self.paths.state_dir),
-                "store_error": self.store_error,
-                "metrics_error": self.metrics_error,
-            }
-            if self._last_pass is not None:
-                out.update(
-                    {f"last_pass_{k}": v for k, v in self._last_pass.items() if k != "number"}
-                )
-            if sandbox_id is not None:
-                st = self._stats.get(sandbox_id)
-                out["sandbox"] = None if st is None else {"id": sandbox_id, **st.to_json()}
+        runtimes, roles = self.accounting.snapshot()
+        tally = self.accounting.tally(sandbox_id)
+        age = None if tally.last_pass_end is None else now - tally.last_pass_end
+        # Healthy: the planner alive and a full pass finished lately (one may take longer
+        # than an interval on a crowded node: allow three, plus start-up slack).
+        workers_alive = sum(1 for t in self._workers if t.is_alive())
+        since = age if age is not None else now - self.started
+        store_error = self.planner.store_error
+        healthy = (
+            workers_alive == self.n_workers
+            and since < 3 * self.interval + 10
+            and store_error is None
+        )
+        out: dict[str, Any] = {
+            "ok": True,
+            "healthy": healthy,
+            "pid": os.getpid(),
+            "version": __version__,
+            "uptime_s": round(now - self.started, 3),
+            "interval_s": self.interval,
+            "workers": workers_alive,
+            "sandboxes": sum(n for n, _ in runtimes.values()),
+            "containers": sum(c for _, c in runtimes.values()),
+            "threads_pinned": sum(roles.values()),
+            "queue": self.queue.depth(),
+            "running": self.queue.running(),
+            "events": tally.events,
+            "plans": tally.plans,
+            "node_passes": tally.node_passes,
+            "errors": tally.errors,
+            "passes": tally.passes,
+            "pass_running": tally.pass_running,
+            "last_pass_age_s": None if age is None else round(age, 3),
+            "journal_pending": journal.backlog(self.paths.state_dir),
+            "journal_bad": journal.quarantined(self.paths.state_dir),
+            "store_error": store_error,
+            "metrics_error": self.metrics_error,
+        }
+        if tally.last_pass is not None:
+            out.update({f"last_pass_{k}": v for k, v in tally.last_pass.items() if k != "number"})
+        if sandbox_id is not None:
+            out["sandbox"] = tally.sandbox
         return out
 
 
@@ -1221,7 +597,7 @@ def serve(
         with Store(ctx_obj.paths.state_dir) as store:
             ctx_obj.settings.record(store, "vmpin serve")
     except StateError as err:
-        agent._store_failed(err)
+        agent.planner.store_failed(err)
     try:
         # after start: the pod watch's first list re-queues every pod's sandboxes, so the
         # start-up pass needs no API; a bad kubeconfig stops the agent with one line

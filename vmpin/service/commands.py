@@ -113,10 +113,26 @@ class Ctx:
             self._domains = LibvirtDomains(self.paths, uris)
         return self._domains
 
-    def reconciler(self, store: Store | None = None) -> Reconciler:
+    def reconciler(
+        self,
+        store: Store | None = None,
+        *,
+        ingest_first: bool = True,
+        hold_maps: bool = False,
+        follow_hotplug: bool = False,
+    ) -> Reconciler:
+        """:func:`vmpin.service.settings.build_reconciler` for this command's settings (the
+        options are the agent's: :class:`vmpin.service.agent_passes.ReconcilerFactory`)."""
         from vmpin.service.settings import build_reconciler
 
-        return build_reconciler(self.settings, store or self.store(), domains=self.domains())
+        return build_reconciler(
+            self.settings,
+            store or self.store(),
+            domains=self.domains(),
+            ingest_first=ingest_first,
+            hold_maps=hold_maps,
+            follow_hotplug=follow_hotplug,
+        )
 
 
 # -- printing -------------------------------------------------------------------------------

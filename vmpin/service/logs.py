@@ -1,10 +1,12 @@
 """The agent's logging: JSON lines on stderr, one object per line (``ts``, ``level``, ``event``,
-then the fields), so a node's log pipeline can index them without parsing prose; and the
+then the fields), so a node's log pipeline can index them without parsing prose; the
 :class:`Throttle` that keeps a condition which recurs (a host out of fds, a flood of
-connections) to a line a minute instead of a line per pass or per connection."""
+connections) to a line a minute instead of a line per pass or per connection; and
+:class:`Faults`, how every loop of the agent reports an error it outlives."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -81,3 +83,42 @@ class Throttle:
                 return None
             self._seen[key] = (now, 0)
             return 0 if seen is None else seen[1]
+
+
+#: the least time between two log lines about one recurring fault (:meth:`Faults.report`)
+FAULT_LOG_EVERY = 60.0
+#: errors the host raises that a loop of the agent outlives (issue 26: EMFILE, ENFILE,
+#: ENOMEM, EIO ...): counted as ``host`` errors; anything else is a bug, ``internal``
+HOST_FAULTS = (OSError, MemoryError)
+
+
+class Faults:
+    """The errors the agent's loops outlive (the main loop and its periodic pass, the
+    planner, the watcher, the accept loops), counted by kind with ``count`` (the agent's
+    ``vmpin_errors_total``) and said at most once a minute each."""
+
+    def __init__(self, count: Callable[[str], object], every: float = FAULT_LOG_EVERY) -> None:
+        self._count = count
+        self._throttle = Throttle(every)
+
+    def report(self, where: str, err: BaseException) -> None:
+        """Count ``err`` -- ``host`` for what the host refused (EMFILE, ENFILE, ENOMEM, EIO:
+        an OSError or MemoryError), ``internal`` for anything else -- and log it the first
+        time per (where, what), then at most once a minute with how many went unsaid: a host
+        out of fds must not also fill the node's journal.  The loop then tries again at its
+        next turn (issue 26: an EMFILE in the periodic pass used to end the agent)."""
+        # (a VmpinError translated from the host's OSError chains it: ``raise ... from err``)
+        cause = err.__cause__ if isinstance(err.__cause__, HOST_FAULTS) else err
+        host = isinstance(cause, HOST_FAULTS)
+        self._count("host" if host else "internal")
+        code = getattr(cause, "errno", None)
+        what = errno.errorcode.get(code, type(cause).__name__) if code else type(cause).__name__
+        unsaid = self._throttle.due((where, what))
+        if unsaid is None:
+            return
+        fields = {"where": where, "error": what, "detail": str(err), "unsaid": unsaid}
+        log.error(
+            "host error: going on" if host else "internal error: going on",
+            exc_info=None if host else err,
+            extra={"fields": fields},
+        )

@@ -599,7 +599,7 @@ class MetricsServer:
     ) -> None:
         self.registry = metrics.registry
         self.slots = metrics.slots("metrics", cap, HEAD_ENDS)
-        #: told of an error the accept loop outlives (the agent's Agent.fault)
+        #: told of an error the accept loop outlives (Agent.fault: logs.Faults.report)
         self._fault = fault or (lambda where, err: metrics.errors.labels("host").inc())
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -106,7 +106,7 @@ class ControlServer:
         self.refused = refused
         #: the connections, at most ``slots.cap`` at once (vmpin.service.limits)
         self.slots = slots if slots is not None else Slots("control", CONTROL_CAP)
-        #: told of an error a connection thread outlives (the agent's Agent.fault)
+        #: told of an error a connection thread outlives (Agent.fault: logs.Faults.report)
         self.fault = fault
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None

@@ -170,12 +170,20 @@ def build_reconciler(
     affinity: AffinityBackend | None = None,
     qmp_timeout: float = 0.3,
     domains: DomainSource | None = None,
+    ingest_first: bool = True,
+    hold_maps: bool = False,
+    follow_hotplug: bool = False,
 ) -> Reconciler:
     """The one factory: every entry point's observe -> plan -> apply machinery.
 
     ``domains``: libvirt domains (:class:`vmpin.reconcile.domains.LibvirtDomains` built from
     :meth:`Settings.libvirt_uris`), handed in by the CLI and the agent only: the hook, which
     also builds its reconciler here, never imports libvirt.
+
+    What a process that plans for its whole life (the agent) asks for
+    (:class:`vmpin.reconcile.reconciler.Reconciler`): ``ingest_first=False``, it applies the
+    journal itself before each pass; ``hold_maps``, replaced guest maps are freed after its
+    answers; ``follow_hotplug``, the topology is read again once a CPU comes or goes.
     """
     from vmpin.reconcile.reconciler import Reconciler
 
@@ -189,6 +197,9 @@ def build_reconciler(
         float_policy=settings.float_policy(),
         qmp_timeout=qmp_timeout,
         domains=domains,
+        ingest_first=ingest_first,
+        hold_maps=hold_maps,
+        follow_hotplug=follow_hotplug,
     )
 
 

@@ -75,7 +75,7 @@ class Watcher:
         self.paths = paths
         self.on_dirty = on_dirty
         #: told of an error the watch outlives (the agent counts it and says it once a
-        #: minute, :meth:`vmpin.service.agent.Agent.fault`); by default a warning each time
+        #: minute, :meth:`vmpin.service.logs.Faults.report`); by default a warning each time
         self.on_error = on_error or (lambda where, err: log.warning("%s: %s", where, err))
         self.rescan = rescan
         self._ino = inotify_simple.INotify()

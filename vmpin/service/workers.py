@@ -1,7 +1,8 @@
 """What the agent's planner keeps per sandbox and per full pass (status, gauges, pass logs).
 
 The planner loop itself (take every ready entry -> one node-wide pass -> account each) is
-:meth:`vmpin.service.agent.Agent._planner`: it updates these records under the agent's lock.
+:meth:`vmpin.service.agent_passes.Planner.run`; these records are kept, under its lock, by
+:class:`vmpin.service.agent_accounting.Accounting`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,313 @@
+"""The agent's passes: a full pass queued, and the planner thread that runs node passes.
+
+:meth:`Planner.full_pass` (the main thread: at start, every ``interval``, on request) applies
+the journal and queues every sandbox; :meth:`Planner.run` (the one planner thread) takes every
+ready entry at once and runs one node-wide pass for the lot.  A pass, in phases::
+
+    begin     Waiters.pass_begins          its number; guest maps now or after the answers
+    pass      the store (ingest, the API's policies) -> Reconciler.reconcile
+              -> Accounting.account_pass -> the Kubernetes link (events, the report)
+    end       DirtyQueue.done_all -> Accounting.progress -> Waiters.pass_ends (answers)
+    after     Waiters.publish_late -> Reconciler.release_maps -> Store.settle_journal
+
+The planner's :class:`~vmpin.reconcile.reconciler.Reconciler` is built once, for the agent's
+whole life, by the factory the agent is given (:class:`ReconcilerFactory`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from vmpin.core.errors import StateError, VmpinError
+from vmpin.core.ids import valid_id
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler
+from vmpin.service.agent_accounting import Accounting
+from vmpin.service.agent_protocol import Waiters
+from vmpin.service.logs import HOST_FAULTS, log, log_event
+from vmpin.service.metrics import Metrics
+from vmpin.service.queue import DirtyQueue, Work
+from vmpin.state.locks import WAIT
+from vmpin.state.store import Store
+
+if TYPE_CHECKING:
+    from vmpin.service.kube import KubeLink
+
+#: the work item of a full pass that stands for every libvirt domain (not store sandboxes)
+DOMAINS_WORK = "libvirt-domains"
+
+
+class ReconcilerFactory(Protocol):
+    """What builds the planner's reconciler: :func:`vmpin.service.settings.build_reconciler`
+    (through ``vmpin.cli.Ctx.reconciler``), or a test's ``Reconciler``, with the options of
+    a process that plans for its whole life."""
+
+    def __call__(
+        self,
+        store: Store,
+        *,
+        ingest_first: bool = ...,
+        hold_maps: bool = ...,
+        follow_hotplug: bool = ...,
+    ) -> Reconciler: ...
+
+
+class Planner:
+    def __init__(
+        self,
+        paths: HostPaths,
+        reconciler_factory: ReconcilerFactory,
+        queue: DirtyQueue,
+        waiters: Waiters,
+        accounting: Accounting,
+        metrics: Metrics,
+        *,
+        fault: Callable[[str, BaseException], None],
+        pause: Callable[[float], bool],
+        fatal: Callable[[], None],
+        interval: float,
+        domains: bool = False,
+    ) -> None:
+        self.paths = paths
+        self.reconciler_factory = reconciler_factory
+        self.queue = queue
+        self.waiters = waiters
+        self.accounting = accounting
+        self.metrics = metrics
+        #: an error the planner outlives; a wait of up to n seconds, True once the agent
+        #: stops; the planner cannot start at all (a setting it cannot plan with)
+        self.fault = fault
+        self.pause = pause
+        self.fatal = fatal
+        #: how often a store that cannot be opened is tried again (5 s at most)
+        self.retry_every = min(interval, 5.0)
+        #: libvirt domains are planned in every node-wide pass (one work item stands for them)
+        self.domains = domains
+        #: the Kubernetes link (vmpin.service.kube) when the API is configured
+        self.kube: KubeLink | None = None
+        #: why the store cannot be written (read-only, full), while pinning goes on
+        self.store_error: str | None = None
+        #: the pods' policy annotations as last recorded in the store (planner thread only;
+        #: None until the first pass reads them), and the link's version they came from
+        self._api_policies: dict[str, dict[str, str]] | None = None
+        self._api_policy_version = -1
+
+    # -- full passes (the main thread) -----------------------------------------------------
+    def full_pass(self, store: Store, cause: str) -> bool:
+        """Queue every sandbox; False when the previous full pass has not finished yet."""
+        running = self.accounting.running_pass()
+        if running is not None:
+            log_event(
+                logging.WARNING,
+                "previous pass still running: tick skipped",
+                number=running.number,
+                remaining=len(running.remaining),
+            )
+            return False
+        self._ingest(store)  # containers whose hooks nobody has applied yet
+        ids = [s.id for s in store.sandboxes()]
+        if self.domains:
+            # domains are not in the store; one node-wide pass covers them all
+            ids.append(DOMAINS_WORK)
+        p = self.accounting.begin_pass(cause, ids)
+        self.queue.add_all(ids, cause)  # all at once: one node pass, not a few and the rest
+        if not ids:
+            self.accounting.finish_pass_if_done(p)
+        return True
+
+    # -- the planner thread ------------------------------------------------------------------
+    def run(self) -> None:
+        """The one planning thread: every ready entry -> one node pass -> each one accounted."""
+        while True:
+            try:
+                store = Store(self.paths.state_dir)
+                try:
+                    reconciler = self._setup(store)
+                except BaseException:
+                    store.close()
+                    raise
+                break
+            except (StateError, sqlite3.Error, *HOST_FAULTS) as err:
+                # the store cannot be opened now (EMFILE, ENOMEM, EIO): not a setting that
+                # is wrong, so try again rather than end the agent
+                self.fault("planner start", err)
+                if self.pause(self.retry_every):
+                    return
+            except VmpinError as err:  # a setting the planner cannot plan with
+                log_event(logging.ERROR, "planner cannot start", error=str(err))
+                self.metrics.errors.labels("internal").inc()
+                self.fatal()
+                return
+        with store:
+            while True:
+                batch = self.queue.take_batch()
+                if batch is None:
+                    return
+                try:
+                    self._run_batch(batch, store, reconciler)
+                except Exception as err:  # after the pass (maps, settling): the next one runs
+                    self.fault("planner", err)
+
+    def _setup(self, store: Store) -> Reconciler:
+        # a waiting hook or `vmpin update` gets its answer before any sync: the pass's
+        # writes reach the disk with the checkpoint after it (_settle)
+        store.defer_durability()
+        return self.reconciler_factory(
+            store,
+            # each pass applies the journal itself, without waiting for the disk (_node_pass)
+            ingest_first=False,
+            # a replaced guest map is freed after the pass's answers, not in its rename
+            # (~0.2 ms of a Kata hook's wait on ext4, issue 14)
+            hold_maps=True,
+            # the agent plans for its whole life: a CPU hot(un)plugged is planned for at the
+            # next pass (one read of the online list each)
+            follow_hotplug=True,
+        )
+
+    def _run_batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
+        number, later = self.waiters.pass_begins()
+        reconciler.maps_later = [] if later else None
+        ok = False
+        try:
+            self._node_pass(batch, store, reconciler)
+            ok = True
+        except HOST_FAULTS as err:  # EMFILE, ENOMEM, EIO: said once a minute, not per pass
+            self.accounting.count_error()
+            self.fault("node pass", err)
+        except Exception as err:  # the planner must survive any one pass
+            self.metrics.errors.labels("internal").inc()
+            self.accounting.count_error()
+            if isinstance(err, sqlite3.OperationalError):  # full (or gone read-only)
+                if self.store_error is None:
+                    log_event(logging.ERROR, "cannot write the store", error=str(err))
+                self.store_error = f"{store.path}: {err}"
+            log.error(
+                "node pass failed",
+                # the database failing (full, read-only, corrupt) is one line, not a
+                # traceback per pass
+                exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
+                extra={
+                    "fields": {
+                        "sandboxes": [w.sandbox_id for w in batch[:20]],
+                        "batch": len(batch),
+                        "error": str(err),
+                    }
+                },
+            )
+        finally:
+            self.queue.done_all([w.sandbox_id for w in batch])
+            self.accounting.progress(batch)
+            maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
+        if not maps_now:
+            self.waiters.publish_late(number, reconciler.publish_maps)
+        # the maps the pass replaced, freed now that no one waits (Reconciler.held_maps)
+        reconciler.release_maps()
+        # then the pass's journal events made durable, their files removed
+        self._settle(store)
+
+    def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
+        """One node-wide pass for every sandbox in ``batch``, then each one's accounting.
+
+        The journal is applied without waiting for the disk, and settled after the pass,
+        once its waiters have their answer (:meth:`_settle`; issue 14: a Kata hook waits for
+        this pass, and the sync and checkpoint were a third of it).
+        """
+        t0 = time.monotonic()
+        # once per pass: a plain container's hook journals its event and only notifies us
+        self._ingest(store, durable=False)
+        self._record_api_policies(store)
+        # each sandbox's generation before the pass (for drift), in one read
+        recs = {rec.id: rec for rec in store.sandboxes()}
+        ids = [w.sandbox_id for w in batch]
+        # An event's pass reads the host for its sandboxes alone (and those whose records
+        # moved), and plans the node; a periodic or start-up pass reads everything: drift
+        # behind vmpin's back is found there (Observer.observe's ``fresh``, issue 28).
+        fresh = set(ids) if all(w.cause == "event" for w in batch) else None
+        reports = {r.id: r for r in reconciler.reconcile(ids, fresh=fresh)}
+        if reconciler.went_unlocked:
+            # another process held the node's plan lock past its wait (stopped, or stuck):
+            # this pass went on without it, and either side plans again when needed
+            log_event(
+                logging.WARNING,
+                "pass ran without the node lock",
+                lock=reconciler.lock_error or f"held by another process past {WAIT:g} s",
+            )
+        # the node's plan (with the observation it holds) is not needed between passes: do
+        # not keep every sandbox's plan alive until the next one (agent RSS, issue #14)
+        plan, reconciler.last_plan = reconciler.last_plan, None
+        gone, accounted = self.accounting.account_pass(plan, batch, recs, reports, t0)
+        kube = self.kube
+        if kube is None:
+            return
+        for sid in gone:
+            kube.forget_sandbox(sid, publish=False)
+        for rec, report, drift in accounted:
+            kube.after_pass(rec, report, drift=drift, publish=False)
+        kube.publish()
+
+    # -- the store ---------------------------------------------------------------------------
+    def _ingest(self, store: Store, durable: bool = True) -> None:
+        """Apply the journal; a store that cannot be written (read-only, full) is logged and
+        shown in status, and the pass goes on pinning from what is stored and the host."""
+        try:
+            store.ingest(durable=durable)
+        except StateError as err:
+            self.store_failed(err)
+        else:
+            self.store_error = None
+
+    def _settle(self, store: Store) -> None:
+        try:
+            store.settle_journal()
+        except StateError as err:
+            self.store_failed(err)
+
+    def store_failed(self, err: StateError) -> None:
+        """A store that cannot be written (read-only, full), or whose journal the host does
+        not let us read (EMFILE, EIO: a ``host`` fault), logged once, shown in status until
+        an ingest succeeds again."""
+        if isinstance(err.__cause__, HOST_FAULTS):
+            self.fault("store", err)
+        else:
+            if self.store_error != str(err):
+                log_event(logging.ERROR, "cannot write the store", error=str(err))
+            self.metrics.errors.labels("internal").inc()
+        self.store_error = str(err)
+
+    def _record_api_policies(self, store: Store) -> None:
+        """The pods' policy annotations as the Kubernetes API shows them, into the store
+        when they changed since the last pass: every process then plans with them (issue 25:
+        they lived in the agent alone; ``audit`` called its choice drift and ``reconcile
+        --once`` reverted it)."""
+        kube = self.kube
+        if kube is None:
+            return
+        shown = kube.policies(self._api_policy_version)
+        if shown is None:
+            return  # not listed yet, or nothing changed since the last pass
+        version, policies = shown
+        if self._api_policies is None:
+            self._api_policies = {
+                uid: dict(r.annotations) for uid, r in store.policy_records()[1].items()
+            }
+        known = self._api_policies
+        changes: dict[str, Mapping[str, str] | None] = {
+            uid: ann for uid, ann in policies.items() if known.get(uid) != ann and valid_id(uid)
+        }
+        changes.update({uid: None for uid in known if uid not in policies})
+        if changes:
+            try:
+                store.record_api_policies(changes)
+            except StateError as err:
+                self.store_failed(err)
+                return
+            for uid, ann in changes.items():
+                if ann is None:
+                    known.pop(uid, None)
+                else:
+                    known[uid] = dict(ann)
+        self._api_policy_version = version

@@ -1,0 +1,306 @@
+"""The agent's control protocol: what a request line asks, and the blocking replies.
+
+One JSON object per line, one reply line (the socket is :mod:`vmpin.service.server`'s, the
+client side :mod:`vmpin.service.control`)::
+
+    {"op":"dirty","sandboxes":[ids]}            -> {"ok":true,"queued":n}
+    {"op":"dirty","sandboxes":[ids],"wait":s}   -> {"ok":true,"queued":n,"done":bool}
+        (0 < s <= 60; "guest_map": "before" (default) or "after" the answer)
+    {"op":"status"[,"sandbox":id]}              -> health and counters (one sandbox's
+                                                   bookkeeping when asked)
+    {"op":"reconcile"}                          -> {"ok":true}: a full pass now
+
+:class:`ControlProtocol` reads a request and queues its work; :class:`Waiters` numbers the
+node passes and answers each blocking ``dirty`` once a pass that started after it arrived has
+ended (with its guest maps published first, unless the caller said ``after``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vmpin.core.errors import IdError
+from vmpin.core.ids import check_id
+from vmpin.service.agent_accounting import Accounting
+from vmpin.service.logs import Throttle, log_event
+from vmpin.service.metrics import Metrics
+from vmpin.service.queue import DirtyQueue
+from vmpin.service.server import Reply
+
+#: the longest a blocking ``dirty`` request may ask to wait (seconds)
+MAX_WAIT = 60.0
+#: the least time between two log lines about bad requests
+BAD_LOG_EVERY = 60.0
+
+
+class _Waiter:
+    """A blocking ``dirty`` request: the pass it waits for, and how to answer it."""
+
+    __slots__ = ("answer", "maps_first", "queued", "reply", "target")
+
+    def __init__(self, answer: Reply | None, maps_first: bool = True) -> None:
+        self.answer = answer
+        #: answered only once the pass's guest maps are published (a Kata hook: the guest
+        #: hook of the container about to start reads its entry); False for ``vmpin
+        #: update``, whose map the guest's follower picks up whenever it comes
+        self.maps_first = maps_first
+        self.target = 0
+        self.queued = 0
+        self.reply: dict[str, Any] | None = None
+
+
+class Waiters:
+    """The node passes, numbered from 1 in the order they start (one runs at a time), and
+    the blocking ``dirty`` requests waiting for one of them.
+
+    The planner says when a pass begins (:meth:`pass_begins`) and ends (:meth:`pass_ends`,
+    then :meth:`publish_late`); a request's connection thread waits in :meth:`wait`.  No
+    polling: the planner answers every waiter its pass satisfies at the end of that pass,
+    itself, on the waiter's connection, and only then wakes the waiting threads; a waiter
+    past its deadline (or the agent stopping) answers ``done: false`` itself.
+    """
+
+    def __init__(self, fault: Callable[[str, BaseException], None]) -> None:
+        #: told of a publishing failure the planner outlives
+        self._fault = fault
+        #: the condition blocking requests sleep on (signalled at each pass's end); it
+        #: guards everything below
+        self._cond = threading.Condition()
+        #: node passes started / finished / finished without raising
+        self._started = 0
+        self._finished = 0
+        self._ok = 0
+        #: the last pass whose guest maps are published, and the waiters that do not need
+        #: them first but are not registered yet
+        self._maps_done = 0
+        self._maps_after_coming = 0
+        self._stopping = False
+        #: blocking ``dirty`` requests not answered yet
+        self._waiters: list[_Waiter] = []
+
+    def wait(
+        self,
+        queue_work: Callable[[], int],
+        wait: float,
+        answer: Reply | None = None,
+        *,
+        maps_first: bool = True,
+    ) -> dict[str, Any]:
+        """Queue the request's work (``queue_work``: how many entries it queued), then reply
+        once a node pass that started after now has ended, or after ``wait`` seconds.
+
+        Runs on the request's own connection thread (:class:`ControlServer` serves each
+        connection on one), so the accept loop and other clients go on meanwhile.  A pass
+        that raised does not count (the caller then does the work itself), a later one does.
+        The reply is returned too (for callers without a connection).  ``maps_first``: the
+        pass publishes its guest maps before answering (else after).
+        """
+        deadline = time.monotonic() + wait
+        waiter = _Waiter(answer, maps_first)
+        with self._cond:
+            # passes are numbered in the order they start, and one runs at a time: the first
+            # to start from now on is number started + 1 (it ingests and reads the store
+            # after this point, so it sees whatever the caller wrote before asking)
+            waiter.target = self._started + 1
+            if not maps_first:
+                self._maps_after_coming += 1  # (a pass that starts now defers its maps)
+        waiter.queued = queue_work()
+        with self._cond:
+            # registered once complete, so the planner answers it whole; a pass that ended
+            # meanwhile is caught by the loop's first test
+            self._waiters.append(waiter)
+            if not maps_first:
+                self._maps_after_coming -= 1
+            while waiter.reply is None:
+                if self._stopping or (
+                    self._finished >= waiter.target
+                    and (self._maps_done >= waiter.target or not maps_first)
+                ):
+                    self._answer(waiter)
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._answer(waiter)
+                    break
+                self._cond.wait(left)
+        assert waiter.reply is not None
+        return waiter.reply
+
+    def _answer(self, waiter: _Waiter) -> None:
+        """Reply to one waiter (under ``_cond``): done when its pass ended well."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        waiter.reply = {
+            "ok": True,
+            "queued": waiter.queued,
+            "done": self._ok >= waiter.target,
+        }
+        if waiter.answer is not None:
+            waiter.answer.send(waiter.reply)
+
+    def release(self) -> None:
+        """No pass is coming for whoever still waits: each answers ``done: false``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def pass_begins(self) -> tuple[int, bool]:
+        """A node pass starts: its number, and whether its guest maps are to wait for the
+        answers (a waiter does not need them first: ``vmpin update``).  Else they are
+        written in the pass, as they are made (a full pass's 2,000 maps kept to its end
+        were ~1 MB of the agent's RSS)."""
+        with self._cond:
+            self._started += 1
+            later = self._maps_after_coming > 0 or any(not w.maps_first for w in self._waiters)
+            return self._started, later
+
+    def pass_ends(self, number: int, ok: bool, publish: Callable[[], object]) -> bool:
+        """Pass ``number`` ended (``ok``: without raising): the waiters it satisfies are
+        answered, after ``publish`` has published its guest maps when one of them needs
+        them first (a Kata hook: its container's guest hook reads the map once it returns).
+        Whether the maps were published."""
+        with self._cond:
+            self._finished = number
+            if ok:
+                self._ok = number
+            due = [w for w in self._waiters if w.target <= number]
+            maps_now = any(w.maps_first for w in due)
+            if maps_now:
+                self._publish(number, publish)
+            # answered from here, before their threads wake (Reply)
+            for waiter in due:
+                self._answer(waiter)
+            self._cond.notify_all()
+        return maps_now
+
+    def publish_late(self, number: int, publish: Callable[[], object]) -> None:
+        """After the answers: the maps no waiter needed first (an update's: the guest's
+        follower polls for it); a waiter that registered late waits for them."""
+        self._publish(number, publish)
+        with self._cond:
+            if self._waiters:
+                self._cond.notify_all()
+
+    def _publish(self, number: int, publish: Callable[[], object]) -> None:
+        """The guest maps of pass ``number`` (and those before it) published."""
+        try:
+            publish()
+        except Exception as err:  # the planner must survive any one pass (said once a minute)
+            self._fault("publishing guest maps", err)
+        self._maps_done = number
+
+
+class ControlProtocol:
+    """The requests of the control socket (:meth:`handle`), and the notifications the
+    agent's watchers send it (:meth:`notify`)."""
+
+    def __init__(
+        self,
+        queue: DirtyQueue,
+        waiters: Waiters,
+        metrics: Metrics,
+        accounting: Accounting,
+        status: Callable[[str | None], dict[str, Any]],
+        request_pass: Callable[[], None],
+    ) -> None:
+        self.queue = queue
+        self.waiters = waiters
+        self.metrics = metrics
+        #: where the events received are counted
+        self.accounting = accounting
+        #: the ``status`` reply (the agent's), and how to start a full pass now
+        self.status = status
+        self.request_pass = request_pass
+        #: bad requests, said once a minute: whoever sends a flood of them must not fill
+        #: the log too
+        self._bad_said = Throttle(BAD_LOG_EVERY)
+
+    def handle(self, line: bytes, answer: Reply | None = None) -> dict[str, Any] | None:
+        """One request line -> one reply (a dict; ``ok`` says whether it was understood).
+
+        None when the reply went out on ``answer`` already (a blocking ``dirty``, answered by
+        the planner: :meth:`notify_and_wait`)."""
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return self._bad("request is not JSON")
+        if not isinstance(msg, dict):
+            return self._bad("request is not a JSON object")
+        op = msg.get("op")
+        if op == "dirty":
+            ids = msg.get("sandboxes")
+            if not isinstance(ids, list):
+                return self._bad("dirty: 'sandboxes' must be a list of ids")
+            try:
+                sids = [check_id(s, "sandbox id") for s in ids]
+            except IdError as err:
+                return self._bad(f"dirty: {err}")
+            if "wait" not in msg:
+                return {"ok": True, "queued": self.notify(sids)}
+            wait = msg["wait"]
+            if (
+                isinstance(wait, bool)
+                or not isinstance(wait, (int, float))
+                or not (math.isfinite(wait) and 0 < wait <= MAX_WAIT)
+            ):
+                return self._bad(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
+            guest_map = msg.get("guest_map", "before")
+            if guest_map not in ("before", "after"):
+                return self._bad("dirty: 'guest_map' must be \"before\" or \"after\" the answer")
+            maps_first = guest_map == "before"
+            if answer is None:
+                return self.notify_and_wait(sids, float(wait), maps_first=maps_first)
+            self.notify_and_wait(sids, float(wait), answer, maps_first=maps_first)
+            return None
+        if op == "status":
+            sid = msg.get("sandbox")
+            return self.status(sid if isinstance(sid, str) else None)
+        if op == "reconcile":
+            self.request_pass()
+            return {"ok": True}
+        return self._bad(f"unknown op {op!r} (dirty, status, reconcile)")
+
+    def _bad(self, error: str) -> dict[str, Any]:
+        self.metrics.errors.labels("control").inc()
+        unsaid = self._bad_said.due(("control", "bad request"))
+        if unsaid is not None:
+            log_event(logging.WARNING, "bad control request", error=error, unsaid=unsaid)
+        return {"ok": False, "error": error}
+
+    def notify(self, sandbox_ids: list[str], *, urgent: bool = False) -> int:
+        """Mark sandboxes dirty (their new level is already in the store); how many queued.
+
+        ``urgent``: a caller blocks on the pass, so no hold-off (:class:`DirtyQueue`).
+        """
+        now = time.monotonic()
+        added = self.queue.add_all(sandbox_ids, "event", now, urgent=urgent)
+        queued = sum(added)
+        self.metrics.events.inc(len(added))
+        if len(added) > queued:
+            self.metrics.coalesced.inc(len(added) - queued)
+        self.accounting.count_events(len(sandbox_ids))
+        return queued
+
+    def notify_and_wait(
+        self,
+        sandbox_ids: list[str],
+        wait: float,
+        answer: Reply | None = None,
+        *,
+        maps_first: bool = True,
+    ) -> dict[str, Any]:
+        """The blocking ``dirty``: reply once a node pass that started after now has ended
+        (:meth:`Waiters.wait`)."""
+
+        def queue_work() -> int:
+            queued = self.notify(sandbox_ids, urgent=True)
+            self.queue.kick()  # a pass even if every id folded into one running, or none given
+            return queued
+
+        return self.waiters.wait(queue_work, wait, answer, maps_first=maps_first)
