@@ -80,8 +80,7 @@ def settle(
     table's node row, for ``audit``."""
     if store.readonly:
         return False
-    memo = _SETTLED.get(id(store))
-    if memo is not None and memo == store.version():
+    if getattr(store, _SETTLED, None) == store.version():
         return False  # nothing moved since this store's last settle: nothing to decide
     oci, api = store.policy_records()
     asks = any(
@@ -89,7 +88,7 @@ def settle(
     )
     held = any(a.sandbox_id != NODE_ROW for a in table.read(store.db))
     if not asks and not held and not table.present(store.state_dir):
-        _SETTLED[id(store)] = store.version()
+        setattr(store, _SETTLED, store.version())
         return False
     options, config_notes = Options(), list[str]()
     if kubelet_config:
@@ -113,12 +112,16 @@ def settle(
         if changed or gone:
             table.write(db, changed, gone)
     table.mark(store.state_dir, [r for r in rows if r.sandbox_id != NODE_ROW])
-    _SETTLED[id(store)] = store.version()
+    setattr(store, _SETTLED, store.version())
     return bool(changed or gone)
 
 
-#: id(store) -> the store's version after its last settle (an idle agent settles nothing)
-_SETTLED: dict[int, tuple[int, int]] = {}
+#: the attribute a store carries its version after its last settle in (an idle agent
+#: settles nothing), and its allocations as last read with that version (:func:`recorded`):
+#: kept on the store itself, so that no other store (a later one at the same address) is
+#: ever answered from them
+_SETTLED = "_vmpin_allocations_settled"
+_READ = "_vmpin_allocations_read"
 
 
 def decide(
@@ -250,15 +253,13 @@ def overlay(obs: Observation, topology: Topology) -> Overlay:
 
 def recorded(store: Store) -> tuple[Allocation, ...]:
     """The allocations table as the store holds it (read again only when the store moved)."""
-    key = (id(store), store.version())
-    if _READ and _READ[0][0] == key:
-        return _READ[0][1]
+    version = store.version()
+    memo: tuple[tuple[int, int], tuple[Allocation, ...]] | None = getattr(store, _READ, None)
+    if memo is not None and memo[0] == version:
+        return memo[1]
     rows = tuple(table.read(store.db))
-    _READ[:] = [(key, rows)]
+    setattr(store, _READ, (version, rows))
     return rows
-
-
-_READ: list[tuple[tuple[int, tuple[int, int]], tuple[Allocation, ...]]] = []
 
 
 #: how a sandbox's note starts when its request waits (the agent's AllocationRefused Event)
