@@ -289,6 +289,36 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
     return rows
 
 
+def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
+    """One repair pass: re-pin whatever differs from the plan, touch nothing already right."""
+    if not once:
+        raise SpecError("reconcile needs --once (the continuous loop is `vmpin serve`)")
+    with c.store() as store:
+        reports = c.reconciler(store).reconcile(apply=True)
+    out: list[dict[str, Any]] = [
+        {
+            "id": r.id,
+            "runtime": r.runtime,
+            "mode": r.mode,
+            "mask": r.mask.to_list(),
+            "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
+            "vanished": r.vanished,
+            "errors": r.errors,
+            "threads": [t.to_json() for t in r.threads if t.action != "ok"],
+        }
+        for r in reports
+    ]
+    if as_json:
+        emit(out, "reconcile")
+    else:
+        for o in out:
+            state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
+            echo(f"{o['id']}: {o['runtime']} {o['mode']} mask {o['mask'] or '-'}: {state}")
+            for e in o["errors"]:
+                echo(f"  error: {e}")
+    return 1 if any(o["errors"] for o in out) else 0
+
+
 def containers(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         rows = fresh_containers(node_plan(c, store, view_scope("containers")))
@@ -557,8 +587,8 @@ def dispatch(c: Ctx, name: str, values: dict[str, Any]) -> int:
 
 #: the body of each command of clispec.FAST (the typer app's commands call the same)
 BODIES: dict[str, Callable[..., int]] = {
-    "update": update, "containers": containers, "sandboxes": sandboxes, "show": show,
-    "audit": audit, "serve": serve,
+    "update": update, "reconcile": reconcile, "containers": containers,
+    "sandboxes": sandboxes, "show": show, "audit": audit, "serve": serve,
 }
 
 
