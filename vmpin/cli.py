@@ -168,10 +168,7 @@ def hook(
     from vmpin.service.hook import main as hook_main
 
     root: Ctx = ctx.obj
-    # The hook reads its placement policy from the environment, as every hook process does.
-    root.export_policy()
-    opts = dict(root.paths._asdict())
-    raise typer.Exit(hook_main(opts, [stage] + (["--strict"] if strict else [])))
+    raise typer.Exit(hook_main(root.hook_options(), [stage] + (["--strict"] if strict else [])))
 
 
 

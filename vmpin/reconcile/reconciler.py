@@ -98,6 +98,7 @@ class Reconciler:
         ingest_first: bool = True,
         hold_maps: bool = False,
         follow_hotplug: bool = False,
+        deadline: float | None = None,
     ) -> None:
         self.paths = paths
         self.store = store if store is not None else Store(paths.state_dir)
@@ -135,7 +136,7 @@ class Reconciler:
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
-        self.deadline: float | None = None
+        self.deadline = deadline
         self._node_lock: NodeLock | None = None
         #: the last applying pass went on without the node lock (held past its deadline)
         self.went_unlocked = False

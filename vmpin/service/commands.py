@@ -60,14 +60,14 @@ class Ctx:
         """From the global options as given (keys of vmpin.service.clispec.GLOBALS)."""
         return cls(Settings.from_env(given), given)
 
-    def export_policy(self) -> None:
-        """Put policy options given on the command line where in-process hooks read them."""
-        from vmpin.service.settings import ENV
+    def hook_options(self) -> dict[str, str]:
+        """The options a hook run from this command line is given: the host roots, and the
+        policy keys given here (the hook builds its Settings from them: nothing goes through
+        the environment)."""
+        from vmpin.service.settings import POLICY_KEYS
 
-        for key in ("helpers", "housekeeping", "vcpus", "guest_float"):
-            value = self._given.get(key)
-            if value is not None:
-                os.environ[ENV[key]] = value
+        given = {k: v for k, v in self._given.items() if k in POLICY_KEYS and v is not None}
+        return {**self.paths._asdict(), **given}
 
     def store(self) -> Store:
         """The store for commands that write (update, reconcile, serve): created if missing."""
@@ -120,6 +120,7 @@ class Ctx:
         ingest_first: bool = True,
         hold_maps: bool = False,
         follow_hotplug: bool = False,
+        deadline: float | None = None,
     ) -> Reconciler:
         """:func:`vmpin.service.settings.build_reconciler` for this command's settings (the
         options are the agent's: :class:`vmpin.service.agent_passes.ReconcilerFactory`)."""
@@ -132,6 +133,7 @@ class Ctx:
             ingest_first=ingest_first,
             hold_maps=hold_maps,
             follow_hotplug=follow_hotplug,
+            deadline=deadline,
         )
 
 
@@ -229,9 +231,7 @@ def _update_domain(
         new = parse_update(cpuset_cpus, resources)
         if new is not None:  # resources without cpu.cpus: nothing for vmpin
             conn.set_mask(d.uuid, new)
-        rec = c.reconciler(store)
-        rec.deadline = deadline
-        reports = rec.reconcile([d.uuid])
+        reports = c.reconciler(store, deadline=deadline).reconcile([d.uuid])
     errors = [e for r in reports for e in r.errors]
     if errors:
         raise StateError(f"domain {d.name}: {errors[0]}")
@@ -566,15 +566,13 @@ def guard(args: list[str], call: Callable[[], int]) -> int:
         print(f"vmpin: error: {e}", file=sys.stderr)
         return e.exit_code
     except sqlite3.Error as e:  # the database failed under a command: one line, no traceback
-        from vmpin.linux.paths import ENVVARS
+        from vmpin.service.clispec import split_globals
         from vmpin.state.store import state_error
 
-        state_dir = os.environ.get(ENVVARS["state_dir"]) or "/run/vmpin"
-        for i, arg in enumerate(args):  # the global option, when given, wins
-            if arg == "--state-dir" and i + 1 < len(args):
-                state_dir = args[i + 1]
-            elif arg.startswith("--state-dir="):
-                state_dir = arg.split("=", 1)[1]
+        # the store the command used: the global option when given, else as Settings says
+        split = split_globals(args)
+        given = {"state_dir": split[0].get("state_dir")} if split is not None else {}
+        state_dir = Settings.from_env(given).paths.state_dir
         print(f"vmpin: error: {state_error(os.path.join(state_dir, 'state.db'), e)}",
               file=sys.stderr)
         return 2
