@@ -11,8 +11,7 @@ behind vmpin's back is the periodic pass's, which reads everything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from pytest_mock import MockerFixture
@@ -29,24 +28,9 @@ from vmpin.reconcile.reconciler import Reconciler
 from vmpin.state.store import ContainerRec, SandboxRec, Store
 
 
-@pytest.fixture
-def vmms(vm_dir: Path) -> Iterator[Callable[[str], fakevmm.FakeVmm]]:
-    started: list[fakevmm.FakeVmm] = []
-
-    def start(sid: str) -> fakevmm.FakeVmm:
-        started.append(fakevmm.start(vm_dir, sid, vcpus=1, iothreads=()))
-        return started[-1]
-
-    try:
-        yield start
-    finally:
-        for v in started:
-            v.kill()
-
-
 def _sandbox(store: Store, vmms: Callable[[str], fakevmm.FakeVmm], cpus: str) -> tuple[str, int]:
     sid = new_id("ev")
-    vmm = vmms(sid)
+    vmm = vmms(sid, vcpus=1, iothreads=())
     store.put_sandbox(SandboxRec(sid, "kata"))
     store.put_container(ContainerRec(f"{sid}-app", sid, False, name="app",
                                      cpus=CpuSet.parse(cpus), cpus_source="spec"))  # fmt: skip
