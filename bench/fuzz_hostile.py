@@ -119,7 +119,7 @@ def check_store(state_dir: str, tally: Tally) -> None:
         with Store(state_dir) as store:
             store.containers()
             store.sandboxes()
-            store.cpu_masks()
+            store.policy_records()
     except Exception as err:  # a store that will not open is what the issue calls poisoned
         tally.poisoned.append(f"{type(err).__name__}: {err}")
 

@@ -22,12 +22,13 @@ import collections
 import os
 import shutil
 import sys
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support import capabilities
+from tests.support import capabilities, fakevmm
 from tests.support.session import Swept, sweep, vmpin_env
 from vmpin.linux.paths import HostPaths
 
@@ -82,6 +83,23 @@ def paths(state_dir: Path, vm_dir: Path, tmp_path: Path) -> HostPaths:
 def env(paths: HostPaths) -> dict[str, str]:
     """Environment for a vmpin subprocess that uses this test's paths."""
     return vmpin_env(paths)
+
+
+@pytest.fixture
+def vmms(vm_dir: Path) -> Iterator[Callable[..., fakevmm.FakeVmm]]:
+    """Start fake VMMs in this test's VM dir (tests/support/fakevmm.py: ``start(sid, vcpus=2,
+    ...)``); each is killed by its pid when the test ends."""
+    started: list[fakevmm.FakeVmm] = []
+
+    def start(sid: str, **kw: Any) -> fakevmm.FakeVmm:
+        started.append(fakevmm.start(vm_dir, sid, **kw))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for v in started:
+            v.kill()
 
 
 @pytest.fixture

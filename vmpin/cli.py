@@ -30,6 +30,7 @@ from vmpin.service.clispec import (
     METRICS_ADDRESS,
     METRICS_PORT,
     NODE_NAME,
+    ONCE,
     RESOURCES,
     SANDBOX,
     WORKERS,
@@ -171,10 +172,7 @@ def hook(
     from vmpin.service.hook import main as hook_main
 
     root: Ctx = ctx.obj
-    # The hook reads its placement policy from the environment, as every hook process does.
-    root.export_policy()
-    opts = dict(root.paths._asdict())
-    raise typer.Exit(hook_main(opts, [stage] + (["--strict"] if strict else [])))
+    raise typer.Exit(hook_main(root.hook_options(), [stage] + (["--strict"] if strict else [])))
 
 
 
@@ -378,37 +376,11 @@ def _print_explained(out: dict[str, Any]) -> None:
 @app.command()
 def reconcile(
     ctx: typer.Context,
-    once: Annotated[bool, typer.Option("--once", help="Run one repair pass and exit.")] = False,
+    once: Annotated[bool, typer.Option(*ONCE.flags, help=ONCE.help)] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Repair drift: re-pin whatever differs from the plan, touch nothing already right."""
-    if not once:
-        raise SpecError("reconcile needs --once (the continuous loop is `vmpin serve`)")
-    with ctx.obj.store() as store:
-        reports = ctx.obj.reconciler(store).reconcile(apply=True)
-    out = [
-        {
-            "id": r.id,
-            "runtime": r.runtime,
-            "mode": r.mode,
-            "mask": r.mask.to_list(),
-            "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
-            "vanished": r.vanished,
-            "errors": r.errors,
-            "threads": [t.to_json() for t in r.threads if t.action != "ok"],
-        }
-        for r in reports
-    ]
-    if as_json:
-        emit(out, "reconcile")
-    else:
-        for o in out:
-            state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
-            typer.echo(f"{o['id']}: {o['runtime']} {o['mode']} mask {o['mask'] or '-'}: {state}")
-            for e in o["errors"]:
-                typer.echo(f"  error: {e}")
-    if any(o["errors"] for o in out):
-        raise typer.Exit(1)
+    _done(commands.reconcile(ctx.obj, once, as_json))
 
 
 @app.command()

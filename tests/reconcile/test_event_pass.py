@@ -1,4 +1,5 @@
-"""An event's pass reads the host for the sandboxes it names, not for the whole node (issue 28:
+"""An event's pass reads the host for the sandboxes it names, and plans again only what moved,
+not the whole node (issue 28:
 churn's update round trips had grown with the node since passes went node-wide).
 
 Counted on real fake VMMs (tests/support/fakevmm.py), never timed (bench/bench_churn.py
@@ -10,8 +11,7 @@ behind vmpin's back is the periodic pass's, which reads everything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from pytest_mock import MockerFixture
@@ -23,28 +23,14 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux import procfs
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
+from vmpin.reconcile import plan as plan_module
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.state.store import ContainerRec, SandboxRec, Store
 
 
-@pytest.fixture
-def vmms(vm_dir: Path) -> Iterator[Callable[[str], fakevmm.FakeVmm]]:
-    started: list[fakevmm.FakeVmm] = []
-
-    def start(sid: str) -> fakevmm.FakeVmm:
-        started.append(fakevmm.start(vm_dir, sid, vcpus=1, iothreads=()))
-        return started[-1]
-
-    try:
-        yield start
-    finally:
-        for v in started:
-            v.kill()
-
-
 def _sandbox(store: Store, vmms: Callable[[str], fakevmm.FakeVmm], cpus: str) -> tuple[str, int]:
     sid = new_id("ev")
-    vmm = vmms(sid)
+    vmm = vmms(sid, vcpus=1, iothreads=())
     store.put_sandbox(SandboxRec(sid, "kata"))
     store.put_container(ContainerRec(f"{sid}-app", sid, False, name="app",
                                      cpus=CpuSet.parse(cpus), cpus_source="spec"))  # fmt: skip
@@ -58,7 +44,7 @@ def test_an_event_pass_reads_only_its_sandboxes_and_plans_the_node(
     with Store(paths.state_dir) as store:
         a, _ = _sandbox(store, vmms, "0")
         b, b_pid = _sandbox(store, vmms, "1")
-        counter = CountingAffinity()
+        counter = CountingAffinity()  # (b: its id and VMM pid)
         rec = Reconciler(paths, store, affinity=counter, publish=False)
         rec.reconcile()  # start-up: every thread pinned where its sandbox's mask is
         assert counter.sets > 0
@@ -66,11 +52,19 @@ def test_an_event_pass_reads_only_its_sandboxes_and_plans_the_node(
         counter.sets = 0
         rec.reconcile([a], fresh={a})
         assert counter.sets == 0
-        # b's threads are not read for a's event
+        # b's threads are not read for a's event, nor is b planned again (plan_node's memo:
+        # the same observation under the same node-wide inputs)
         reads = mocker.spy(procfs, "affinity")
+        planned = mocker.spy(plan_module, "_plan_sandbox")
         rec.reconcile([a], fresh={a})
         assert all(call.args[1] != b_pid for call in reads.call_args_list)
         assert reads.call_count > 0  # (a's are)
+        assert all(call.args[0].id != b for call in planned.call_args_list)
+        # a's container moved within its own CPU (same plan input for b): only a re-planned
+        store.set_container_cpus(f"{a}-app", CpuSet.parse("0"), "update")
+        planned.reset_mock()
+        rec.reconcile([a], fresh={a})
+        assert [call.args[0].id for call in planned.call_args_list] == [a]
         # ... but b is planned: a moving onto b's CPU makes b's vCPU leave its 1:1 pin
         store.set_container_cpus(f"{a}-app", CpuSet.parse("1"), "update")
         [report] = rec.reconcile([a], fresh={a})

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from types import FrameType
 
 import pytest
@@ -111,21 +110,6 @@ def test_plan_and_audit_work_grows_linearly() -> None:
 
 
 # -- a pass over fake VMMs: statements and writes --------------------------------------------
-@pytest.fixture
-def vmms(vm_dir: Path) -> Iterator[Callable[[str], fakevmm.FakeVmm]]:
-    started: list[fakevmm.FakeVmm] = []
-
-    def start(sid: str) -> fakevmm.FakeVmm:
-        started.append(fakevmm.start(vm_dir, sid, vcpus=2))
-        return started[-1]
-
-    try:
-        yield start
-    finally:
-        for v in started:
-            v.kill()
-
-
 def _register(store: Store, vmms: Callable[[str], fakevmm.FakeVmm], n: int) -> None:
     for i in range(n):
         sid = new_id("scale")

@@ -98,21 +98,6 @@ class CrashingAffinity:
         return self.inner.set(tid, cpus)
 
 
-@pytest.fixture
-def vmms(vm_dir: Path) -> Iterator[Callable[[str], fakevmm.FakeVmm]]:
-    started: list[fakevmm.FakeVmm] = []
-
-    def start(sid: str) -> fakevmm.FakeVmm:
-        started.append(fakevmm.start(vm_dir, sid, vcpus=2))
-        return started[-1]
-
-    try:
-        yield start
-    finally:
-        for v in started:
-            v.kill()
-
-
 @pytest.mark.multi_cpu
 def test_agent_worker_survives_a_crashing_sandbox(
     paths: HostPaths, vmms: Callable[[str], fakevmm.FakeVmm]

@@ -173,6 +173,7 @@ FAST_CASES = [
     ["--vm-dir={vm}", "--helper-policy", "isolate", "--housekeeping", "0", "show", "{sid}"],
     ["update", "{sid}-app", "--cpuset-cpus", "0"], ["update", "--json", "{sid}-app", "-r", "-"],
     ["update", "{sid}-app", "--cpuset-cpus=0", "--json"],
+    ["reconcile", "--once"], ["reconcile", "--json", "--once"], ["reconcile"],
     # bad input, answered by the commands' bodies on both routes
     ["show", "nosuch"], ["update", "nosuch", "--cpuset-cpus", "0"],
     ["update", "{sid}-app", "--cpuset-cpus", "3-1"], ["update", "{sid}-app", "--cpuset-cpus", "7"],
@@ -193,6 +194,7 @@ TYPER_CASES = [
     ["update", "{sid}-app", "--cpuset-cpus"], ["containers", "--", "x"],
     ["serve", "--help"], ["serve", "--interval", "x"], ["serve", "--workers", "1.5"],
     ["serve", "--metrics-port", "-1"], ["serve", "--interval"], ["serve", "extra"],
+    ["reconcile", "--once=1"], ["reconcile", "--help"],
 ]
 
 

@@ -179,7 +179,7 @@ def test_an_interrupted_update_undoes_only_its_own_write(
         Reconciler(paths, Store(paths.state_dir)).reconcile()
         assert all_on(vmm.pid, "0")
 
-        def interrupted(store: Store) -> Reconciler:
+        def interrupted(store: Store, **options: object) -> Reconciler:
             # A has written "1"; its pass is next.  B comes and goes, then A is interrupted.
             assert stored(paths, app) == "1"
             if meanwhile is not None:

@@ -288,8 +288,21 @@ def _pod(s: SandboxObs) -> str:
     return f"sandbox:{s.id}"
 
 
-def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all") -> NodePlan:
-    """Plan every sandbox and runc container of the node from one observation."""
+def plan_node(
+    obs: Observation,
+    topology: Topology,
+    *,
+    float_policy: str = "all",
+    memo: dict[str, tuple[tuple[object, ...], SandboxPlan]] | None = None,
+) -> NodePlan:
+    """Plan every sandbox and runc container of the node from one observation.
+
+    ``memo`` (a long-lived caller's, kept between calls): each sandbox's plan with what it
+    was planned from; a sandbox given as the very observation it was planned from, under the
+    same node-wide inputs (its mask, footprint, the others' footprints and exclusive CPUs,
+    the pool...), gets that plan back -- ``_plan_sandbox`` is a function of those alone.  An
+    event's pass (Observer.observe's ``fresh``) gives most sandboxes as they were: it plans
+    the ones that moved (issue 28).  Refilled with this node's sandboxes only."""
     online = topology.online
     # vmpin's own allocations (issue 30; none under kubelet's static policy) shrink the pool
     alloc = overlay(obs, topology)
@@ -372,6 +385,8 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
     for cpu, cl in exclusive.items():
         excl_own.setdefault(cl.pod, set()).add(cpu)
     foreign_by_pod: dict[str, CpuSet] = {}
+    last = memo if memo is not None else {}
+    kept: dict[str, tuple[tuple[object, ...], SandboxPlan]] = {}
     for s in obs.sandboxes:
         others = others_fp.without(s.id)
         own = masks[s.id]
@@ -380,23 +395,25 @@ def plan_node(obs: Observation, topology: Topology, *, float_policy: str = "all"
         foreign_excl = foreign_by_pod.get(pod) if excl_all else EMPTY
         if foreign_excl is None:
             foreign_excl = foreign_by_pod[pod] = excl_all - CpuSet(excl_own.get(pod, ()))
-        plans.append(
-            _plan_sandbox(
-                s,
-                topology,
-                masks[s.id],
-                live[s.id],
-                cplans[s.id],
-                footprint[s.id],
-                others,
-                (others_excl | foreign_excl) if foreign_excl else others_excl,
-                pool,
-                float_policy,
-                conflicted,
-                obs.scope,
-                kata_pins.get(s.id),
-            )
-        )
+        excl = (others_excl | foreign_excl) if foreign_excl else others_excl
+        inputs = (
+            topology, float_policy, obs.scope, masks[s.id], footprint[s.id], others, excl, pool,
+            s.id in conflicted, kata_pins.get(s.id),
+        )  # fmt: skip
+        before = last.get(s.id)
+        if before is not None and before[1].obs is s and before[0] == inputs:
+            sp = before[1]
+        else:
+            sp = _plan_sandbox(
+                s, topology, masks[s.id], live[s.id], cplans[s.id], footprint[s.id], others,
+                excl, pool, float_policy, conflicted, obs.scope, kata_pins.get(s.id),
+            )  # fmt: skip
+        if memo is not None:
+            kept[s.id] = (inputs, sp)
+        plans.append(sp)
+    if memo is not None:
+        memo.clear()
+        memo.update(kept)
     plans = [
         _replace(
             p,

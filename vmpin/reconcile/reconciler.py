@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.observe import Observation, Observer, Scope
-    from vmpin.reconcile.plan import NodePlan
+    from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.sources import DomainSource
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
@@ -98,6 +98,7 @@ class Reconciler:
         ingest_first: bool = True,
         hold_maps: bool = False,
         follow_hotplug: bool = False,
+        deadline: float | None = None,
     ) -> None:
         self.paths = paths
         self.store = store if store is not None else Store(paths.state_dir)
@@ -115,6 +116,8 @@ class Reconciler:
         #: a list: the guest maps a pass would publish are kept there for the caller to
         #: publish (:meth:`publish_maps`) once it has answered whoever waits on the pins
         self.maps_later: list[tuple[str, dict[str, Any] | None]] | None = None
+        #: each sandbox's last plan with what it was planned from (plan_node's ``memo``)
+        self._sandbox_plans: dict[str, tuple[tuple[object, ...], SandboxPlan]] = {}
         #: the last plan and what it was made from (see plan())
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = None
         #: False: a pass does not apply the journal first (its caller just did, without
@@ -133,7 +136,7 @@ class Reconciler:
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
-        self.deadline: float | None = None
+        self.deadline = deadline
         self._node_lock: NodeLock | None = None
         #: the last applying pass went on without the node lock (held past its deadline)
         self.went_unlocked = False
@@ -229,7 +232,9 @@ class Reconciler:
                 # the old node's plan goes first: never two nodes' plans in memory at once
                 # (the agent's RSS peaks in a pass, issue 14)
                 self._plan_memo = self.last_plan = None
-                plan = plan_node(obs, topology, float_policy=float_policy)
+                plan = plan_node(
+                    obs, topology, float_policy=float_policy, memo=self._sandbox_plans
+                )
             self._plan_memo = (obs, topology, float_policy, plan, version)
         self.last_plan = plan
         return plan

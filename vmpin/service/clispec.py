@@ -132,12 +132,15 @@ METRICS_ADDRESS = Opt(("--metrics-address",), "metrics_address",
                       envvar="VMPIN_METRICS_ADDRESS")
 NODE_NAME = Opt(("--node-name",), "node_name",
                 "This node's name in the API (default: hostname).", envvar="NODE_NAME")
+ONCE = Opt(("--once",), "once", "Run one repair pass and exit.", value=False)
 CONTAINER = Arg("CONTAINER", "container", "Container id.")
 SANDBOX = Arg("SANDBOX", "sandbox", "Sandbox id.")
 
-#: the commands vmpin.entry runs without typer (issue 14: update and the read commands).
+#: the commands vmpin.entry runs without typer (issue 14: update and the read commands;
+#: issue 28: reconcile --once, as lean as update).
 FAST = {
     "update": Command((CONTAINER,), (CPUSET_CPUS, RESOURCES, JSON)),
+    "reconcile": Command((), (ONCE, JSON)),
     "containers": Command((), (JSON,)),
     "sandboxes": Command((), (JSON,)),
     "show": Command((SANDBOX,), (JSON,)),

@@ -60,14 +60,14 @@ class Ctx:
         """From the global options as given (keys of vmpin.service.clispec.GLOBALS)."""
         return cls(Settings.from_env(given), given)
 
-    def export_policy(self) -> None:
-        """Put policy options given on the command line where in-process hooks read them."""
-        from vmpin.service.settings import ENV
+    def hook_options(self) -> dict[str, str]:
+        """The options a hook run from this command line is given: the host roots, and the
+        policy keys given here (the hook builds its Settings from them: nothing goes through
+        the environment)."""
+        from vmpin.service.settings import POLICY_KEYS
 
-        for key in ("helpers", "housekeeping", "vcpus", "guest_float"):
-            value = self._given.get(key)
-            if value is not None:
-                os.environ[ENV[key]] = value
+        given = {k: v for k, v in self._given.items() if k in POLICY_KEYS and v is not None}
+        return {**self.paths._asdict(), **given}
 
     def store(self) -> Store:
         """The store for commands that write (update, reconcile, serve): created if missing."""
@@ -120,6 +120,7 @@ class Ctx:
         ingest_first: bool = True,
         hold_maps: bool = False,
         follow_hotplug: bool = False,
+        deadline: float | None = None,
     ) -> Reconciler:
         """:func:`vmpin.service.settings.build_reconciler` for this command's settings (the
         options are the agent's: :class:`vmpin.service.agent_passes.ReconcilerFactory`)."""
@@ -132,6 +133,7 @@ class Ctx:
             ingest_first=ingest_first,
             hold_maps=hold_maps,
             follow_hotplug=follow_hotplug,
+            deadline=deadline,
         )
 
 
@@ -229,9 +231,7 @@ def _update_domain(
         new = parse_update(cpuset_cpus, resources)
         if new is not None:  # resources without cpu.cpus: nothing for vmpin
             conn.set_mask(d.uuid, new)
-        rec = c.reconciler(store)
-        rec.deadline = deadline
-        reports = rec.reconcile([d.uuid])
+        reports = c.reconciler(store, deadline=deadline).reconcile([d.uuid])
     errors = [e for r in reports for e in r.errors]
     if errors:
         raise StateError(f"domain {d.name}: {errors[0]}")
@@ -289,6 +289,36 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
             row["gone"] = c.rec.id in gone
             rows.append(row)
     return rows
+
+
+def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
+    """One repair pass: re-pin whatever differs from the plan, touch nothing already right."""
+    if not once:
+        raise SpecError("reconcile needs --once (the continuous loop is `vmpin serve`)")
+    with c.store() as store:
+        reports = c.reconciler(store).reconcile(apply=True)
+    out: list[dict[str, Any]] = [
+        {
+            "id": r.id,
+            "runtime": r.runtime,
+            "mode": r.mode,
+            "mask": r.mask.to_list(),
+            "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
+            "vanished": r.vanished,
+            "errors": r.errors,
+            "threads": [t.to_json() for t in r.threads if t.action != "ok"],
+        }
+        for r in reports
+    ]
+    if as_json:
+        emit(out, "reconcile")
+    else:
+        for o in out:
+            state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
+            echo(f"{o['id']}: {o['runtime']} {o['mode']} mask {o['mask'] or '-'}: {state}")
+            for e in o["errors"]:
+                echo(f"  error: {e}")
+    return 1 if any(o["errors"] for o in out) else 0
 
 
 def containers(c: Ctx, as_json: bool) -> int:
@@ -538,15 +568,13 @@ def guard(args: list[str], call: Callable[[], int]) -> int:
         print(f"vmpin: error: {e}", file=sys.stderr)
         return e.exit_code
     except sqlite3.Error as e:  # the database failed under a command: one line, no traceback
-        from vmpin.linux.paths import ENVVARS
+        from vmpin.service.clispec import split_globals
         from vmpin.state.store import state_error
 
-        state_dir = os.environ.get(ENVVARS["state_dir"]) or "/run/vmpin"
-        for i, arg in enumerate(args):  # the global option, when given, wins
-            if arg == "--state-dir" and i + 1 < len(args):
-                state_dir = args[i + 1]
-            elif arg.startswith("--state-dir="):
-                state_dir = arg.split("=", 1)[1]
+        # the store the command used: the global option when given, else as Settings says
+        split = split_globals(args)
+        given = {"state_dir": split[0].get("state_dir")} if split is not None else {}
+        state_dir = Settings.from_env(given).paths.state_dir
         print(f"vmpin: error: {state_error(os.path.join(state_dir, 'state.db'), e)}",
               file=sys.stderr)
         return 2
@@ -559,8 +587,8 @@ def dispatch(c: Ctx, name: str, values: dict[str, Any]) -> int:
 
 #: the body of each command of clispec.FAST (the typer app's commands call the same)
 BODIES: dict[str, Callable[..., int]] = {
-    "update": update, "containers": containers, "sandboxes": sandboxes, "show": show,
-    "audit": audit, "serve": serve,
+    "update": update, "reconcile": reconcile, "containers": containers,
+    "sandboxes": sandboxes, "show": show, "audit": audit, "serve": serve,
 }
 
 

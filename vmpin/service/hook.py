@@ -275,9 +275,11 @@ def _pass(
     from vmpin.service.settings import build_reconciler
 
     # a sandbox forgotten (poststop) is re-planned too: its pins are to be undone
-    rec = build_reconciler(settings._replace(paths=paths), store, qmp_timeout=0.1)
-    rec.ingest_first = False  # (just done)
-    rec.deadline = deadline  # the node's plan lock: waited for until then, at most
+    # (the journal just applied; the node's plan lock waited for until the deadline, at most)
+    rec = build_reconciler(
+        settings._replace(paths=paths), store, qmp_timeout=0.1, ingest_first=False,
+        deadline=deadline,
+    )  # fmt: skip
     for report in rec.reconcile(touched):
         for err in report.errors:
             print(f"vmpin: sandbox {report.id}: {err}", file=sys.stderr)

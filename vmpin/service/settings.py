@@ -173,6 +173,7 @@ def build_reconciler(
     ingest_first: bool = True,
     hold_maps: bool = False,
     follow_hotplug: bool = False,
+    deadline: float | None = None,
 ) -> Reconciler:
     """The one factory: every entry point's observe -> plan -> apply machinery.
 
@@ -183,7 +184,9 @@ def build_reconciler(
     What a process that plans for its whole life (the agent) asks for
     (:class:`vmpin.reconcile.reconciler.Reconciler`): ``ingest_first=False``, it applies the
     journal itself before each pass; ``hold_maps``, replaced guest maps are freed after its
-    answers; ``follow_hotplug``, the topology is read again once a CPU comes or goes.
+    answers; ``follow_hotplug``, the topology is read again once a CPU comes or goes.  What
+    a command on someone's clock asks (a hook, ``vmpin update``): ``deadline``
+    (``time.monotonic()``), no wait for the node's plan lock past it (vmpin.service.budget).
     """
     from vmpin.reconcile.reconciler import Reconciler
 
@@ -200,19 +203,8 @@ def build_reconciler(
         ingest_first=ingest_first,
         hold_maps=hold_maps,
         follow_hotplug=follow_hotplug,
+        deadline=deadline,
     )
-
-
-def policy_from(
-    env: Mapping[str, str] | None = None,
-    helpers: str | None = None,
-    housekeeping: str | None = None,
-    vcpus: str | None = None,
-) -> Policy:
-    """The policy from explicit values, then the environment (kept for callers and tests)."""
-    return Settings.from_env(
-        {"helpers": helpers, "housekeeping": housekeeping, "vcpus": vcpus}, env
-    ).policy()
 
 
 def kube_configured(kubeconfig: str | None, env: Mapping[str, str] | None = None) -> bool:
@@ -229,7 +221,3 @@ def kube_configured(kubeconfig: str | None, env: Mapping[str, str] | None = None
         return True
     path = env.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
     return os.path.exists(path)
-
-
-def guest_float(env: Mapping[str, str] | None = None, value: str | None = None) -> str:
-    return Settings.from_env({"guest_float": value}, env).float_policy()

@@ -68,7 +68,7 @@ def update_container(
     *,
     cpuset_cpus: str | None = None,
     resources: str | None = None,
-    reconciler_factory: Callable[[Store], Reconciler] | None = None,
+    reconciler_factory: Callable[..., Reconciler] | None = None,
     settings: Settings | None = None,
     wait: float = AGENT_WAIT,
     deadline: float | None = None,
@@ -126,7 +126,7 @@ def _repin(
     store: Store,
     rec: ContainerRec,
     old: CpuSet | None,
-    reconciler_factory: Callable[[Store], Reconciler] | None,
+    reconciler_factory: Callable[..., Reconciler] | None,
     settings: Settings | None,
     wait: float,
     deadline: float,
@@ -139,16 +139,16 @@ def _repin(
         applied = "re-pinned by the agent"
     else:
         # no agent, or none that finished a pass in ``wait``: this process does it (again)
+        # the node's plan lock: waited for until the deadline, then done without (a holder
+        # may be stopped; vmpin.state.locks)
         if reconciler_factory is not None:
-            rec_ = reconciler_factory(store)
+            rec_ = reconciler_factory(store, deadline=deadline)
         else:
             from vmpin.service.settings import build_reconciler
 
             # the configured policy, as every other entry point (the one factory)
-            rec_ = build_reconciler((settings or Settings.from_env())._replace(paths=paths), store)
-        # the node's plan lock: waited for until the deadline, then done without (a holder
-        # may be stopped; vmpin.state.locks)
-        rec_.deadline = deadline
+            settings = (settings or Settings.from_env())._replace(paths=paths)
+            rec_ = build_reconciler(settings, store, deadline=deadline)
         # A plain container's sandbox alone when no VM's plan depends on the change (the
         # node summary says so): the cost of a container's, not the node's; else the node.
         sandbox = store.sandbox(rec.sandbox_id)

@@ -36,9 +36,6 @@ POLICY_META = "podpolicy:"
 #: meta key prefix of a pod's policy annotations as the Kubernetes API showed them (by pod uid)
 API_POLICY_META = "podpolicy-api:"
 
-#: types.MappingProxyType, without importing types (vmpin.state.sqlite: a hook that opens the
-#: store loads neither functools nor the modules it pulls in)
-MappingProxyType = type(type.__dict__)
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
@@ -338,8 +335,6 @@ class Store:
         if not S_ISREG(st.st_mode):
             # SQLite would follow a symlink planted here and write wherever it points
             raise StateError(f"{self.path}: not a regular file (a symlink?): refused")
-        self._masks: Mapping[str, CpuSet] = MappingProxyType({})
-        self._masks_key: tuple[int, int] | None = None
         #: opened by :meth:`open_readonly`: nothing in the state dir is to be written
         self.readonly = False
         #: a read-only view of a node where vmpin has recorded nothing yet (empty, in memory)
@@ -437,8 +432,6 @@ class Store:
         self.state_dir, self.path, self._depth = state_dir, path, 0
         self.readonly = True
         self.fresh = empty
-        self._masks = MappingProxyType({})
-        self._masks_key = None
         try:
             if os.path.isfile(path):
                 uri = f"file:{_uri_path(path)}?mode=ro"
@@ -1111,24 +1104,6 @@ class Store:
         """A value that moves when *another* connection commits (``PRAGMA data_version``):
         whether anyone wrote the store while this connection was planning from it."""
         return int(self.db.execute("PRAGMA data_version").fetchone()[0])
-
-    def cpu_masks(self) -> Mapping[str, CpuSet]:
-        """Each sandbox's mask: the union of its containers' CPU sets (sandboxes with none
-        are absent).  Cached while :meth:`version` stays: until then the same read-only
-        mapping is returned, so callers may cache what they derive from it."""
-        key = self.version()
-        if self._masks_key != key:
-            parsed: dict[str, CpuSet] = {}
-            cpus: dict[str, set[int]] = {}
-            rows = self.db.execute("SELECT sandbox_id, cpus FROM containers WHERE cpus IS NOT NULL")
-            for sid, text in rows.fetchall():
-                cs = parsed.get(text)
-                if cs is None:
-                    cs = parsed[text] = CpuSet.parse(text)
-                cpus.setdefault(sid, set()).update(cs)
-            self._masks = MappingProxyType({sid: CpuSet(c) for sid, c in cpus.items()})
-            self._masks_key = key
-        return self._masks
 
     def dirty(self) -> list[tuple[str, int]]:
         rows = self.db.execute("SELECT id, gen FROM sandboxes WHERE gen > done_gen ORDER BY id")
