@@ -85,7 +85,9 @@ def vm(vm_dir: Path) -> fakevmm.FakeVmm:
         Path(f"/proc/{vmm.pid}/task/{tid}/comm").read_text().startswith("CPU 0/KVM")
         for tid in vmm.tids()
     ):
-        assert time.monotonic() < deadline, "the fake VMM did not name its vCPU thread"
+        if time.monotonic() > deadline:
+            vmm.kill()
+            raise AssertionError("the fake VMM did not name its vCPU thread")
         time.sleep(0.01)
     return vmm
 
@@ -96,10 +98,14 @@ class Node:
         self.paths = bignode.host_paths(root)
         bignode.populate(self.paths, containers)
         self.vmm = vm(Path(self.paths.vm_dir))
-        # the VM's pass: its vCPU pinned 1:1 on CPU 1, and the node summary written
-        with Store(self.paths.state_dir) as store:
-            reports = Reconciler(self.paths, store).reconcile([bignode.VM])
-        assert reports[0].mode == "1:1", reports[0].reason
+        try:
+            # the VM's pass: its vCPU pinned 1:1 on CPU 1, and the node summary written
+            with Store(self.paths.state_dir) as store:
+                reports = Reconciler(self.paths, store).reconcile([bignode.VM])
+            assert reports[0].mode == "1:1", reports[0].reason
+        except BaseException:
+            self.vmm.kill()  # (no fixture will: it never got the node)
+            raise
 
     def probe(self, args: list[str], stdin: bytes = b"") -> list[str]:
         out = self.root.parent / f"probe-{new_id()}.txt"
@@ -266,8 +272,9 @@ def test_an_update_off_the_vms_cpus_repins_the_real_cgroup_alone(
     cg = Path("/sys/fs/cgroup/cpuset") / rel
     cg.mkdir()
     sleeper = subprocess.Popen(["sleep", "300"])
-    vmm = vm(Path(paths.vm_dir))
+    vmm: fakevmm.FakeVmm | None = None
     try:
+        vmm = vm(Path(paths.vm_dir))
         (cg / "cpuset.mems").write_text("0")
         (cg / "cpuset.cpus").write_text("0-1")
         (cg / "cgroup.procs").write_text(str(sleeper.pid))
@@ -305,7 +312,8 @@ def test_an_update_off_the_vms_cpus_repins_the_real_cgroup_alone(
     finally:
         sleeper.kill()
         sleeper.wait()
-        vmm.kill()
+        if vmm is not None:
+            vmm.kill()
         cg.rmdir()
 
 
@@ -323,7 +331,7 @@ def test_a_pass_plans_again_with_an_event_judged_by_the_summary_it_replaced(
     with Store(node.paths.state_dir) as store:
         rec = Reconciler(node.paths, store)
         real = rec._reconcile
-        calls = []
+        calls: list[object] = []
 
         def first_pass_then_the_hook(*args: object, **kw: object) -> object:
             out = real(*args, **kw)  # type: ignore[arg-type]
