@@ -364,3 +364,34 @@ def test_incomplete_classification_plans_the_same_whichever_vcpus_were_seen(
     assert placements(complete)[1000] == helper_set
     if policy.vcpus in ("auto", "1to1"):
         assert complete.mode == ("partial" if mask == "8,64" else "1:1")
+
+
+# -- isolcpus (issue 30, item 4): no vCPU floats over several isolated CPUs ---------------------
+@pytest.mark.parametrize(
+    ("mask", "nvcpus", "others", "mode", "pins"),
+    [
+        # fewer vCPUs than CPUs: they would float; over isolated CPUs each gets one CPU
+        ("2-3", 1, "", "float", {0: "2"}),
+        # shared with another sandbox: no 1:1 pin, still one CPU each (not one to float over)
+        ("2-3", 2, "3", "float", {0: "2", 1: "3"}),
+        # more vCPUs than CPUs: the last two pinned 1:1, the first wraps round the mask
+        ("2-3", 3, "", "partial", {0: "2", 1: "2", 2: "3"}),
+        # as many as CPUs and alone: 1:1 as anywhere
+        ("2-3", 2, "", "1:1", {0: "2", 1: "3"}),
+        # one isolated CPU in the mask: floating over it and the rest is the scheduler's
+        ("1-2", 1, "", "float", {0: "1-2"}),
+    ],
+)
+def test_no_vcpu_floats_over_several_isolated_cpus(
+    mask: str, nvcpus: int, others: str, mode: str, pins: dict[int, str]
+) -> None:
+    t = topo("offline-isolated")  # isolcpus=2-3
+    assert t.isolated == cs("2-3")
+    plan = plan_sandbox(t, "sb", cs(mask), threads(nvcpus), others=cs(others))
+    assert plan.mode == mode, plan.reason
+    got = vcpu_pins(plan)
+    # (partial: which vCPUs are the 1:1 ones is the planner's; the wrapped one shares a CPU)
+    assert sorted(got.values()) == sorted(pins.values()) if mode == "partial" else got == pins
+    spread = mode != "1:1" and len(cs(mask) & t.isolated) > 1
+    assert any("isolated (isolcpus)" in n for n in plan.notes) == spread
+    assert all(len(cs(p)) == 1 for p in got.values()) == (spread or mode == "1:1")

@@ -283,6 +283,23 @@ def plan_sandbox(
             pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
     if policy.vcpus == "1to1" and mode != "1:1":
         notes.append(f"vCPU policy 1to1 not possible ({reason})")
+    isolated = effective & topology.isolated
+    if len(isolated) > 1 and policy.vcpus != "none" and not missing_vcpus:
+        # The scheduler does not balance load across isolated CPUs (isolcpus): a vCPU let
+        # float over several stays wherever it first ran, and the others go idle.  So each
+        # vCPU not pinned 1:1 gets one CPU of the mask of its own, in topology order (issue
+        # 30, item 4); not 1:1 (others may share them, or vCPUs outnumber CPUs): why, above.
+        free = [v for v in vcpus if v.tid not in pinned_by_tid]
+        order = [c for c in topology.ordered(effective) if c not in vcpu_map.values()]
+        order = order or topology.ordered(effective)
+        for i, v in enumerate(free):
+            pinned_by_tid[v.tid] = CpuSet([order[i % len(order)]])
+        if free:
+            notes.append(
+                f"CPUs {isolated} are isolated (isolcpus): no vCPU floats over several of"
+                f" them; {len(free)} vCPU(s) not pinned 1:1 ({reason}) each run on one CPU"
+                " of the mask"
+            )
     vcpu_float = None if policy.vcpus == "none" else effective
     maybe_vcpu = frozenset(unidentified) if missing_vcpus else frozenset()
     if missing_vcpus:
