@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.qemu_util import QemuHandle, qemu_factory, reap_if_child, wait_until
 from tests.support.session import new_id
-from vmpin.core.errors import IdError
+from vmpin.core.errors import IdError, VmpinError
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.vmm import (
@@ -302,9 +302,23 @@ def test_a_process_posing_as_qemu_is_not_adopted(
             executable="/bin/sh", preexec_fn=drop, start_new_session=True,
         )  # fmt: skip
 
+    def alone(p: subprocess.Popen[bytes]) -> bool:
+        """Only the shell has QEMU's argv: its child (forked with the same argv) has exec'd
+        sleep -- else a scan may find the child first, in the moment before its exec."""
+        try:
+            with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+            return (
+                procfs.cmdline(paths.proc, p.pid)[0] == Q
+                and bool(kids)
+                and all(procfs.cmdline(paths.proc, k)[0] == "sleep" for k in kids)
+            )
+        except (OSError, IndexError, VmpinError):
+            return False
+
     poser = pose(65534)
     try:
-        assert wait_until(lambda: procfs.cmdline(paths.proc, poser.pid)[0] == Q, 5)
+        assert wait_until(lambda: alone(poser), 5)
         assert find_vmm(paths, sid, hint_pid=dead, scan=True) is None
         assert find_vmm(paths, sid, hint_pid=poser.pid, scan=True) is None
         assert not is_vmm_of(paths, poser.pid, sid)
@@ -315,7 +329,7 @@ def test_a_process_posing_as_qemu_is_not_adopted(
     # the runner's uid is what told the two apart
     twin = pose(None)
     try:
-        assert wait_until(lambda: procfs.cmdline(paths.proc, twin.pid)[0] == Q, 5)
+        assert wait_until(lambda: alone(twin), 5)
         found = find_vmm(paths, sid, hint_pid=dead, scan=True)
         assert found is not None and found.pid == twin.pid
     finally:
