@@ -454,8 +454,6 @@ class Reconciler:
         (vmpin.state.summary) says no VM's plan depends on the change; None otherwise (the
         caller then runs the node's pass).  The summary stays true: the change is one it
         lets through."""
-        from vmpin.linux.files import listing
-        from vmpin.linux.sysfs import online_text
         from vmpin.reconcile.apply import Applier
         from vmpin.reconcile.plan import plan_node
         from vmpin.reconcile.report import sandbox_report
@@ -472,12 +470,7 @@ class Reconciler:
                 if got is None:
                     return None
                 s = got[1]
-                current = summary.stale(
-                    s,
-                    listing(self.paths.vm_dir),
-                    summary.checkpoint_id(self.paths.kubelet_state),
-                    online_text(self.paths.sys),
-                )
+                current = summary.stale(s, *self._summary_inputs())
                 if current is not None or summary.change_needs_pass(s, old, new, infra):
                     return None
                 obs = self.observer.observe_plain(self.store, sandbox_id)
