@@ -111,6 +111,7 @@ HOOK_MODULES = (
     "vmpin/state/summary.py",
     "vmpin/wire/__init__.py",
     "vmpin/wire/guestmap.py",
+    "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
 )
 

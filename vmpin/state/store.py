@@ -27,7 +27,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, UnsafeFile
 from vmpin.core.ids import check_id
 from vmpin.linux.files import fsync_path
-from vmpin.runtimes.oci import Identity, identify
+from vmpin.runtimes.oci import identify
 from vmpin.state import allocations, journal
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
     from types import TracebackType
     from typing import Any, NamedTuple
+
+    from vmpin.wire.hookevent import HookEvent
 else:
     # the C module _sqlite3, without the sqlite3 package's imports nor functools' (see there)
     from vmpin.core._lean import NamedTuple
@@ -472,7 +474,7 @@ class Store:
         return _Transaction(self)
 
     # -- applying journaled hook events ----------------------------------------------------
-    def _resolve(self, ev: dict[str, Any]) -> ContainerRec | None:
+    def _resolve(self, ev: HookEvent) -> ContainerRec | None:
         """The recorded container an event is about, keyed by container id, never by bundle
         alone: two containers may share a bundle path, and Kata's poststart/poststop carry the
         *sandbox* id (the container's id then comes from the bundle: recorded at create, or
@@ -482,14 +484,14 @@ class Store:
         event's container (same id) or belongs to the sandbox the event names (Kata); a bundle
         shared by containers of different ids is ambiguous and resolves to nothing rather than
         clobbering one of them."""
-        ident = ev["ident"]
-        bundle = ev["bundle"]
+        ident = ev.ident
+        bundle = ev.bundle
         # A record found by id is this container only if its bundle agrees: a container's
         # bundle never changes, so another bundle means another container (Kata's sandbox id
         # with a container's bundle) or a new one reusing the id.
-        by_ident = ident["container_id"] if ident else None
+        by_ident = ident.container_id if ident else None
         # (a create's state id is its container id: looked up once)
-        for cid in (by_ident, ev["id"] if ev["id"] != by_ident else None):
+        for cid in (by_ident, ev.id if ev.id != by_ident else None):
             rec = self.container(cid) if cid else None
             if rec is not None and (not bundle or rec.bundle in (None, bundle)):
                 return rec
@@ -498,41 +500,42 @@ class Store:
         cols = ",".join(_CONTAINER_COLS)
         rows = self.db.execute(
             f"SELECT {cols} FROM containers WHERE bundle=? AND (id=? OR sandbox_id=?)",
-            (bundle, ev["id"], ev["id"]),
+            (bundle, ev.id, ev.id),
         ).fetchall()
-        exact = [r for r in rows if r[0] == ev["id"]]
+        exact = [r for r in rows if r[0] == ev.id]
         if len(exact) == 1:
             return _container(exact[0])
         if len(rows) == 1:
             return _container(rows[0])
         return None
 
-    def _apply(self, ev: dict[str, Any]) -> str | None:
+    def _apply(self, ev: HookEvent) -> str | None:
         """Apply one event; the sandbox it touched (None when nothing is left to re-pin)."""
-        if ev["stage"] == "poststop":
+        if ev.stage == "poststop":
             return self._forget(ev)
-        bundle = ev["bundle"]
+        bundle = ev.bundle
         existing = self._resolve(ev)
         if existing is not None:
             sandbox = self.sandbox(existing.sandbox_id)
             if (
-                ev["host_pid"]
-                and ev["pid_start"] is not None
+                ev.host_pid
+                and ev.pid_start is not None
                 and existing.pid is None
                 and sandbox
                 and sandbox.runtime == "runc"
             ):
                 # (pid, start time) read by the hook at this very stage: the identity to follow
-                self.put_container(existing._replace(pid=ev["host_pid"], pid_start=ev["pid_start"]))
+                self.put_container(existing._replace(pid=ev.host_pid, pid_start=ev.pid_start))
             return existing.sandbox_id
-        if ev["ident"] is None or not ev.get("has_config"):
-            raise SpecError(f"hook {ev['stage']} for {ev['id']!r}: container unknown and no spec")
-        ident = Identity(**ev["ident"])
+        ident = ev.ident
+        if ident is None or not ev.has_config:
+            raise SpecError(f"hook {ev.stage} for {ev.id!r}: container unknown and no spec")
         sandbox = self.sandbox(ident.sandbox_id)
-        runtime = sandbox.runtime if sandbox else ev["runtime"]
+        runtime = sandbox.runtime if sandbox else ev.runtime
+        assert runtime is not None  # (vmpin.wire.hookevent: an event naming one names its runtime)
         if sandbox is None:
             # For Kata the state pid may be the VMM: kept as an unverified hint (no start time).
-            hint = ev["host_pid"] if runtime == "kata" else None
+            hint = ev.host_pid if runtime == "kata" else None
             self.put_sandbox(
                 SandboxRec(
                     ident.sandbox_id,
@@ -544,10 +547,10 @@ class Store:
                     ident.pod_namespace,
                 )
             )
-        self._keep_policy_annotations(ident.sandbox_id, ev.get("annotations") or {})
+        self._keep_policy_annotations(ident.sandbox_id, ev.annotations)
         # A pid is kept only with the start time the hook read with it: without one nothing
         # can prove later that the pid still names this container's process.
-        pid = ev["host_pid"] if runtime == "runc" and ev["pid_start"] is not None else None
+        pid = ev.host_pid if runtime == "runc" and ev.pid_start is not None else None
         self.put_container(
             ContainerRec(
                 id=ident.container_id,
@@ -557,15 +560,15 @@ class Store:
                 pod_uid=ident.pod_uid,
                 pod_name=ident.pod_name,
                 pod_namespace=ident.pod_namespace,
-                cpus=None if ev["cpus"] is None else CpuSet.parse(ev["cpus"]),
+                cpus=ev.cpus,
                 cpus_source="spec",
-                mems=ev["mems"],
+                mems=ev.mems,
                 bundle=bundle,
                 pid=pid,
-                pid_start=ev["pid_start"] if pid else None,
+                pid_start=ev.pid_start if pid else None,
             )
         )
-        allocations.record_limit(self.db, ident.container_id, ev.get("cpu_limit"))
+        allocations.record_limit(self.db, ident.container_id, ev.cpu_limit)
         return ident.sandbox_id
 
     def _keep_policy_annotations(self, sandbox_id: str, annotations: Mapping[str, str]) -> None:
@@ -629,17 +632,17 @@ class Store:
             db.executemany("DELETE FROM meta WHERE key=?", gone)
             db.executemany("INSERT OR REPLACE INTO meta VALUES (?,?)", rows)
 
-    def _forget(self, ev: dict[str, Any]) -> str | None:
+    def _forget(self, ev: HookEvent) -> str | None:
         """poststop: forget the container the event is about (see :meth:`_resolve`)."""
         rec = self._resolve(ev)
         # A Kata poststop of a non-sandbox container carries the sandbox id: when its
         # annotations say it is not the sandbox, it must not tear the whole sandbox down.
         if (
             rec is not None
-            and rec.id == ev["id"]
+            and rec.id == ev.id
             and rec.is_sandbox
-            and ev["annotations"]
-            and not identify(ev["id"], ev["annotations"]).is_sandbox
+            and ev.annotations
+            and not identify(ev.id, ev.annotations).is_sandbox
         ):
             rec = None
         if rec is None:
