@@ -12,6 +12,13 @@ as such: its code, renamed per class, becomes a record's ``__new__`` or ``__init
 CODE = {}
 
 
+def __new__(_cls):
+    return _tuple_new(_cls, ())
+
+
+CODE[('new', 0)] = __new__.__code__
+
+
 def __new__(_cls, _0):
     return _tuple_new(_cls, (_0,))
 

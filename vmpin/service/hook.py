@@ -181,10 +181,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     if name is None:
         append(paths.state_dir, event)
     if sandbox is not None:
-        from vmpin.service.control import post
+        from vmpin.service.control import notify
 
         # without waiting for the answer; a no-op without a socket file (_socket unimported)
-        post(paths, {"op": "dirty", "sandboxes": [sandbox]})
+        notify(paths, [sandbox], answered=False)
     if backlog(paths.state_dir) > INGEST_THRESHOLD:
         # No one has applied the journal for a while (no agent, no CLI): keep it bounded
         # here, in batches within a time budget, so no later hook inherits a huge backlog.
