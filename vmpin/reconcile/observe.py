@@ -33,6 +33,7 @@ from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.podpolicies import PodPolicies
 from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
+from vmpin.wire.undokeys import MISSING_PREFIX, ORIG_PREFIX, VmmKey
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -52,24 +53,6 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     from vmpin.core._lean import dataclass, field
-
-ORIG_PREFIX = "orig-affinity:"
-MISSING_PREFIX = "missing-vcpus:"
-
-
-def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
-    """Store meta key of a thread's affinity before vmpin first pinned it (invariant 4)."""
-    return f"{orig_prefix(sandbox_id, vmm_pid, vmm_start)}{tid}"
-
-
-def orig_prefix(sandbox_id: str, vmm_pid: int, vmm_start: int) -> str:
-    """:func:`orig_key` without the tid: the keys of one VMM's threads (built once per VMM)."""
-    return f"{ORIG_PREFIX}{sandbox_id}:{vmm_pid}:{vmm_start}:"
-
-
-def missing_key(sandbox_id: str, pid: int, start: int) -> str:
-    return f"{MISSING_PREFIX}{sandbox_id}:{pid}:{start}"
-
 
 @dataclass(frozen=True, slots=True)
 class ThreadObs:
@@ -683,13 +666,13 @@ class Observer:
             return VmmObs(vmm.pid, vmm.start), False, []  # located, its threads not read
         originals = recorded.originals
         affinity = scope.affinity
-        at = orig_prefix(rec.id, vmm.pid, vmm.start)
+        at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
         remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
-        missing_before = recorded.missing.get(missing_key(rec.id, vmm.pid, vmm.start))
+        missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
@@ -707,7 +690,7 @@ class Observer:
                 return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
             if (vmm.pid, vmm.start) != was:
                 listed = None  # another process: its threads are listed anew
-            at = orig_prefix(rec.id, vmm.pid, vmm.start)
+            at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
             remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
         if recorded.vhost is None:
@@ -769,7 +752,7 @@ class Observer:
         affinity: bool = True,
     ) -> ThreadObs:
         """One thread of the VMM ``pid`` as it is now (``affinity`` False: its role only,
-        nothing read); ``orig_at``: :func:`orig_prefix` of the VMM."""
+        nothing read); ``orig_at``: the VMM's :meth:`VmmKey.orig_prefix`."""
         if not affinity:
             return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
         # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
@@ -798,7 +781,7 @@ class Observer:
             tids = procfs.tids(self.paths.proc, pid)
         except ProcessGone:
             return ()
-        at = orig_prefix(sid, pid, start)
+        at = VmmKey(sid, pid, start).orig_prefix()
         return tuple(
             self._thread(pid, at, ThreadRec(tid, "emulator", None, None, ""), originals, affinity)
             for tid in tids
@@ -838,7 +821,5 @@ __all__ = [
     "Scope",
     "ThreadObs",
     "VmmObs",
-    "orig_key",
-    "orig_prefix",
     "pid_alive",
 ]

@@ -114,6 +114,7 @@ HOOK_MODULES = (
     "vmpin/wire/guestmap.py",
     "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
+    "vmpin/wire/undokeys.py",
 )
 
 _MIN = ", ".join(str(n) for n in REQUIRES_PYTHON)
