@@ -90,6 +90,7 @@ HOOK_MODULES = (
     "vmpin/reconcile/podpolicies.py",
     "vmpin/reconcile/reconciler.py",
     "vmpin/reconcile/report.py",
+    "vmpin/reconcile/summarizer.py",
     "vmpin/runtimes/__init__.py",
     "vmpin/runtimes/kataconfig.py",
     "vmpin/runtimes/kubeletconfig.py",
