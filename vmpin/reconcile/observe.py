@@ -67,7 +67,8 @@ if TYPE_CHECKING:
 
 
 class Observer:
-    """Reads the node.  Holds caches that only save work (checkpoint by mtime)."""
+    """Reads the node, each sandbox through :attr:`sandboxes`.  Holds caches that only save
+    work (checkpoint by mtime, the store's tables by version, the last observation)."""
 
     def __init__(
         self,
@@ -81,7 +82,7 @@ class Observer:
         self.paths = paths
         #: libvirt domains: sandboxes with runtime "libvirt" that live outside the store
         self.domains = domains
-        #: each sandbox, read (the node's policy and per-sandbox overrides are its)
+        #: reads one sandbox at a time; holds the node's policy and per-sandbox overrides
         self.sandboxes = SandboxObserver(paths, policy, policy_for, qmp_timeout)
         self._checkpoint_reader: CheckpointReader | None = None
         self._kata_reader: KataConfigReader | None = None
