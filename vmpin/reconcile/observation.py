@@ -20,6 +20,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from dataclasses import dataclass, field
+    from typing import TypeVar
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.core.planner import Policy
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.allocations import Allocation
     from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
+
+    _T = TypeVar("_T")
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     from vmpin.core._lean import dataclass, field
 
@@ -238,6 +241,16 @@ class Recorded:
         )
 
 
+def replace(t: _T, **kw: object) -> _T:
+    """``dataclasses.replace`` for these values (made by vmpin.core._lean off mypy's view)."""
+    if TYPE_CHECKING:
+        from dataclasses import replace as made
+    else:
+        from vmpin.core._lean import replace as made
+
+    return made(t, **kw)  # type: ignore[type-var]
+
+
 __all__ = [
     "FULL",
     "MISSING_PREFIX",
@@ -254,4 +267,5 @@ __all__ = [
     "missing_key",
     "orig_key",
     "orig_prefix",
+    "replace",
 ]

@@ -46,6 +46,7 @@ from vmpin.reconcile.observation import (
     missing_key,
     orig_key,
     orig_prefix,
+    replace,
 )
 from vmpin.reconcile.observe_sandbox import SandboxObserver, pid_alive
 from vmpin.reconcile.podpolicies import PodPolicies
@@ -54,14 +55,12 @@ from vmpin.state.store import SandboxRec, Store
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Container, Mapping
-    from typing import TypeVar
 
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
     from vmpin.state.store import PolicyRecord
 
-    _T = TypeVar("_T")
     #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
     _PolicyRecords = tuple[Mapping[str, PolicyRecord], Mapping[str, PolicyRecord]]
 
@@ -154,32 +153,17 @@ class Observer:
         policies = PodPolicies(sandboxes.policy, oci, api)
         out: list[SandboxObs] = []
         seen: set[str] = set()
-        # A sandbox observed as the last full pass saw it is given as that very object: the
-        # new one goes at once (the last pass's observation is kept with its plan, and two
-        # of them at once were the agent's RSS peak), and comparing the node with the last
-        # one (Reconciler.plan) finds the same objects.
+        # (a sandbox observed as the last full pass saw it is given as that very object:
+        # SandboxObserver.tracked)
         last = self._last if scope is FULL else {}
         for rec in records:
             seen.add(rec.id)
-            before = last.get(rec.id)
-            if (
-                fresh is not None
-                and before is not None
-                and rec.id not in fresh
-                and sandboxes.unchanged(before, rec, recorded, policies)
-            ):
-                # (with the record as it is now: its generation is what apply marks done)
-                out.append(before if before.record == rec else _replace(before, record=rec))
-                continue
-            try:
-                found = sandboxes.tracked(recorded, policies, rec, checkpoint, scope)
-                before = last.get(rec.id)
-                out.append(before if before is not None and before == found else found)
-            except Exception as err:  # one sandbox's failure is an error on it, not the node's
-                msg = f"observing it: unexpected {type(err).__name__}: {err}"
-                out.append(
-                    SandboxObs(rec.id, rec.runtime, sandboxes.policy_of(rec.id), rec, errors=(msg,))
+            reuse = fresh is not None and rec.id not in fresh
+            out.append(
+                sandboxes.tracked(
+                    recorded, policies, rec, checkpoint, scope, last.get(rec.id), reuse
                 )
+            )
         for sid in sandboxes.vm_dir_ids(seen) if scope.vmms else ():
             before = last.get(sid)
             if fresh is not None and sid not in fresh and before is not None and not before.tracked:
@@ -216,7 +200,7 @@ class Observer:
         recorded = Recorded({sandbox_id: store.containers(sandbox_id)}, {}, {}, {})
         # (a runc sandbox's plan takes nothing from its pod's policy)
         policies = PodPolicies(self.sandboxes.policy, {}, {})
-        s = self.sandboxes.tracked(recorded, policies, rec, checkpoint)
+        s = self.sandboxes.read(recorded, policies, rec, checkpoint)
         if s.runtime != "runc":
             return None  # it has a VM dir now: Kata's, planned with the node
         return Observation((s,), checkpoint, cp_error)
@@ -239,14 +223,14 @@ class Observer:
                 continue
             vmm = s.vmm
             if vmm is not None and tids:
-                vmm = _replace(vmm, threads=tuple(
-                    _replace(t, actual=tids[t.tid]) if t.tid in tids else t for t in vmm.threads
+                vmm = replace(vmm, threads=tuple(
+                    replace(t, actual=tids[t.tid]) if t.tid in tids else t for t in vmm.threads
                 ))  # fmt: skip
             containers = tuple(
-                _replace(c, cgroup_cpus=cids[c.rec.id]) if c.rec.id in cids else c
+                replace(c, cgroup_cpus=cids[c.rec.id]) if c.rec.id in cids else c
                 for c in s.containers
             )
-            self._last[sid] = _replace(s, vmm=vmm, containers=containers)
+            self._last[sid] = replace(s, vmm=vmm, containers=containers)
 
     def _read_store(
         self, store: Store, scope: Scope, keep_last: bool = False
@@ -275,15 +259,6 @@ class Observer:
         _, _, rec, sandboxes, policies = memo
         fresh = Recorded(rec.containers, rec.threads, rec.missing, rec.originals)
         return fresh, sandboxes, policies
-
-
-def _replace(t: _T, **kw: object) -> _T:
-    if TYPE_CHECKING:
-        from dataclasses import replace
-    else:
-        from vmpin.core._lean import replace
-
-    return replace(t, **kw)  # type: ignore[type-var]
 
 
 __all__ = [

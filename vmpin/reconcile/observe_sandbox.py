@@ -31,6 +31,7 @@ from vmpin.reconcile.observation import (
     VmmObs,
     claiming,
     leaves_alone,
+    replace,
 )
 from vmpin.reconcile.observe_vmm import VmmObserver
 
@@ -92,8 +93,39 @@ class SandboxObserver:
         rec: SandboxRec,
         cp: Checkpoint | None,
         scope: Scope = FULL,
+        last: SandboxObs | None = None,
+        reuse: bool = False,
     ) -> SandboxObs:
-        """The sandbox of the record ``rec`` (its containers' records in ``recorded``)."""
+        """The sandbox of the record ``rec`` in a walk of the node: never raises (one
+        sandbox's failure is an error on it, not the node's).
+
+        ``last``: its last full observation, given again as that very object when the new
+        one equals it (the last pass's observation is kept with its plan, two of them at
+        once were the agent's RSS peak, and comparing the node with the last one --
+        Reconciler.plan -- then finds the same objects).  ``reuse`` (an event's pass, for a
+        sandbox no event names): ``last`` is given unread when it was observed from the
+        records and under the policy of now (:meth:`.observe.Observer.observe`'s ``fresh``).
+        """
+        if reuse and last is not None and self._unchanged(last, rec, recorded, policies):
+            # (with the record as it is now: its generation is what apply marks done)
+            return last if last.record == rec else replace(last, record=rec)
+        try:
+            found = self.read(recorded, policies, rec, cp, scope)
+            return last if last is not None and last == found else found
+        except Exception as err:  # one sandbox's failure is an error on it, not the node's
+            msg = f"observing it: unexpected {type(err).__name__}: {err}"
+            return SandboxObs(rec.id, rec.runtime, self.policy_of(rec.id), rec, errors=(msg,))
+
+    def read(
+        self,
+        recorded: Recorded,
+        policies: PodPolicies,
+        rec: SandboxRec,
+        cp: Checkpoint | None,
+        scope: Scope = FULL,
+    ) -> SandboxObs:
+        """The sandbox of the record ``rec`` (its containers' records in ``recorded``), read
+        now; what it does not expect, it raises."""
         runtime = rec.runtime
         became_kata = False
         if runtime == "runc" and os.path.isdir(os.path.join(self.paths.vm_dir, rec.id)):
@@ -128,11 +160,11 @@ class SandboxObserver:
             policy_source=source, policy_problems=problems, policy_at=at,
         )  # fmt: skip
 
-    def unchanged(
+    def _unchanged(
         self, before: SandboxObs, rec: SandboxRec, recorded: Recorded, policies: PodPolicies
     ) -> bool:
         """Whether ``before`` was observed from the records the store holds now, under the
-        policy that applies now (see :meth:`.observe.Observer.observe`'s ``fresh``)."""
+        policy that applies now."""
         was = before.record
         if was is None or before.errors or (rec.runtime, rec.pod_uid) != (was.runtime, was.pod_uid):
             return False
