@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from vmpin.core.topology import Topology
-    from vmpin.reconcile.observe import Observation
+    from vmpin.reconcile.observation import Observation
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.store import ContainerRec, PolicyRecord, Store
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.observe import FULL
+from vmpin.reconcile.observation import FULL
 from vmpin.reconcile.plan import Adoption, NodePlan, SandboxPlan, ThreadPlan
 from vmpin.state.store import Store, ThreadRec
 from vmpin.wire.undokeys import VmmKey, stale_originals
