@@ -19,10 +19,9 @@ from __future__ import annotations
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.observation import FULL
+from vmpin.reconcile.observation import FULL, VmmKey, stale_originals
 from vmpin.reconcile.plan import Adoption, NodePlan, SandboxPlan, ThreadPlan
 from vmpin.state.store import Store, ThreadRec
-from vmpin.wire.undokeys import VmmKey, stale_originals
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ from vmpin.reconcile.observation import (
     FULL,
     Scope,
     ThreadObs,
+    VmmKey,
     VmmObs,
 )
 from vmpin.state.store import ThreadRec
-from vmpin.wire.undokeys import VmmKey
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

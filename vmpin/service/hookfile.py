@@ -118,7 +118,6 @@ HOOK_MODULES = (
     "vmpin/wire/guestmap.py",
     "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
-    "vmpin/wire/undokeys.py",
 )
 
 _MIN = ", ".join(str(n) for n in REQUIRES_PYTHON)

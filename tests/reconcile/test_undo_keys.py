@@ -3,7 +3,7 @@ owns is found stale."""
 
 from __future__ import annotations
 
-from vmpin.wire.undokeys import VmmKey, stale_originals
+from vmpin.reconcile.observation import VmmKey, stale_originals
 
 
 def test_keys_are_the_text_they_were() -> None:
