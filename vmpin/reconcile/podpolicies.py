@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from vmpin.core.planner import Policy
 from vmpin.core.podpolicy import policy_for
-from vmpin.state.store import PolicyRecord
+from vmpin.state.records import PolicyRecord
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 if TYPE_CHECKING:
