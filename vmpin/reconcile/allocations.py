@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from vmpin.core.topology import Topology
     from vmpin.reconcile.observation import Observation
     from vmpin.runtimes.kubelet import Checkpoint
-    from vmpin.state.store import ContainerRec, PolicyRecord, Store
+    from vmpin.state.records import ContainerRec, PolicyRecord
+    from vmpin.state.store import Store
 
 #: a container's ``cpus_source`` when its CPU set is its pod's allocation
 SOURCE = "vmpin-alloc"

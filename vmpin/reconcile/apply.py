@@ -21,7 +21,8 @@ from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.observation import FULL, VmmKey, stale_originals
 from vmpin.reconcile.plan import Adoption, NodePlan, SandboxPlan, ThreadPlan
-from vmpin.state.store import Store, ThreadRec
+from vmpin.state.records import ThreadRec
+from vmpin.state.store import Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

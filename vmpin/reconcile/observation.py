@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kataconfig import KataConfigs
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.allocations import Allocation
-    from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
+    from vmpin.state.records import ContainerRec, SandboxRec, ThreadRec
+    from vmpin.state.store import Store
 
     _T = TypeVar("_T")
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path

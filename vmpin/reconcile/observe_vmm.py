@@ -26,7 +26,7 @@ from vmpin.reconcile.observation import (
     VmmKey,
     VmmObs,
 )
-from vmpin.state.store import ThreadRec
+from vmpin.state.records import ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from vmpin.linux.paths import HostPaths
     from vmpin.reconcile.observation import Recorded
-    from vmpin.state.store import SandboxRec
+    from vmpin.state.records import SandboxRec
 
 
 class VmmObserver:

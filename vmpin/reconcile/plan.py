@@ -47,7 +47,7 @@ from vmpin.reconcile.observe import (
     leaves_alone,
 )
 from vmpin.runtimes.kubelet import is_infra
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False

@@ -10,7 +10,7 @@ DESIGN.md's contract.
 from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
