@@ -23,9 +23,8 @@ from vmpin.reconcile.observation import (
     FULL,
     Scope,
     ThreadObs,
+    VmmKey,
     VmmObs,
-    missing_key,
-    orig_prefix,
 )
 from vmpin.state.records import ThreadRec
 
@@ -79,13 +78,13 @@ class VmmObserver:
             return VmmObs(vmm.pid, vmm.start), False, []  # located, its threads not read
         originals = recorded.originals
         affinity = scope.affinity
-        at = orig_prefix(rec.id, vmm.pid, vmm.start)
+        at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
         remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
-        missing_before = recorded.missing.get(missing_key(rec.id, vmm.pid, vmm.start))
+        missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
@@ -103,7 +102,7 @@ class VmmObserver:
                 return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
             if (vmm.pid, vmm.start) != was:
                 listed = None  # another process: its threads are listed anew
-            at = orig_prefix(rec.id, vmm.pid, vmm.start)
+            at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
             remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
         if recorded.vhost is None:
@@ -150,7 +149,7 @@ class VmmObserver:
             tids = procfs.tids(self.paths.proc, pid)
         except ProcessGone:
             return ()
-        at = orig_prefix(sid, pid, start)
+        at = VmmKey(sid, pid, start).orig_prefix()
         return tuple(
             self._thread(pid, at, ThreadRec(tid, "emulator", None, None, ""), originals, affinity)
             for tid in tids
@@ -179,7 +178,7 @@ class VmmObserver:
         affinity: bool = True,
     ) -> ThreadObs:
         """One thread of the VMM ``pid`` as it is now (``affinity`` False: its role only,
-        nothing read); ``orig_at``: :func:`orig_prefix` of the VMM."""
+        nothing read); ``orig_at``: the VMM's :meth:`VmmKey.orig_prefix`."""
         if not affinity:
             return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
         # vhost workers before Linux 6.4 are kernel threads of their own, not in task/

@@ -119,7 +119,9 @@ HOOK_MODULES = (
     "vmpin/state/summary.py",
     "vmpin/state/writer.py",
     "vmpin/wire/__init__.py",
+    "vmpin/wire/control.py",
     "vmpin/wire/guestmap.py",
+    "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
 )
 
