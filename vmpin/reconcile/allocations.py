@@ -58,9 +58,10 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from vmpin.core.topology import Topology
-    from vmpin.reconcile.observe import Observation
+    from vmpin.reconcile.observation import Observation
     from vmpin.runtimes.kubelet import Checkpoint
-    from vmpin.state.store import ContainerRec, PolicyRecord, Store
+    from vmpin.state.records import ContainerRec, PolicyRecord
+    from vmpin.state.store import Store
 
 #: a container's ``cpus_source`` when its CPU set is its pod's allocation
 SOURCE = "vmpin-alloc"

@@ -34,9 +34,9 @@ from vmpin.core.planner import Policy
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.apply import Outcome
-from vmpin.reconcile.observe import ContainerObs, SandboxObs, ThreadObs, VmmObs
+from vmpin.reconcile.observation import ContainerObs, SandboxObs, ThreadObs, VmmObs
 from vmpin.runtimes.libvirtd import DEFAULT_URIS, wanted_uris
-from vmpin.state.store import ContainerRec, SandboxRec
+from vmpin.state.records import ContainerRec, SandboxRec
 
 if TYPE_CHECKING:
     from vmpin.reconcile.plan import SandboxPlan

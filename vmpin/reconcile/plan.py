@@ -47,7 +47,7 @@ from vmpin.reconcile.observe import (
     leaves_alone,
 )
 from vmpin.runtimes.kubelet import is_infra
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False
@@ -253,7 +253,7 @@ def _left_alone(s: SandboxObs, online: CpuSet) -> CpuSet:
     a thread runs, no other sandbox's vCPU may be pinned 1:1, or the two share a CPU for good
     and no pass can clear it.  A thread whose affinity is unknown (it could not be read)
     holds every online CPU.  Observe reads these threads' affinity in every scope
-    (:meth:`vmpin.reconcile.observe.Observer.leaves_alone`), so views plan alike.
+    (:func:`vmpin.reconcile.observation.leaves_alone`), so views plan alike.
     """
     if s.vmm is None or not leaves_alone(s.tracked, s.policy):
         return EMPTY

@@ -24,8 +24,10 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
+from vmpin.state.reader import Reader
+from vmpin.state.records import ContainerRec
 from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
-from vmpin.state.store import ContainerRec, Store
+from vmpin.state.store import Store
 from vmpin.wire import jsonio
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
@@ -73,7 +75,7 @@ class Ctx:
         """The store for commands that write (update, reconcile, serve): created if missing."""
         return Store(self.paths.state_dir)
 
-    def reader(self) -> Store:
+    def reader(self) -> Reader:
         """The store for read-only commands: never written.
 
         The node's state dir (the default one, or any that exists) holding nothing yet is a
@@ -115,7 +117,7 @@ class Ctx:
 
     def reconciler(
         self,
-        store: Store | None = None,
+        store: Reader | None = None,
         *,
         ingest_first: bool = True,
         hold_maps: bool = False,
@@ -239,7 +241,7 @@ def _update_domain(
 
 
 # -- read commands: observe and plan, nothing written ---------------------------------------
-def node_plan(c: Ctx, store: Store, scope: Scope | None = None) -> NodePlan:
+def node_plan(c: Ctx, store: Reader, scope: Scope | None = None) -> NodePlan:
     """The node as the host shows it now (pure: observe and plan, nothing written), within
     ``scope``: what the view prints, read fresh, and nothing it does not (observe.Scope)."""
     plan: NodePlan = c.reconciler(store).plan(scope=scope)
@@ -432,7 +434,7 @@ def show_json(r: SandboxReport) -> dict[str, Any]:
     }
 
 
-def domain_report(c: Ctx, store: Store, key: str) -> SandboxReport | None:
+def domain_report(c: Ctx, store: Reader, key: str) -> SandboxReport | None:
     """The report of the libvirt domain named or identified by ``key`` (nothing applied)."""
     domains = c.domains()
     found = domains.find(key) if domains is not None else None
@@ -569,7 +571,7 @@ def guard(args: list[str], call: Callable[[], int]) -> int:
         return e.exit_code
     except sqlite3.Error as e:  # the database failed under a command: one line, no traceback
         from vmpin.service.clispec import split_globals
-        from vmpin.state.store import state_error
+        from vmpin.state.schema import state_error
 
         # the store the command used: the global option when given, else as Settings says
         split = split_globals(args)
