@@ -110,6 +110,7 @@ HOOK_MODULES = (
     "vmpin/state/store.py",
     "vmpin/state/summary.py",
     "vmpin/wire/__init__.py",
+    "vmpin/wire/argv.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/jsonio.py",
 )
