@@ -7,7 +7,7 @@ option's key: each body prints and returns its exit code.  Free of typer and pyd
 import (issue 14: a read command or ``update`` would pay ~80 ms for them); a body imports
 what only it needs.
 
-``--json`` views are checked against their pydantic models (:mod:`vmpin.wire.views`) only
+``--json`` views are checked against their pydantic models (:mod:`vmpin.wire.viewschema`) only
 when ``VMPIN_CHECK_VIEWS`` is set -- the tests set it for every vmpin they start -- because
 importing pydantic would cost a read command four bare interpreters.
 """
@@ -23,8 +23,8 @@ from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
 from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
-from vmpin.state.store import ContainerRec, Store
-from vmpin.wire import jsonio
+from vmpin.state.store import Store
+from vmpin.wire import jsonio, views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
@@ -143,7 +143,7 @@ def echo(line: str = "") -> None:
 def emit(data: Any, view: str) -> None:
     """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS)."""
     if os.environ.get(CHECK_VIEWS, "") not in ("", "0"):
-        from vmpin.wire.views import check
+        from vmpin.wire.viewschema import check
 
         check(view, data)
     echo(jsonio.dumps(data, indent=2))
@@ -155,22 +155,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for r in cells:
         echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
-
-
-def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:
-    return {
-        "id": c.id,
-        "sandbox": c.sandbox_id,
-        "name": c.name,
-        "cpus": cpus(c.cpus),
-        "runtime": runtime,
-        "is_sandbox": c.is_sandbox,
-        "pod_uid": c.pod_uid,
-        "pod_name": c.pod_name,
-        "pod_namespace": c.pod_namespace,
-        "cpus_source": c.cpus_source,
-        "pid": c.pid,
-    }
 
 
 # -- update ---------------------------------------------------------------------------------
@@ -233,7 +217,7 @@ def _update_domain(
     errors = [e for r in reports for e in r.errors]
     if errors:
         raise StateError(f"domain {d.name}: {errors[0]}")
-    return {"id": d.name, "sandbox": d.uuid, "cpus": cpus(new), "applied_by": "libvirt"}
+    return views.update(id=d.name, sandbox=d.uuid, cpus=cpus(new), applied_by="libvirt")
 
 
 # -- read commands: observe and plan, nothing written ---------------------------------------
@@ -279,13 +263,15 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
         fresh = {c.rec.id: c.rec for c in sp.containers}
         for c in sp.obs.containers:
             rec = fresh.get(c.rec.id, c.rec)
-            row = container_json(rec, sp.runtime)
-            row["stored_cpus"] = cpus(c.rec.cpus)
             # (a pod's allocation is the plan's, not news from the host: issue 30)
             differs = rec.cpus != c.rec.cpus and rec.cpus_source != "vmpin-alloc"
-            row["host_differs"] = differs or c.rec.id in gone
-            row["gone"] = c.rec.id in gone
-            rows.append(row)
+            rows.append(views.container(
+                id=rec.id, sandbox=rec.sandbox_id, name=rec.name, cpus=cpus(rec.cpus),
+                runtime=sp.runtime, is_sandbox=rec.is_sandbox, pod_uid=rec.pod_uid,
+                pod_name=rec.pod_name, pod_namespace=rec.pod_namespace,
+                cpus_source=rec.cpus_source, pid=rec.pid, stored_cpus=cpus(c.rec.cpus),
+                host_differs=differs or c.rec.id in gone, gone=c.rec.id in gone,
+            ))  # fmt: skip
     return rows
 
 
@@ -296,16 +282,16 @@ def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
     with c.store() as store:
         reports = c.reconciler(store).reconcile(apply=True)
     out: list[dict[str, Any]] = [
-        {
-            "id": r.id,
-            "runtime": r.runtime,
-            "mode": r.mode,
-            "mask": r.mask.to_list(),
-            "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
-            "vanished": r.vanished,
-            "errors": r.errors,
-            "threads": [t.to_json() for t in r.threads if t.action != "ok"],
-        }
+        views.reconcile_item(
+            id=r.id,
+            runtime=r.runtime,
+            mode=r.mode,
+            mask=r.mask.to_list(),
+            repaired=r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
+            vanished=r.vanished,
+            errors=r.errors,
+            threads=[t.to_json() for t in r.threads if t.action != "ok"],
+        )
         for r in reports
     ]
     if as_json:
@@ -359,31 +345,31 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
         vmm = sp.obs.vmm
         mask = _mask(sp)
         out.append(
-            {
-                "id": s.id,
-                "runtime": sp.runtime,
-                "vmm_pid": vmm.pid if vmm is not None else None,
-                "mask": sp.mask.to_list() if sp.runtime == "kata" and sp.plan else mask,
-                "containers": [
-                    {
-                        "id": k.rec.id,
-                        "name": k.rec.name,
-                        "cpus": cpus(k.rec.cpus),
-                        "is_sandbox": k.rec.is_sandbox,
-                    }
+            views.sandbox(
+                id=s.id,
+                runtime=sp.runtime,
+                vmm_pid=vmm.pid if vmm is not None else None,
+                mask=sp.mask.to_list() if sp.runtime == "kata" and sp.plan else mask,
+                containers=[
+                    views.sandbox_container(
+                        id=k.rec.id,
+                        name=k.rec.name,
+                        cpus=cpus(k.rec.cpus),
+                        is_sandbox=k.rec.is_sandbox,
+                    )
                     for k in sp.containers
                 ],
-                "pod_uid": s.pod_uid,
-                "pod_name": s.pod_name,
-                "pod_namespace": s.pod_namespace,
-                "dirty": s.dirty,
-                "mode": sp.mode,
-                "stored_mask": stored.to_list(),
-                "host_differs": mask != stored.to_list()
+                pod_uid=s.pod_uid,
+                pod_name=s.pod_name,
+                pod_namespace=s.pod_namespace,
+                dirty=s.dirty,
+                mode=sp.mode,
+                stored_mask=stored.to_list(),
+                host_differs=mask != stored.to_list()
                 or sp.vanished
                 or (vmm.pid if vmm else None) != (s.vmm_pid if s.vmm_start is not None else None),
-                "vanished": sp.vanished,
-            }
+                vanished=sp.vanished,
+            )
         )
     return out
 
@@ -413,21 +399,21 @@ def sandboxes(c: Ctx, as_json: bool) -> int:
 
 
 def show_json(r: SandboxReport) -> dict[str, Any]:
-    return {
-        "id": r.id,
-        "runtime": r.runtime,
-        "vmm_pid": r.vmm_pid,
-        "mask": r.mask.to_list(),
-        "mode": r.mode,
-        "reason": r.reason,
-        "layers": r.layers,
-        "threads": [t.to_json() for t in r.threads],
-        "guest_map": r.guest_map,
-        "policy": r.policy_json(),
-        "containers": [{"id": k.id, "name": k.name, "cpus": cpus(k.cpus)} for k in r.containers],
-        "notes": r.notes,
-        "errors": r.errors,
-    }
+    return views.show(
+        id=r.id,
+        runtime=r.runtime,
+        vmm_pid=r.vmm_pid,
+        mask=r.mask.to_list(),
+        mode=r.mode,
+        reason=r.reason,
+        layers=r.layers,
+        threads=[t.to_json() for t in r.threads],
+        guest_map=r.guest_map,
+        policy=r.policy_json(),
+        containers=[{"id": k.id, "name": k.name, "cpus": cpus(k.cpus)} for k in r.containers],
+        notes=r.notes,
+        errors=r.errors,
+    )
 
 
 def domain_report(c: Ctx, store: Store, key: str) -> SandboxReport | None:
@@ -570,16 +556,16 @@ def guest_map(c: Ctx, container: str, as_json: bool) -> int:
         r = c.reconciler(store).reconcile_sandbox(sb, apply=False)
     entry = (r.guest_map or {}).get("containers", {}).get(container)
     if entry is None:
-        entry = {
-            "container": container,
-            "sandbox": k.sandbox_id,
-            "host_cpus": cpus(k.cpus),
-            "guest_cpus": None,
-            "exact": False,
-            "mode": r.mode,
-            "reason": "no guest map: "
+        entry = views.guest_map(
+            container=container,
+            sandbox=k.sandbox_id,
+            host_cpus=cpus(k.cpus),
+            guest_cpus=None,
+            exact=False,
+            mode=r.mode,
+            reason="no guest map: "
             + ("a plain container runs in no VM" if r.runtime != "kata" else "no VMM/plan yet"),
-        }
+        )
     _print_guest_map(entry, as_json)
     return 0
 
@@ -682,7 +668,7 @@ def schema(c: Ctx, command: str | None) -> int:
     import json
 
     from vmpin.wire.views import VIEWS
-    from vmpin.wire.views import schema as view_schema
+    from vmpin.wire.viewschema import schema as view_schema
 
     if command is None:
         data: Any = {name: view_schema(name) for name in VIEWS}
@@ -724,12 +710,12 @@ def status(c: Ctx, as_json: bool) -> int:
     from vmpin.state import journal
 
     reply = request(c.paths, {"op": "status"}, timeout=2.0)
-    out = reply or {
-        "ok": False,
-        "error": f"no agent answering on {c.paths.control_socket}",
-        "journal_pending": journal.backlog(c.paths.state_dir),
-        "journal_bad": journal.quarantined(c.paths.state_dir),
-    }
+    out = reply or views.status(
+        ok=False,
+        error=f"no agent answering on {c.paths.control_socket}",
+        journal_pending=journal.backlog(c.paths.state_dir),
+        journal_bad=journal.quarantined(c.paths.state_dir),
+    )
     if as_json:
         emit(out, "status")
     elif reply:

@@ -113,6 +113,7 @@ HOOK_MODULES = (
     "vmpin/wire/argv.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/jsonio.py",
+    "vmpin/wire/views.py",
 )
 
 _MIN = ", ".join(str(n) for n in REQUIRES_PYTHON)

@@ -1,233 +1,217 @@
-"""The ``--json`` views as pydantic models: one home for each output's shape and its schema.
+"""The ``--json`` views: each output's keys, in the order printed, with their types -- one
+function each, the one home of its shape.
 
-DESIGN.md fixes the keys scripts rely on; these models write them down once.  ``vmpin schema
-[COMMAND]`` prints the JSON Schema of each.  Models allow extra keys: outputs may grow, never
-lose a key.
+DESIGN.md fixes the keys scripts rely on.  A view is a function whose keyword parameters are
+its keys in print order, typed, and which returns them as the dict printed (``locals()``: a
+dict of the parameters, in their order, and as cheap as a dict literal -- rows are built by
+the thousand at 500 sandboxes -- with every builder's keys and types checked by mypy).
+Keys in :data:`EXTRA` are printed but not in the schema: scripts may not rely on them
+(outputs may grow, never lose a key); :data:`NOTES` describes keys of the schema.
 
-Every ``--json`` output is validated against its model before it is printed when
-``VMPIN_CHECK_VIEWS`` is set (vmpin.service.commands.emit): the tests set it for every vmpin
-they run, so a view that drifts from its schema fails loudly in the tests, not silently in
-someone's script.  An operator's command does not pay for pydantic (~30 ms to import, and
-typer's route another ~50 ms): ``update`` and the read commands never import this module
-unless asked to check.  Models build their validators on first use (``defer_build``).
+``vmpin schema [COMMAND]`` prints each view's JSON Schema, and under ``VMPIN_CHECK_VIEWS``
+(the tests set it for every vmpin they run: vmpin.service.commands.emit) each ``--json``
+output is validated before it is printed, so a view that drifts from its schema fails in the
+tests, not in someone's script.  Both go through a pydantic model derived from the view
+(:mod:`vmpin.wire.viewschema`): importing pydantic would cost a read command four bare
+interpreters, so only those two do.
+
+The topology's and a cluster node's rows are built in vmpin.core (below this layer), the
+audit's and explain's in vmpin.reconcile: their functions here are their schema's keys.
+Pure, stdlib only: the hooks load vmpin.reconcile.report, whose rows are built here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
-
-CpuList = Optional[str]  # Linux list format, "0-3,8"; None when there is no set
-
-
-class View(BaseModel):
-    model_config = ConfigDict(extra="allow", defer_build=True)
+    CpuList = Optional[str]  # Linux list format, "0-3,8"; None when there is no set
+    Json = dict[str, Any]
 
 
-class ContainerView(View):
-    id: str
-    sandbox: str
-    name: Optional[str]
-    cpus: CpuList = Field(description="CPU set, fresh from runc/kubelet where they moved it")
-    runtime: Optional[str]
-    is_sandbox: bool
-    pod_uid: Optional[str] = None
-    pod_name: Optional[str] = None
-    pod_namespace: Optional[str] = None
-    cpus_source: Optional[str] = None
-    pid: Optional[int] = None
-    stored_cpus: CpuList = Field(None, description="what vmpin's store holds")
-    host_differs: bool = Field(False, description="the host says otherwise than the store")
-    gone: bool = False
+# Each view's body is ``return locals()`` and nothing else: a local would be printed.
+def container(
+    *, id: str, sandbox: str, name: Optional[str], cpus: CpuList, runtime: Optional[str],
+    is_sandbox: bool, pod_uid: Optional[str] = None, pod_name: Optional[str] = None,
+    pod_namespace: Optional[str] = None, cpus_source: Optional[str] = None,
+    pid: Optional[int] = None, stored_cpus: CpuList = None, host_differs: bool = False,
+    gone: bool = False,
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class SandboxContainerView(View):
-    id: str
-    name: Optional[str]
-    cpus: CpuList
+def sandbox_container(*, id: str, name: Optional[str], cpus: CpuList, is_sandbox: bool) -> Json:
+    return locals()
 
 
-class SandboxView(View):
-    id: str
-    runtime: str
-    vmm_pid: Optional[int]
-    mask: str
-    containers: list[SandboxContainerView]
-    mode: Optional[str] = None
-    host_differs: bool = False
-    vanished: bool = False
+def sandbox(
+    *, id: str, runtime: str, vmm_pid: Optional[int], mask: str, containers: list[Json],
+    pod_uid: Optional[str], pod_name: Optional[str], pod_namespace: Optional[str], dirty: bool,
+    mode: Optional[str] = None, stored_mask: str, host_differs: bool = False,
+    vanished: bool = False,
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class ThreadView(View):
-    tid: Optional[int]
-    role: Literal["vcpu", "iothread", "vhost", "emulator", "container"]
-    index: Optional[int]
-    name: Optional[str]
-    desired: CpuList
-    actual: CpuList
-    layer: str = ""
-    container: Optional[str] = None
-    action: str = "ok"
-    error: Optional[str] = None
+def thread(
+    *, tid: Optional[int], role: Literal["vcpu", "iothread", "vhost", "emulator", "container"],
+    index: Optional[int], name: Optional[str], desired: CpuList, actual: CpuList,
+    layer: str = "", container: Optional[str] = None, action: str = "ok",
+    error: Optional[str] = None,
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class PolicyView(View):
-    vcpus: str
-    helpers: str
-    housekeeping: CpuList
-    guest: str
-    cpuset: Optional[str]
-    source: Literal["node", "oci", "api"] = Field(
-        description="node: the node's settings; oci: the pod's annotations as its specs carry"
-        " them; api: the pod's annotations in the Kubernetes API (recorded by the agent)"
-    )
-    recorded_at: Optional[float] = Field(description="when the source was recorded (epoch s)")
-    problems: list[str]
+def policy(
+    *, vcpus: str, helpers: str, housekeeping: CpuList, guest: str, cpuset: Optional[str],
+    source: Literal["node", "oci", "api"], recorded_at: Optional[float], problems: list[str],
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class ShowView(View):
-    id: str
-    runtime: str
-    vmm_pid: Optional[int]
-    mask: str
-    mode: str
-    reason: str
-    threads: list[ThreadView]
-    guest_map: Optional[dict[str, Any]]
-    policy: Optional[PolicyView] = None
+def show(
+    *, id: str, runtime: str, vmm_pid: Optional[int], mask: str, mode: str, reason: str,
+    layers: list[str], threads: list[Json], guest_map: Optional[Json],
+    policy: Optional[Json] = None, containers: list[Json], notes: list[str], errors: list[str],
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class GuestMapView(View):
-    container: str
-    sandbox: str
-    host_cpus: CpuList
-    guest_cpus: CpuList
+def guest_map(
+    *, container: str, sandbox: str, host_cpus: CpuList, guest_cpus: CpuList, exact: bool,
+    mode: str, reason: str,
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class TopologyCpuView(View):
-    cpu: int
-    core: int
-    socket: int
-    numa: int
-    siblings: str
+def topology_cpu(*, cpu: int, core: int, socket: int, numa: int, siblings: str) -> Json:
+    return locals()
 
 
-class TopologyView(View):
-    online: str
-    isolated: str
-    sockets: int
-    numa_nodes: int
-    cores: int
-    threads_per_core: int
-    cpus: list[TopologyCpuView]
+def topology(
+    *, online: str, isolated: str, sockets: int, numa_nodes: int, cores: int,
+    threads_per_core: int, cpus: list[Json],
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class ClaimView(View):
-    sandbox: Optional[str]
-    pod: str
-    container: Optional[str]
-    source: Literal["vmpin", "kubelet"]
+def claim(
+    *, sandbox: Optional[str], pod: str, container: Optional[str],
+    source: Literal["vmpin", "kubelet"],
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class ViolationView(View):
-    kind: Literal["drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin", "error"]
-    sandbox: Optional[str]
-    tid: Optional[int]
-    role: Optional[str]
-    desired: CpuList
-    actual: CpuList
-    reason: str
-    claimants: Optional[list[ClaimView]] = Field(
-        None, description="conflict: both pods claiming the CPUs"
-    )
+def violation(
+    *, kind: Literal["drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin",
+                     "error"],
+    sandbox: Optional[str], tid: Optional[int], role: Optional[str], desired: CpuList,
+    actual: CpuList, reason: str, claimants: Optional[list[Json]] = None,
+) -> Json:  # fmt: skip
+    return locals()
 
 
-class AuditView(View):
-    ok: bool
-    violations: list[ViolationView]
-    sandboxes: int
-    threads: int
-    errors: list[str]
-    notes: list[str] = Field(
-        [],
-        description="what to know to read the result, never a violation (ok does not depend"
+def audit(
+    *, ok: bool, violations: list[Json], sandboxes: int, threads: int, errors: list[str],
+    notes: list[str] = [],  # noqa: B006 (a schema's default: never mutated)
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def reconcile_item(
+    *, id: str, runtime: str, mode: str, mask: str, repaired: int, vanished: bool,
+    errors: list[str], threads: list[Json],
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def update(*, id: str, sandbox: str, cpus: CpuList, applied_by: str) -> Json:
+    return locals()
+
+
+# (the answer when no agent answers; the agent's own reply has more keys)
+def status(*, ok: bool, error: str, journal_pending: int, journal_bad: int) -> Json:
+    return locals()
+
+
+def cluster_node(
+    *, node: str, state: Literal["clean", "violations", "conflicts", "stale"], sandboxes: int,
+    violations: int, conflicts: int, exclusive_cpus: CpuList, heartbeat_age: Optional[float],
+    conflict_list: list[str],
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def explain(
+    *, cpu: Optional[Json] = None, container: Optional[Json] = None, pod: Optional[Json] = None
+) -> Json:
+    """``vmpin explain``: exactly one of cpu, container, pod (vmpin.reconcile.explain)."""
+    return locals()
+
+
+#: keys printed but not in the schema, per view
+EXTRA = {
+    "sandbox_container": ("is_sandbox",),
+    "sandbox": ("pod_uid", "pod_name", "pod_namespace", "dirty", "stored_mask"),
+    "show": ("layers", "containers", "notes", "errors"),
+    "guest_map": ("exact", "mode", "reason"),
+    "status": ("error", "journal_pending", "journal_bad"),
+}
+#: the schema's descriptions of keys, per view
+NOTES = {
+    "container": {
+        "cpus": "CPU set, fresh from runc/kubelet where they moved it",
+        "stored_cpus": "what vmpin's store holds",
+        "host_differs": "the host says otherwise than the store",
+    },
+    "policy": {
+        "source": "node: the node's settings; oci: the pod's annotations as its specs carry"
+        " them; api: the pod's annotations in the Kubernetes API (recorded by the agent)",
+        "recorded_at": "when the source was recorded (epoch s)",
+    },
+    "violation": {"claimants": "conflict: both pods claiming the CPUs"},
+    "audit": {
+        "notes": "what to know to read the result, never a violation (ok does not depend"
         " on it): e.g. Kata pins vCPUs itself (enable_vcpus_pinning) and how vmpin keeps out"
         " of its way",
-    )
-
-
-class ReconcileItemView(View):
-    id: str
-    runtime: str
-    mode: str
-    mask: str
-    repaired: int
-    vanished: bool
-    errors: list[str]
-    threads: list[ThreadView]
-
-
-class UpdateView(View):
-    id: str
-    sandbox: str
-    cpus: CpuList
-    applied_by: str
-
-
-class StatusView(View):
-    ok: bool
-
-
-class ClusterNodeView(View):
-    node: str
-    state: Literal["clean", "violations", "conflicts", "stale"]
-    sandboxes: int
-    violations: int
-    conflicts: int
-    exclusive_cpus: CpuList
-    heartbeat_age: Optional[float] = Field(description="seconds since the agent last wrote")
-    conflict_list: list[str]
-
-
-class ExplainView(View):
-    """``vmpin explain``: exactly one of cpu, container, pod (vmpin.reconcile.explain)."""
-
-    cpu: Optional[dict[str, Any]] = Field(
-        None, description="cpu, online, isolated, socket, core, siblings, kubelet {pool,"
-        " exclusive, rule}, claimants [{kind: sandbox|thread, sandbox, rule, ...}]"
-    )
-    container: Optional[dict[str, Any]] = Field(
-        None, description="container, name, sandbox, runtime, pod, cpus, source, rule,"
-        " kubelet, runc, cgroup, guest_cpus"
-    )
-    pod: Optional[dict[str, Any]] = Field(
-        None, description="sandbox, runtime, pod, mask, mode, reason, policy, containers,"
-        " threads"
-    )
-
-
-VIEWS: dict[str, Any] = {
-    "containers": RootModel[list[ContainerView]],
-    "sandboxes": RootModel[list[SandboxView]],
-    "show": ShowView,
-    "guest-map": GuestMapView,
-    "topology": TopologyView,
-    "audit": AuditView,
-    "reconcile": RootModel[list[ReconcileItemView]],
-    "update": UpdateView,
-    "status": StatusView,
-    "cluster": RootModel[list[ClusterNodeView]],
-    "explain": ExplainView,
+    },
+    "cluster_node": {"heartbeat_age": "seconds since the agent last wrote"},
+    "explain": {
+        "cpu": "cpu, online, isolated, socket, core, siblings, kubelet {pool, exclusive, rule},"
+        " claimants [{kind: sandbox|thread, sandbox, rule, ...}]",
+        "container": "container, name, sandbox, runtime, pod, cpus, source, rule, kubelet, runc,"
+        " cgroup, guest_cpus",
+        "pod": "sandbox, runtime, pod, mask, mode, reason, policy, containers, threads",
+    },
+}
+#: a key's schema type where it holds other views (its parameter says Json)
+NESTED = {
+    ("sandbox", "containers"): "list[sandbox_container]",
+    ("show", "threads"): "list[thread]",
+    ("show", "guest_map"): "Optional[dict[str, Any]]",
+    ("show", "policy"): "Optional[policy]",
+    ("topology", "cpus"): "list[topology_cpu]",
+    ("violation", "claimants"): "Optional[list[claim]]",
+    ("audit", "violations"): "list[violation]",
+    ("reconcile_item", "threads"): "list[thread]",
+    ("explain", "cpu"): "Optional[dict[str, Any]]",
+    ("explain", "container"): "Optional[dict[str, Any]]",
+    ("explain", "pod"): "Optional[dict[str, Any]]",
 }
 
-
-def check(command: str, data: Any) -> None:
-    """Validate ``data`` against the view of ``command`` (raises pydantic's ValidationError)."""
-    VIEWS[command].model_validate(data)
-
-
-def schema(command: str) -> dict[str, Any]:
-    out: dict[str, Any] = VIEWS[command].model_json_schema()
-    out["title"] = f"vmpin {command} --json"
-    return out
+#: each command's --json output: its view, and whether it prints a list of them
+VIEWS: dict[str, tuple[Callable[..., Json], bool]] = {
+    "containers": (container, True),
+    "sandboxes": (sandbox, True),
+    "show": (show, False),
+    "guest-map": (guest_map, False),
+    "topology": (topology, False),
+    "audit": (audit, False),
+    "reconcile": (reconcile_item, True),
+    "update": (update, False),
+    "status": (status, False),
+    "cluster": (cluster_node, True),
+    "explain": (explain, False),
+}
