@@ -65,7 +65,8 @@ from tests.support.qemu_util import launch  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.service import control  # noqa: E402
-from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
+from vmpin.state.records import ContainerRec, SandboxRec  # noqa: E402
+from vmpin.state.store import Store  # noqa: E402
 
 SID = "lat32"
 POLL = 0.0002

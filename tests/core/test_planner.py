@@ -395,3 +395,40 @@ def test_no_vcpu_floats_over_several_isolated_cpus(
     spread = mode != "1:1" and len(cs(mask) & t.isolated) > 1
     assert any("isolated (isolcpus)" in n for n in plan.notes) == spread
     assert all(len(cs(p)) == 1 for p in got.values()) == (spread or mode == "1:1")
+
+
+# prefer-align-cpus-by-uncorecache (issue 30, item 3): machine, mask, vCPUs, where they float
+UNCORE_CASES = [
+    # EPYC 7313: L3 groups of 4 cores (4k..4k+3, siblings +32); 1-4,33-36 spans groups 0 and 4
+    ("epyc: group 0's part holds all 4", "amd-epyc-7313-2s", "1-4,33-36", 4, "1-3,33-35"),
+    ("epyc: 7 do not fit a part of 6", "amd-epyc-7313-2s", "1-4,33-36", 7, "1-4,33-36"),
+    ("epyc: equal parts, the first", "amd-epyc-7313-2s", "2-5,34-37", 2, "2-3,34-35"),
+    ("epyc: one group, nothing to narrow", "amd-epyc-7313-2s", "4-7,36-39", 2, "4-7,36-39"),
+    # one L3 group per socket on the Xeon; none split on the no-SMT machine
+    ("xeon: across the sockets", "xeon-gold-6258r-2s", "26-29,82-85", 3, "26-27,82-83"),
+    ("no-smt: one L3 group", "no-smt-server", "4-11", 2, "4-11"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "machine", "mask", "n", "home"), UNCORE_CASES,
+                         ids=[c[0] for c in UNCORE_CASES])  # fmt: skip
+def test_floating_vcpus_stay_in_one_l3_group(
+    name: str, machine: str, mask: str, n: int, home: str
+) -> None:
+    t = topo(machine)
+    plan = plan_sandbox(t, "sb", cs(mask), threads(n), uncore=True)
+    assert plan.mode == "float"
+    assert set(vcpu_pins(plan).values()) == {home}
+    # helper threads keep the whole mask (policy share); without the option, vCPUs do too
+    assert {p.desired for p in plan.placements if p.role != "vcpu"} == {cs(mask)}
+    plain = plan_sandbox(t, "sb", cs(mask), threads(n))
+    assert set(vcpu_pins(plain).values()) == {cs(mask).to_list()}
+
+
+def test_one_l3_group_only_for_the_sandboxs_own_cpus() -> None:
+    """Not over the shared pool, nor a mask others float on: those float as they are."""
+    t = topo("amd-epyc-7313-2s")
+    pool = plan_sandbox(t, "sb", CpuSet(), threads(2), shared_pool=cs("1-4,33-36"), uncore=True)
+    assert set(vcpu_pins(pool).values()) == {"1-4,33-36"}
+    shared = plan_sandbox(t, "sb", cs("1-4,33-36"), threads(2), others=cs("4"), uncore=True)
+    assert set(vcpu_pins(shared).values()) == {"1-4,33-36"}

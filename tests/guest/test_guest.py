@@ -637,7 +637,8 @@ def test_end_to_end(
 ) -> None:
     from tests.support.qemu_util import start_qemu
     from vmpin.core.cpuset import CpuSet
-    from vmpin.state.store import ContainerRec, SandboxRec, Store
+    from vmpin.state.records import ContainerRec, SandboxRec
+    from vmpin.state.store import Store
 
     sid = new_id("vmpin-sb")
     cids = {new_id("vmpin-c0"): "0", new_id("vmpin-c1"): "1"}

@@ -23,9 +23,9 @@ from tests.support.plainpods import PlainPods
 from vmpin.core.allocate import Options
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.sysfs import read_topology
-from vmpin.reconcile.allocations import NODE_ROW, decide
+from vmpin.reconcile.allocations import NODE_ROW, decide, plan_options
 from vmpin.state.allocations import Allocation
-from vmpin.state.store import ContainerRec, PolicyRecord
+from vmpin.state.records import ContainerRec, PolicyRecord
 
 SYSFS = FIXTURES / "sysfs"
 XEON = read_topology(str(SYSFS / "xeon-gold-6258r-2s"))
@@ -113,6 +113,21 @@ def test_full_pcpus_only_option() -> None:
     assert granted(rows) == {"a": None} and "whole number of cores" in (rows[-1].reason or "")
 
 
+def test_node_row_carries_what_the_plan_follows() -> None:
+    """strict-cpu-reservation: the node row holds the reserved CPUs (the plan keeps them out of
+    the pool); its via names the options the plan follows; both follow the file's changes."""
+    opts = Options(reserved=P("0,56"), strict_reservation=True, prefer_uncore=True)
+    rows, _ = decide([], pod("a"), asks(a="2"), {}, {}, XEON, options=opts, now=1.0)
+    node = rows[0]
+    assert node.sandbox_id == NODE_ROW and node.cpus == P("0,56")
+    assert plan_options(node.via) == {"strict-cpu-reservation", "prefer-align-cpus-by-uncorecache"}
+    assert granted(rows) == {"a": "1,57"}
+    # not strict: kubelet's reserved CPUs stay in the pool, the row holds none
+    rows2, _ = decide(rows, pod("a"), asks(a="2"), {}, {}, XEON, now=2.0)
+    assert (rows2[0].cpus, plan_options(rows2[0].via), rows2[0].updated_at) == (None, set(), 2.0)
+    assert granted(rows2) == {"a": "1,57"}  # (an allocation never moves)
+
+
 # -- the CLI on fixture machines ------------------------------------------------------------------
 @pytest.fixture
 def pods(
@@ -177,11 +192,12 @@ def test_cli_on_fixture_machine(pods: PlainPods, request: pytest.FixtureRequest)
 def test_kubelet_config_reserved_cpus_and_full_cores(pods: PlainPods) -> None:
     """kubelet's configuration file (--kubelet-config / VMPIN_KUBELET_CONFIG): its reserved
     CPUs are never allocated, full-pcpus-only refuses a pod that would split a core, and
-    what vmpin does not follow yet is said in audit's notes."""
+    what vmpin does not follow is said in audit's notes."""
     config = pods.tmp / "kubelet-config.yaml"
     config.write_text(
         "kind: KubeletConfiguration\nreservedSystemCPUs: 0-1,56-57\n"
-        "cpuManagerPolicyOptions:\n  full-pcpus-only: 'true'\n  align-by-socket: 'true'\n"
+        "cpuManagerPolicyOptions:\n  full-pcpus-only: 'true'\n"
+        "  distribute-cpus-across-cores: 'true'\n"
     )
     pods.env["VMPIN_KUBELET_CONFIG"] = str(config)
     pods.create("a", {"vmpin.io/exclusive-cpus": "4"})
@@ -192,8 +208,52 @@ def test_kubelet_config_reserved_cpus_and_full_cores(pods: PlainPods) -> None:
     notes = audit["notes"]
     assert any("refused for pod uid-b" in n and "not a whole number of cores" in n
                for n in notes), notes  # fmt: skip
-    assert any("align-by-socket: not followed" in n for n in notes), notes
+    assert any("distribute-cpus-across-cores: not followed" in n for n in notes), notes
     assert cg["b-app"] == pods.online - P("2-3,58-59")  # the pool, reserved CPUs and all
+
+
+#: kubelet's static-policy options through the CLI: machine, options, the pod's count, its
+#: CPUs, the pool then (kubelet's reserved CPU 0 in it, unless strict-cpu-reservation)
+OPTION_CLI_CASES = {
+    "epyc, kubelet's order": ("amd-epyc-7313-2s", "", 8, "1-4,33-36", "0,5-32,37-63"),
+    # one whole L3 group (4 cores) rather than a core of group 0 and three of group 4
+    "epyc, prefer-align-cpus-by-uncorecache": (
+        "amd-epyc-7313-2s", "prefer-align-cpus-by-uncorecache", 8, "4-7,36-39",
+        "0-3,8-35,40-63"),
+    # NUMA node 1 (8-15): it leaves the free CPUs of the two nodes most balanced
+    "no-smt, distribute-cpus-across-numa": (
+        "no-smt-server", "distribute-cpus-across-numa", 4, "8-11", "0-7,12-15"),
+    # the reserved CPU 0 leaves the pool
+    "no-smt, strict-cpu-reservation": (
+        "no-smt-server", "strict-cpu-reservation", 4, "1-4", "5-15"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(OPTION_CLI_CASES))
+def test_kubelet_options_through_the_cli(
+    case: str, tmp_path: Path, env: dict[str, str]
+) -> None:
+    """``vmpin --sysfs-root <fixture> --kubelet-config <file> hook ...``: an option of kubelet's
+    configuration file changes which CPUs a pod gets, and the pool the others run on."""
+    machine, option, count, want, pool = OPTION_CLI_CASES[case]
+    config = tmp_path / "kubelet-config.yaml"
+    text = "kind: KubeletConfiguration\n"
+    if option:
+        text += f"cpuManagerPolicyOptions:\n  {option}: 'true'\n"
+    config.write_text(text)
+    pods = PlainPods(tmp_path, env, SYSFS / machine, read_topology(str(SYSFS / machine)).online)
+    try:
+        pods.env.pop("VMPIN_KUBELET_CONFIG", None)
+        pods.flags = ["--sysfs-root", str(SYSFS / machine), "--kubelet-config", str(config)]
+        pods.create("a", {"vmpin.io/exclusive-cpus": str(count)})
+        pods.create("b", {})
+        cg = pods.cgroups()
+        assert (cg["a-app"], cg["b-app"]) == (P(want), P(pool))
+        audit = json.loads(pods.vmpin("audit", "--json").stdout)
+        assert audit["ok"], audit["violations"]
+        assert not any("not followed" in n for n in audit["notes"]), audit["notes"]
+    finally:
+        pods.close()
 
 
 # -- many hooks at once ---------------------------------------------------------------------------

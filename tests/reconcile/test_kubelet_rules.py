@@ -32,7 +32,8 @@ from vmpin.reconcile.observe import (
 )
 from vmpin.reconcile.plan import plan_node
 from vmpin.runtimes.kubelet import Checkpoint, _dump_v1, fnv32a
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 XEON = "xeon-gold-6258r-2s"  # 2 sockets x 28 cores x 2 threads: siblings n / n+56
 
@@ -181,12 +182,12 @@ def test_threads_left_alone_hold_the_cpus_they_run_on() -> None:
 def test_views_read_the_affinity_of_threads_left_alone() -> None:
     """The narrow scopes of ``sandboxes``/``show`` widen to the affinity of threads left
     alone: a neighbour's mode in a view must be what a full pass plans."""
-    from vmpin.reconcile.observe import _claiming, leaves_alone
+    from vmpin.reconcile.observation import claiming, leaves_alone
 
     narrow = Scope(True, frozenset({"a"}), False, False)
     assert leaves_alone(True, Policy(vcpus="none"))
     assert leaves_alone(False, Policy())
     assert not leaves_alone(True, Policy())
-    wide = _claiming(narrow)
+    wide = claiming(narrow)
     assert wide.reads_threads("n") and wide.affinity
-    assert _claiming(Scope(False)) == Scope(False)  # a view that locates no VMM stays so
+    assert claiming(Scope(False)) == Scope(False)  # a view that locates no VMM stays so

@@ -21,7 +21,7 @@ from vmpin.reconcile.audit import audit
 from vmpin.reconcile.observe import ContainerObs, Observation, SandboxObs, ThreadObs, VmmObs
 from vmpin.reconcile.plan import NodePlan, plan_node
 from vmpin.runtimes.kubelet import Checkpoint
-from vmpin.state.store import ContainerRec, SandboxRec
+from vmpin.state.records import ContainerRec, SandboxRec
 
 
 def cs(text: str) -> CpuSet:
@@ -295,3 +295,38 @@ def test_runc_update_is_adopted_and_vanished_container_forgotten() -> None:
     assert plan.forget_containers == ("dead",)
     [cp] = plan.sandbox("r").containers  # type: ignore[union-attr]
     assert cp.desired == cs("3")
+
+
+@pytest.mark.parametrize("follows", [False, True])
+def test_kubelet_options_the_plan_follows(follows: bool) -> None:
+    """The node row of vmpin's allocations carries what the plan follows of kubelet's
+    configuration file (vmpin.reconcile.allocations.node_via): under strict-cpu-reservation
+    the reserved CPUs (0 and its sibling 32 here) leave the shared pool and take the helper
+    threads of a sandbox that isolates them; under prefer-align-cpus-by-uncorecache vCPUs
+    fewer than their CPUs float inside one L3 group (EPYC 7313: 1-3,33-35 is group 0's part
+    of 1-4,33-36; 4,36 are group 4's)."""
+    from vmpin.core.allocate import Options
+    from vmpin.reconcile.allocations import NODE_ROW, node_via
+    from vmpin.state.allocations import Allocation
+
+    t = topo("amd-epyc-7313-2s")
+    opts = Options(strict_reservation=True, prefer_uncore=True) if follows else Options()
+    node = Allocation(NODE_ROW, None, cs("0,32") if follows else None, None, node_via(opts),
+                      None, 1.0, 1.0)  # fmt: skip
+    held = Allocation("a", "pod-a", cs("1-4,33-36"), 8, "vmpin.io/exclusive-cpus=8", None, 1.0,
+                      1.0)  # fmt: skip
+    a = kata("a", None, vmm_threads(100, 4, "0-63"))
+    a = SandboxObs(a.id, a.runtime, Policy("isolate", cs("8")), a.record, a.containers, a.vmm)
+    b = kata("b", None, vmm_threads(200, 2, "0-63"))
+    plan = plan_node(Observation((a, b), allocations=(node, held)), t)
+    assert modes(plan) == {"a": "float", "b": "float"}
+    got = desired(plan, "a")
+    if follows:
+        assert plan.shared_pool == cs("5-31,37-63")
+        assert got == {100: "0,32", **{101 + i: "1-3,33-35" for i in range(4)}}
+        assert any("one L3 group" in n for n in plan.sandbox("a").notes)  # type: ignore[union-attr]
+    else:
+        assert plan.shared_pool == cs("0,5-32,37-63")
+        assert got == {100: "8", **{101 + i: "1-4,33-36" for i in range(4)}}
+    assert plan.shared_pool is not None
+    assert set(desired(plan, "b").values()) == {plan.shared_pool.to_list()}

@@ -24,7 +24,17 @@ reservedSystemCPUs: "0-1"
 @pytest.mark.parametrize(
     ("text", "want", "noted"),
     [
-        (YAML, Options(True, CpuSet.parse("0-1"), 1), ["distribute-cpus-across-numa"]),
+        (YAML, Options(True, CpuSet.parse("0-1"), 1, distribute_across_numa=True), []),
+        ("cpuManagerPolicyOptions:\n  align-by-socket: 'True'\n  prefer-align-cpus-by-uncorecache:"
+         " '1'\n  strict-cpu-reservation: 't'\n",
+         Options(align_by_socket=True, prefer_uncore=True, strict_reservation=True), []),
+        # kubelet refuses to start with these two together: vmpin follows neither
+        ("cpuManagerPolicyOptions:\n  distribute-cpus-across-numa: 'true'\n"
+         "  prefer-align-cpus-by-uncorecache: 'true'\n", Options(), ["cannot be used together"]),
+        ("cpuManagerPolicyOptions:\n  distribute-cpus-across-cores: 'true'\n", Options(),
+         ["distribute-cpus-across-cores: not followed"]),
+        ("cpuManagerPolicyOptions:\n  full-pcpus-only: 'yes'\n", Options(),
+         ["'yes' is not a boolean"]),
         ('{"kubeReserved": {"cpu": "500m"}, "systemReserved": {"cpu": "1"}}',
          Options(keep=2), []),
         ("kubeReserved:\n  cpu: 250m\n", Options(keep=1), []),
@@ -80,6 +90,5 @@ def test_a_kubeadm_file(tmp_path: Path) -> None:
     f = tmp_path / "config.yaml"
     f.write_text(KUBEADM)
     got, notes = read_options(str(f))
-    assert got == Options(full_pcpus_only=True, reserved=None, keep=2)
-    assert notes == [f"{f}: cpuManagerPolicyOptions strict-cpu-reservation: not followed by"
-                     " vmpin's allocation yet"]  # fmt: skip
+    assert got == Options(full_pcpus_only=True, reserved=None, keep=2, strict_reservation=True)
+    assert notes == []

@@ -18,7 +18,8 @@ from tests.support.session import new_id
 from vmpin import __version__
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 def vmpin(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

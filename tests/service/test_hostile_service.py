@@ -26,7 +26,9 @@ from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes import publish
 from vmpin.runtimes.kubelet import read_checkpoint
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.reader import Reader
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 def cli(
@@ -317,8 +319,8 @@ def test_sqlite_error_under_a_command_is_one_line(
     from vmpin.entry import main
 
     Store(paths.state_dir).close()
-    for method in ("containers", "sandboxes"):
-        mocker.patch.object(Store, method, side_effect=sqlite3.OperationalError("disk I/O error"))
+    for method in ("containers", "sandboxes"):  # (the views' read-only store: a Reader)
+        mocker.patch.object(Reader, method, side_effect=sqlite3.OperationalError("disk I/O error"))
     assert main(["--state-dir", paths.state_dir, "containers"]) == 2
     err = capsys.readouterr().err
     line = one_line(err)

@@ -34,7 +34,8 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.state import journal, summary
-from vmpin.state.store import ContainerRec, Store
+from vmpin.state.records import ContainerRec
+from vmpin.state.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "bin" / "vmpin"

@@ -19,7 +19,8 @@ from tests.support import fakevmm
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 DESIGN_KEYS = {
     "containers": ["id", "sandbox", "name", "cpus", "runtime"],

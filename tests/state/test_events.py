@@ -158,7 +158,7 @@ def test_an_event_whose_commit_was_lost_is_applied_again_from_its_file(
 
 
 def test_non_durable_ingest_settles_past_its_bound(paths: HostPaths, tmp_path: Path) -> None:
-    from vmpin.state.store import SETTLE_AFTER
+    from vmpin.state.ingest import SETTLE_AFTER
 
     for i in range(SETTLE_AFTER + 1):
         b = bundle(tmp_path, f"c{i}")
@@ -172,7 +172,7 @@ def test_non_durable_ingest_settles_past_its_bound(paths: HostPaths, tmp_path: P
 def test_deferred_connection_is_made_durable_by_settle(paths: HostPaths, tmp_path: Path) -> None:
     """defer_durability: commits without a sync; settle_journal checkpoints what it wrote."""
     from vmpin.core.cpuset import CpuSet
-    from vmpin.state.store import ContainerRec, SandboxRec
+    from vmpin.state.records import ContainerRec, SandboxRec
 
     with Store(paths.state_dir) as store:
         store.defer_durability()
@@ -203,7 +203,7 @@ def test_sync_puts_a_deferred_commit_on_the_disk_and_says_what_failed(
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.core.errors import StateError
-    from vmpin.state.store import ContainerRec, SandboxRec
+    from vmpin.state.records import ContainerRec, SandboxRec
 
     synced: list[str] = []
     real = os.fsync
@@ -280,7 +280,8 @@ def test_an_event_file_a_crash_left_empty_or_cut_short_is_never_applied(
 def test_a_hooks_connection_keeps_the_wal_short(tmp_path: Path, short: bool) -> None:
     """keep_wal_short: a connection that dies unclosed (a hook) checkpoints every SHORT_WAL
     pages, so the next lone opener rebuilds the WAL's index from a few frames, not ~1,000."""
-    from vmpin.state.store import SHORT_WAL, ContainerRec, SandboxRec
+    from vmpin.state.ingest import SHORT_WAL
+    from vmpin.state.records import ContainerRec, SandboxRec
 
     with Store(str(tmp_path)) as store:
         store.put_sandbox(SandboxRec("s", "kata"))

@@ -23,6 +23,8 @@ class PlainPods:
         self.tmp, self.online = tmp, online
         self.cgroot = tmp / "cg"
         self.env = {**env, "VMPIN_SYSFS_ROOT": str(sysfs), "VMPIN_CGROUP_ROOT": str(self.cgroot)}
+        #: global options put before every command, the hooks' too (``--kubelet-config``...)
+        self.flags: list[str] = []
         self.sleeper = subprocess.Popen(["sleep", "3600"])
 
     def close(self) -> None:
@@ -30,8 +32,9 @@ class PlainPods:
         self.sleeper.wait()
 
     def vmpin(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*vmpin_cmd(), *args], input=stdin, capture_output=True,
-                              text=True, env=self.env, timeout=120)  # fmt: skip
+        return subprocess.run([*vmpin_cmd(), *self.flags, *args], input=stdin,
+                              capture_output=True, text=True, env=self.env,
+                              timeout=120)  # fmt: skip
 
     def ids(self, pod: str) -> tuple[str, str]:
         return f"{pod}-pause", f"{pod}-app"

@@ -32,9 +32,15 @@ The rules, and the failure each one prevents:
   whichever vCPUs were seen, until every one is known.
 - **isolcpus**: CPUs the kernel keeps free of general work are for vCPUs only; helper threads
   stay on the non-isolated part of their set whenever there is one.
+- **One L3 group** (kubelet's ``prefer-align-cpus-by-uncorecache``, ``uncore``): vCPUs that
+  float because they are fewer than the sandbox's CPUs float over the largest part of the mask
+  that one L3 group holds, when all of them fit there (a tie: the first in topology order):
+  the guest's threads then share one last-level cache, as kubelet's option keeps a container's
+  CPUs in one.  Not over a shared pool, nor on a mask others share (those float as they are).
 - **Emulator, iothreads, vhost**: policy ``share`` = the mask; ``isolate`` = the configured
-  housekeeping CPUs minus every other sandbox's exclusive CPUs (falling back to the mask, with
-  a note, when nothing is left); ``none`` = unmanaged.
+  housekeeping CPUs (kubelet's reserved CPUs under its ``strict-cpu-reservation``: the node
+  plan passes them as the policy's) minus every other sandbox's exclusive CPUs (falling back to
+  the mask, with a note, when nothing is left); ``none`` = unmanaged.
 """
 
 from __future__ import annotations
@@ -158,6 +164,7 @@ def plan_sandbox(
     runtime_pins: CpuSet | None = None,
     missing_vcpus: Sequence[int] = (),
     unidentified: Collection[int] = (),
+    uncore: bool = False,
 ) -> Plan:
     """Plan one VM sandbox.
 
@@ -167,7 +174,8 @@ def plan_sandbox(
     as Kata computes it, the union of its containers' CPU sets); None when it does not.
     ``missing_vcpus``: vCPU indexes that exist but have no thread in ``threads``;
     ``unidentified``: tids of ``threads`` whose role is a default, not evidence (the
-    classification's layer ``none``).
+    classification's layer ``none``).  ``uncore``: floating vCPUs stay in one L3 group where
+    they fit (the module docstring).
     """
     policy.check()
     notes: list[str] = []
@@ -216,6 +224,7 @@ def plan_sandbox(
     m = len(effective)
     shared_with_others = effective & others
     vcpu_map: dict[int, int] = {}
+    vcpu_home = effective  # where vCPUs not pinned 1:1 float
     if floating_reason:
         mode, reason = "float", floating_reason
     elif policy.vcpus == "float":
@@ -256,6 +265,13 @@ def plan_sandbox(
     else:
         mode = "float"
         reason = f"{n} vCPUs on {m} CPUs: fewer vCPUs than CPUs, floating over the mask"
+        home = _l3_home(topology, effective, n) if uncore else None
+        if home is not None:
+            vcpu_home = home
+            notes.append(
+                f"prefer-align-cpus-by-uncorecache: the {n} vCPUs float over CPUs {home},"
+                " one L3 group's part of the mask"
+            )
 
     helper_set: CpuSet | None
     if policy.helpers == "none":
@@ -310,7 +326,7 @@ def plan_sandbox(
     for t in threads:
         if t.role == "vcpu":
             desired: CpuSet | None = (
-                None if policy.vcpus == "none" else pinned_by_tid.get(t.tid, effective)
+                None if policy.vcpus == "none" else pinned_by_tid.get(t.tid, vcpu_home)
             )
         elif t.role == "container":
             raise PlanError(f"thread {t.tid}: role 'container' is planned per container, not here")
@@ -324,6 +340,18 @@ def plan_sandbox(
         sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes),
         runtime_map,
     )  # fmt: skip
+
+
+def _l3_home(topology: Topology, mask: CpuSet, n: int) -> CpuSet | None:
+    """The largest part of ``mask`` one L3 group holds, when it holds ``n`` CPUs or more and
+    the mask spans several groups (else None: nothing to narrow)."""
+    parts: dict[int, list[int]] = {}
+    for cpu in topology.ordered(mask):
+        parts.setdefault(topology.cpus[cpu].l3, []).append(cpu)
+    if len(parts) < 2:
+        return None
+    best = max(parts.values(), key=len)  # (max keeps the first of equals: topology order)
+    return CpuSet(best) if len(best) >= n else None
 
 
 def _fmt(indexes: Sequence[int]) -> str:

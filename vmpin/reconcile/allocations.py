@@ -28,6 +28,13 @@ Once vmpin has granted CPUs on a node it keeps the node's pool from then on (a r
 online CPU again and the containers and sandboxes that were shrunk to it grow back, rather
 than being left on the last pool when nothing is allocated any more.
 
+The node row also carries what the plan follows of kubelet's configuration file, written by
+the settle that read it (the plan reads no file): under ``strict-cpu-reservation`` its CPUs are
+kubelet's reserved ones, which then leave the shared pool and are where helper threads under
+``isolate`` go; its ``via`` names the options the plan follows (:func:`node_via`,
+:func:`plan_options`): ``prefer-align-cpus-by-uncorecache`` keeps floating vCPUs in one L3
+group (vmpin.core.planner).
+
 A request that cannot be met (not enough free CPUs, the pool would be left empty, no integer
 CPU limit to count) waits in the table with its reason: the pod runs on the shared pool,
 ``audit`` says why in its notes (:func:`notes`), the agent emits an ``AllocationRefused``
@@ -39,7 +46,7 @@ from __future__ import annotations
 
 import time
 
-from vmpin.core.allocate import Options, Refusal, allocate
+from vmpin.core.allocate import Options, Refusal, allocate, for_machine, reserved_cpus
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.podpolicy import exclusive_request
 from vmpin.runtimes.kubelet import is_infra
@@ -51,14 +58,33 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from vmpin.core.topology import Topology
-    from vmpin.reconcile.observe import Observation
+    from vmpin.reconcile.observation import Observation
     from vmpin.runtimes.kubelet import Checkpoint
-    from vmpin.state.store import ContainerRec, PolicyRecord, Store
+    from vmpin.state.records import ContainerRec, PolicyRecord
+    from vmpin.state.store import Store
 
 #: a container's ``cpus_source`` when its CPU set is its pod's allocation
 SOURCE = "vmpin-alloc"
 #: the table's row that says vmpin has allocated on this node (no sandbox has this id)
 NODE_ROW = ""
+#: what the node row's ``via`` says, then the kubelet options the plan follows
+ALLOCATES = "vmpin allocates on this node"
+_FOLLOWS = "; the plan follows kubelet's "
+
+
+def node_via(options: Options) -> str:
+    """The node row's ``via``: :data:`ALLOCATES`, and the kubelet options the plan follows."""
+    names = [name for name, on in (
+        ("prefer-align-cpus-by-uncorecache", options.prefer_uncore),
+        ("strict-cpu-reservation", options.strict_reservation),
+    ) if on]  # fmt: skip
+    return ALLOCATES + (_FOLLOWS + ", ".join(names) if names else "")
+
+
+def plan_options(via: str) -> frozenset[str]:
+    """The kubelet options a node row's ``via`` names (:func:`node_via`)."""
+    _, _, names = via.partition(_FOLLOWS)
+    return frozenset(n for n in names.split(", ") if n)
 
 
 def kubelet_allocates(checkpoint: Checkpoint | None) -> bool:
@@ -95,6 +121,8 @@ def settle(
         from vmpin.runtimes.kubeletconfig import read_options
 
         options, config_notes = read_options(kubelet_config)
+        options, machine_notes = for_machine(topology, options)
+        config_notes += machine_notes
     with store.transaction() as db:
         before = table.read(db)
         rows, gone = decide(
@@ -188,11 +216,12 @@ def decide(
         if new != old.get(sid):
             new = new._replace(updated_at=now)
         rows[sid] = new
+    said = node_via(options)
+    strict = reserved_cpus(topology, options) if options.strict_reservation else None
     if node is None and any(a.cpus for a in rows.values()):
-        said = "vmpin allocates on this node"
-        node = Allocation(NODE_ROW, None, None, None, said, node_note, now, now)
-    elif node is not None and node.reason != node_note:
-        node = node._replace(reason=node_note, updated_at=now)
+        node = Allocation(NODE_ROW, None, strict, None, said, node_note, now, now)
+    elif node is not None and (node.reason, node.via, node.cpus) != (node_note, said, strict):
+        node = node._replace(reason=node_note, via=said, cpus=strict, updated_at=now)
     return ([node] if node is not None else []) + list(rows.values()), gone
 
 
@@ -200,7 +229,7 @@ def decide(
 class Overlay:
     """What the allocations mean to one plan (:func:`overlay`)."""
 
-    __slots__ = ("by_sandbox", "notes", "owner", "pool", "taken")
+    __slots__ = ("by_sandbox", "notes", "owner", "pool", "reserved", "taken", "uncore")
 
     def __init__(
         self,
@@ -208,13 +237,21 @@ class Overlay:
         online: CpuSet,
         allocating: bool = True,
         notes: Mapping[str, str] | None = None,
+        reserved: CpuSet = EMPTY,
+        uncore: bool = False,
     ) -> None:
         self.by_sandbox = by_sandbox
         #: sandbox -> what its allocation is, or why it waits (``show``, Events)
         self.notes = notes or {}
         self.taken = CpuSet.union_all(by_sandbox.values())
+        #: kubelet's reserved CPUs under strict-cpu-reservation (else EMPTY): out of the pool,
+        #: the housekeeping CPUs of helper threads under ``isolate``
+        self.reserved = reserved & online
+        #: prefer-align-cpus-by-uncorecache: floating vCPUs stay in one L3 group
+        self.uncore = uncore
         #: the shared pool they leave (None: vmpin never allocated here, the plan is as before)
-        self.pool = (online - self.taken) if allocating else None
+        self.pool = ((online - self.taken - self.reserved) or (online - self.taken)
+                     if allocating else None)  # fmt: skip
         #: CPU -> the sandbox that holds it
         self.owner = {cpu: sid for sid, cpus in by_sandbox.items() for cpu in cpus}
 
@@ -243,12 +280,17 @@ def overlay(obs: Observation, topology: Topology) -> Overlay:
     granted = {
         a.sandbox_id: a.cpus & topology.online
         for a in obs.allocations
-        if a.cpus is not None and a.cpus & topology.online
+        if a.cpus is not None and a.cpus & topology.online and a.sandbox_id != NODE_ROW
     }
-    allocating = bool(granted) or any(a.sandbox_id == NODE_ROW for a in obs.allocations)
-    if not allocating:
-        return Overlay({}, EMPTY, False, said) if said else NONE
-    return Overlay(granted, topology.online, True, said)
+    node = next((a for a in obs.allocations if a.sandbox_id == NODE_ROW), None)
+    if node is None:
+        if not granted:
+            return Overlay({}, EMPTY, False, said) if said else NONE
+        return Overlay(granted, topology.online, True, said)
+    follows = plan_options(node.via)
+    reserved = (node.cpus or EMPTY) if "strict-cpu-reservation" in follows else EMPTY
+    uncore = "prefer-align-cpus-by-uncorecache" in follows
+    return Overlay(granted, topology.online, True, said, reserved, uncore)
 
 
 def recorded(store: Store) -> tuple[Allocation, ...]:

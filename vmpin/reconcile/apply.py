@@ -19,9 +19,10 @@ from __future__ import annotations
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.observe import FULL, ORIG_PREFIX, missing_key, orig_key
+from vmpin.reconcile.observation import FULL, ORIG_PREFIX, missing_key, orig_key
 from vmpin.reconcile.plan import Adoption, NodePlan, SandboxPlan, ThreadPlan
-from vmpin.state.store import Store, ThreadRec
+from vmpin.state.records import ThreadRec
+from vmpin.state.store import Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -31,9 +31,9 @@ from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.apply import Outcome
-from vmpin.reconcile.observe import ContainerObs, SandboxObs, ThreadObs, VmmObs
+from vmpin.reconcile.observation import ContainerObs, SandboxObs, ThreadObs, VmmObs
 from vmpin.runtimes.libvirtd import DEFAULT_URIS, wanted_uris
-from vmpin.state.store import ContainerRec, SandboxRec
+from vmpin.state.records import ContainerRec, SandboxRec
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (read commands)
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from vmpin.reconcile.observe import (
     leaves_alone,
 )
 from vmpin.runtimes.kubelet import is_infra
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False
@@ -253,7 +253,7 @@ def _left_alone(s: SandboxObs, online: CpuSet) -> CpuSet:
     a thread runs, no other sandbox's vCPU may be pinned 1:1, or the two share a CPU for good
     and no pass can clear it.  A thread whose affinity is unknown (it could not be read)
     holds every online CPU.  Observe reads these threads' affinity in every scope
-    (:meth:`vmpin.reconcile.observe.Observer.leaves_alone`), so views plan alike.
+    (:func:`vmpin.reconcile.observation.leaves_alone`), so views plan alike.
     """
     if s.vmm is None or not leaves_alone(s.tracked, s.policy):
         return EMPTY
@@ -398,7 +398,7 @@ def plan_node(
         excl = (others_excl | foreign_excl) if foreign_excl else others_excl
         inputs = (
             topology, float_policy, obs.scope, masks[s.id], footprint[s.id], others, excl, pool,
-            s.id in conflicted, kata_pins.get(s.id),
+            s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
         )  # fmt: skip
         before = last.get(s.id)
         if before is not None and before[1].obs is s and before[0] == inputs:
@@ -407,6 +407,7 @@ def plan_node(
             sp = _plan_sandbox(
                 s, topology, masks[s.id], live[s.id], cplans[s.id], footprint[s.id], others,
                 excl, pool, float_policy, conflicted, obs.scope, kata_pins.get(s.id),
+                alloc.reserved, alloc.uncore,
             )  # fmt: skip
         if memo is not None:
             kept[s.id] = (inputs, sp)
@@ -470,10 +471,22 @@ def summarize(plan: NodePlan, vms: list[str], checkpoint: str, online: str) -> S
         CpuSet.union_all(
             plan.masks.get(sp.id, sp.mask) for sp in plan.sandboxes if sp.runtime != "runc"
         ),
-        CpuSet.union_all(
-            sp.obs.policy.housekeeping for sp in vm_plans if sp.obs.policy.helpers == "isolate"
+        CpuSet.union_all(  # (the configured set, and where helpers went: kubelet's reserved
+            # CPUs under its strict-cpu-reservation)
+            sp.obs.policy.housekeeping | _helper_cpus(sp)
+            for sp in vm_plans
+            if sp.obs.policy.helpers == "isolate"
         ),
         CpuSet(cpu for cpu, n in in_masks.items() if n > 1),
+    )
+
+
+def _helper_cpus(sp: SandboxPlan) -> CpuSet:
+    """Where a sandbox's plan puts its helper threads (emulator, iothreads, vhost)."""
+    if sp.plan is None:
+        return EMPTY
+    return CpuSet.union_all(
+        p.desired for p in sp.plan.placements if p.role != "vcpu" and p.desired is not None
     )
 
 
@@ -570,7 +583,12 @@ def _plan_sandbox(
     conflicted: set[str],
     scope: Scope = FULL,
     kata_pins: CpuSet | None = None,
+    reserved: CpuSet = EMPTY,
+    uncore: bool = False,
 ) -> SandboxPlan:
+    """One sandbox's plan.  ``reserved``, ``uncore``: what the node follows of kubelet's
+    strict-cpu-reservation (helper threads under ``isolate`` go to its reserved CPUs) and
+    prefer-align-cpus-by-uncorecache (vmpin.reconcile.allocations.Overlay)."""
     base = SandboxPlan(
         s.id, s.runtime, s, mask, footprint=footprint,
         containers=tuple(cplans), notes=s.notes, errors=s.errors,
@@ -610,13 +628,16 @@ def _plan_sandbox(
             kata="left" if left else "",
             notes=(*base.notes, KATA_LEFT_UNTRACKED) if left else base.notes,
         )
+    policy = s.policy
+    if reserved and policy.helpers == "isolate":
+        policy = policy._replace(housekeeping=reserved)
     try:
         plan = plan_sandbox(
             topology,
             s.id,
             mask,
             [Thread(t.tid, t.role, t.index, t.label) for t in vthreads],
-            s.policy,
+            policy,
             others=others,
             others_exclusive=others_exclusive,
             shared_pool=pool,
@@ -626,6 +647,7 @@ def _plan_sandbox(
             unidentified=[t.tid for t in vthreads if t.layer == "none"]
             if s.vmm.missing_vcpus
             else (),
+            uncore=uncore,
         )
     except VmpinError as err:
         return _replace(base, errors=(*base.errors, str(err)))

@@ -8,9 +8,11 @@ and planned (a node is small), because one sandbox's new CPU set can change anot
 (issue 9).  Applying writes only where actual differs from the plan, so running it twice is
 harmless and running it after a crash repairs what the crash interrupted.
 
+- :mod:`.allocations`: vmpin's own exclusive CPUs settled in the store (before observe);
 - :mod:`.observe`: host + store -> Observation (no writes);
 - :mod:`.plan`: Observation + topology + policy -> NodePlan (pure);
 - :mod:`.apply`: NodePlan vs actual -> affinity/cgroup writes, then store writes;
+- :mod:`.summarizer`: the node summary the plain hooks judge by (after the last write);
 - :mod:`.audit` / :mod:`.report`: the invariant and the views.
 
 A pass that applies holds the node's plan lock (:mod:`vmpin.state.locks`) from its observe
@@ -27,12 +29,13 @@ import gc
 import os
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import StateError, VmpinError
+from vmpin.core.errors import StateError
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.report import SandboxReport, ThreadReport
 from vmpin.state.locks import WAIT, NodeLock
-from vmpin.state.store import SandboxRec, Store
+from vmpin.state.records import SandboxRec
+from vmpin.state.store import Store
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Observation, Observer, Scope
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.sources import DomainSource
+    from vmpin.reconcile.summarizer import Summarizer
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
 
@@ -143,9 +147,7 @@ class Reconciler:
         #: why the node lock could not be used at all (its file or directory is not
         #: owner-only and cannot be made so); such passes go on without it
         self.lock_error: str | None = None
-        #: the node summary this reconciler last wrote (its text and file identity): an idle
-        #: pass does not write it again
-        self._summary_memo: tuple[str, tuple[int, int, int, int, int]] | None = None
+        self._summarizer: Summarizer | None = None
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -188,6 +190,16 @@ class Reconciler:
                 self.paths, self.policy, qmp_timeout=self.qmp_timeout, domains=self.domains
             )
         return self._observer
+
+    @property
+    def summarizer(self) -> Summarizer:
+        """The node summary, as this reconciler's passes keep it (built for the first pass
+        that applies: a read-only view never needs it)."""
+        if self._summarizer is None:
+            from vmpin.reconcile.summarizer import Summarizer
+
+            self._summarizer = Summarizer(self.paths, self.store)
+        return self._summarizer
 
     # -- the pass ------------------------------------------------------------------------
     def observe(
@@ -296,18 +308,18 @@ class Reconciler:
         """One pass that applies; planned again while it may have applied an older plan
         than another process did (see the module's docstring), or while a plain container's
         event it did not plan with is one its node summary would not let a hook pass."""
-        store, lock = self.store, self._node_lock
+        store, lock, summarizer = self.store, self._node_lock, self.summarizer
         summarized = False
         try:
             for attempt in range(REPLANS + 1):
                 seen = store.data_version()
-                inputs = self._summary_inputs() if held else None
+                inputs = summarizer.inputs() if held else None
                 reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
                 if held and lock is not None and inputs is not None:
                     # nobody went on without the lock while this pass held it: nothing
                     # applied since this pass observed the node but by this pass
                     if not lock.overtaken():
-                        summarized = self._summarize(*inputs)
+                        summarized = summarizer.write(self.last_plan, *inputs)
                         if summarized:
                             break
                 elif store.data_version() == seen:
@@ -316,7 +328,7 @@ class Reconciler:
             if not summarized:
                 # (went on without the lock, failed, or an event still disagrees with it:
                 # every plain hook beside a VM re-plans until the next pass writes one)
-                self._forget_summary()
+                summarizer.forget()
         return reports
 
     def _note_applied(self, applied: Applied) -> None:
@@ -336,56 +348,6 @@ class Reconciler:
         if threads or cgroups:
             self.observer.note_applied(threads, cgroups)
 
-    # -- the node summary (vmpin.state.summary) ------------------------------------------------
-    def _summary_inputs(self) -> tuple[list[str], str, str]:
-        """What a summary is made with, read before the node is observed: the VM dir's
-        entries, kubelet's checkpoint file and the online CPUs (a hook compares them)."""
-        from vmpin.linux.files import listing
-        from vmpin.linux.sysfs import online_text
-        from vmpin.state.summary import checkpoint_id
-
-        return (
-            listing(self.paths.vm_dir),
-            checkpoint_id(self.paths.kubelet_state),
-            online_text(self.paths.sys) or "",
-        )
-
-    def _summarize(self, vms: list[str], checkpoint: str, online: str) -> bool:
-        """Write the node summary of the last plan; False when an event this pass did not
-        plan with is one the summary would refuse (its hook may have judged by the summary
-        this one replaces: the pass then plans again, with it)."""
-        from vmpin.reconcile.plan import summarize
-        from vmpin.state import journal, summary
-
-        plan, state_dir = self.last_plan, self.store.state_dir
-        if plan is None or self.store.readonly:
-            return False
-        s = summarize(plan, vms, checkpoint, online)
-        text = summary.to_text(s)
-        memo = self._summary_memo
-        if memo is None or memo[0] != text or not summary.current(state_dir, memo[1]):
-            summary.write(state_dir, s)
-            got = summary.read(state_dir)
-            self._summary_memo = None if got is None else (text, got[0])
-        try:
-            names = self.store.unapplied(journal.pending(state_dir))
-        except StateError:
-            return False
-        for name in names:
-            try:
-                ev = journal.read_event(state_dir, name)
-            except (OSError, VmpinError):
-                continue  # never applied (ingest quarantines it): nothing to plan with
-            if ev.get("runtime") != "kata" and summary.event_needs_pass(s, ev):
-                return False  # (a Kata sandbox's hook re-plans the node itself)
-        return True
-
-    def _forget_summary(self) -> None:
-        from vmpin.state.summary import remove
-
-        remove(self.store.state_dir)
-        self._summary_memo = None
-
     def _reconcile(
         self,
         sandbox_ids: list[str] | None,
@@ -394,7 +356,7 @@ class Reconciler:
         again: bool = False,
         fresh: Container[str] | None = None,
     ) -> list[SandboxReport]:
-        from vmpin.reconcile.report import sandbox_report
+        from vmpin.reconcile.report import node_reports
 
         if apply and (self.ingest_first or again) and not self.store.readonly:
             # events the hooks journaled since this store was opened (planning again: since
@@ -423,25 +385,7 @@ class Reconciler:
                 hold=self.held_maps,
             ).apply(self.store, plan)
             self._note_applied(applied)
-        conflicts: dict[str, list[dict[str, Any]]] = {}
-        for c in plan.conflicts:
-            entry = {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
-            for sid in sorted(c.sandboxes()):
-                conflicts.setdefault(sid, []).append(entry)
-        wanted = None if sandbox_ids is None else set(sandbox_ids)
-        reports = []
-        for sp in plan.sandboxes:
-            if not sp.obs.tracked:
-                continue
-            if wanted is not None and sp.id not in wanted:
-                continue
-            report = sandbox_report(sp, applied)
-            report.conflicts = [dict(e) for e in conflicts.get(sp.id, ())]
-            reports.append(report)
-        if sandbox_ids is not None:
-            order = {sid: i for i, sid in enumerate(sandbox_ids)}
-            reports.sort(key=lambda r: order[r.id])
-        return reports
+        return node_reports(plan, applied, sandbox_ids)
 
     def reconcile_plain(
         self, sandbox_id: str, old: CpuSet | None, new: CpuSet | None, infra: bool
@@ -457,7 +401,6 @@ class Reconciler:
         from vmpin.reconcile.apply import Applier
         from vmpin.reconcile.plan import plan_node
         from vmpin.reconcile.report import sandbox_report
-        from vmpin.state import summary
         from vmpin.state.allocations import present as allocating
 
         if allocating(self.store.state_dir):
@@ -466,12 +409,7 @@ class Reconciler:
             if not self._lock():
                 return None
             try:
-                got = summary.read(self.store.state_dir)
-                if got is None:
-                    return None
-                s = got[1]
-                current = summary.stale(s, *self._summary_inputs())
-                if current is not None or summary.change_needs_pass(s, old, new, infra):
+                if not self.summarizer.lets_through(old, new, infra):
                     return None
                 obs = self.observer.observe_plain(self.store, sandbox_id)
                 if obs is None:

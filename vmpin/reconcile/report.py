@@ -1,7 +1,8 @@
 """Report views: what one pass saw and did, per sandbox and per thread, for people and JSON.
 
 Built from a :class:`~vmpin.reconcile.plan.SandboxPlan` and, when the pass applied, the
-:class:`~vmpin.reconcile.apply.Outcome` of each thread (:func:`sandbox_report`).  The CLI's
+:class:`~vmpin.reconcile.apply.Outcome` of each thread (:func:`sandbox_report`); a node pass's
+reports, with the conflicts each sandbox is in, by :func:`node_reports`.  The CLI's
 ``show``/``sandboxes``/``reconcile`` and the agent's accounting read these; their JSON keys are
 DESIGN.md's contract.
 """
@@ -9,7 +10,7 @@ DESIGN.md's contract.
 from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
     from vmpin.core.planner import Plan, Policy
     from vmpin.reconcile.apply import Applied
-    from vmpin.reconcile.plan import SandboxPlan
+    from vmpin.reconcile.plan import NodePlan, SandboxPlan
 
 
 class ThreadReport:
@@ -185,3 +186,29 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
                 }
             )
     return report
+
+
+def node_reports(
+    plan: NodePlan, applied: Applied | None, sandbox_ids: list[str] | None = None
+) -> list[SandboxReport]:
+    """The reports of a node pass: of ``sandbox_ids`` in that order (default: every tracked
+    sandbox, in the plan's order), each with the conflicts its sandbox is in."""
+    conflicts: dict[str, list[dict[str, Any]]] = {}
+    for c in plan.conflicts:
+        entry = {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
+        for sid in sorted(c.sandboxes()):
+            conflicts.setdefault(sid, []).append(entry)
+    wanted = None if sandbox_ids is None else set(sandbox_ids)
+    reports = []
+    for sp in plan.sandboxes:
+        if not sp.obs.tracked:
+            continue
+        if wanted is not None and sp.id not in wanted:
+            continue
+        report = sandbox_report(sp, applied)
+        report.conflicts = [dict(e) for e in conflicts.get(sp.id, ())]
+        reports.append(report)
+    if sandbox_ids is not None:
+        order = {sid: i for i, sid in enumerate(sandbox_ids)}
+        reports.sort(key=lambda r: order[r.id])
+    return reports

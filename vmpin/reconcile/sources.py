@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from vmpin.core.planner import Policy
     from vmpin.reconcile.apply import Outcome
-    from vmpin.reconcile.observe import SandboxObs
+    from vmpin.reconcile.observation import SandboxObs
     from vmpin.reconcile.plan import SandboxPlan
 
 

@@ -8,8 +8,13 @@ vmpin allocates in kubelet's place (policy ``none``: docs/allocation.md) it foll
 - else ``kubeReserved.cpu`` + ``systemReserved.cpu`` (quantities: ``"1"``, ``"500m"``): as
   kubelet's static policy, that many whole CPUs (rounded up) are reserved, the first in its
   order;
-- ``cpuManagerPolicyOptions``: ``full-pcpus-only: "true"`` makes vmpin allocate whole cores
-  only.  Options vmpin does not follow yet are named in the answer's notes.
+- ``cpuManagerPolicyOptions`` (:data:`OPTIONS`): ``full-pcpus-only``,
+  ``distribute-cpus-across-numa``, ``align-by-socket``, ``prefer-align-cpus-by-uncorecache``
+  and ``strict-cpu-reservation`` set :class:`vmpin.core.allocate.Options` (docs/allocation.md
+  says what each does).  A value is read as kubelet's ``strconv.ParseBool`` reads it; a pair
+  kubelet refuses to start with (``prefer-align-cpus-by-uncorecache`` with
+  ``distribute-cpus-across-numa``) is a note and neither is followed; options vmpin does not
+  follow (``distribute-cpus-across-cores``, unknown ones) are named in the notes.
 
 Read only; a file that is missing means kubelet's defaults (nothing reserved explicitly: one
 CPU kept), a file that cannot be read or parsed is a note and the defaults.
@@ -33,8 +38,20 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-#: static-policy options vmpin's allocation follows (the rest are named as not followed)
-FOLLOWED = ("full-pcpus-only",)
+#: static-policy options vmpin's allocation follows: kubelet's name -> Options field (the
+#: rest are named as not followed)
+OPTIONS = {
+    "full-pcpus-only": "full_pcpus_only",
+    "distribute-cpus-across-numa": "distribute_across_numa",
+    "align-by-socket": "align_by_socket",
+    "prefer-align-cpus-by-uncorecache": "prefer_uncore",
+    "strict-cpu-reservation": "strict_reservation",
+}
+#: pairs kubelet refuses to start with (NewStaticPolicyOptions); vmpin follows neither
+EXCLUSIVE = (("prefer-align-cpus-by-uncorecache", "distribute-cpus-across-numa"),)
+#: Go's strconv.ParseBool
+_TRUE = ("1", "t", "T", "TRUE", "true", "True")
+_FALSE = ("0", "f", "F", "FALSE", "false", "False")
 
 
 def read_options(path: str) -> tuple[Options, list[str]]:
@@ -64,12 +81,25 @@ def options_from(doc: dict[str, Any], path: str = "kubelet config") -> tuple[Opt
     if not isinstance(opts, dict):
         notes.append(f"{path}: cpuManagerPolicyOptions is not a mapping: ignored")
         opts = {}
-    full = str(opts.get("full-pcpus-only", "false")).strip().lower() == "true"
-    ignored = sorted(k for k, v in opts.items()
-                     if k not in FOLLOWED and str(v).strip().lower() == "true")  # fmt: skip
+    chosen: dict[str, bool] = {}
+    ignored = []
+    for name, value in sorted(opts.items()):
+        word = str(value).strip()
+        if word not in _TRUE + _FALSE:
+            notes.append(f"{path}: cpuManagerPolicyOptions {name}: {word!r} is not a boolean:"
+                         " ignored")  # fmt: skip
+        elif name in OPTIONS:
+            chosen[OPTIONS[name]] = word in _TRUE
+        elif word in _TRUE:
+            ignored.append(name)
     if ignored:
         notes.append(f"{path}: cpuManagerPolicyOptions {', '.join(ignored)}: not followed by"
-                     " vmpin's allocation yet")  # fmt: skip
+                     " vmpin's allocation")  # fmt: skip
+    for a, b in EXCLUSIVE:
+        if chosen.get(OPTIONS[a]) and chosen.get(OPTIONS[b]):
+            notes.append(f"{path}: cpuManagerPolicyOptions {a} and {b} cannot be used together"
+                         " (kubelet refuses them): neither followed")  # fmt: skip
+            chosen[OPTIONS[a]] = chosen[OPTIONS[b]] = False
     reserved: CpuSet | None = None
     keep = 1
     text = doc.get("reservedSystemCPUs")
@@ -88,7 +118,15 @@ def options_from(doc: dict[str, Any], path: str = "kubelet config") -> tuple[Opt
                 except ValueError:
                     notes.append(f"{path}: {key}.cpu {section['cpu']!r}: not a CPU quantity")
         keep = max(1, math.ceil(total))
-    return Options(full_pcpus_only=full, reserved=reserved, keep=keep), notes
+    return Options(
+        full_pcpus_only=chosen.get("full_pcpus_only", False),
+        reserved=reserved,
+        keep=keep,
+        distribute_across_numa=chosen.get("distribute_across_numa", False),
+        align_by_socket=chosen.get("align_by_socket", False),
+        prefer_uncore=chosen.get("prefer_uncore", False),
+        strict_reservation=chosen.get("strict_reservation", False),
+    ), notes
 
 
 def _cpu_quantity(text: str) -> float:

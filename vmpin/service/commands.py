@@ -22,6 +22,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
+from vmpin.state.reader import Reader
 from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
 from vmpin.state.store import Store
 from vmpin.wire import jsonio, views
@@ -71,7 +72,7 @@ class Ctx:
         """The store for commands that write (update, reconcile, serve): created if missing."""
         return Store(self.paths.state_dir)
 
-    def reader(self) -> Store:
+    def reader(self) -> Reader:
         """The store for read-only commands: never written.
 
         The node's state dir (the default one, or any that exists) holding nothing yet is a
@@ -113,7 +114,7 @@ class Ctx:
 
     def reconciler(
         self,
-        store: Store | None = None,
+        store: Reader | None = None,
         *,
         ingest_first: bool = True,
         hold_maps: bool = False,
@@ -221,7 +222,7 @@ def _update_domain(
 
 
 # -- read commands: observe and plan, nothing written ---------------------------------------
-def node_plan(c: Ctx, store: Store, scope: Scope | None = None) -> NodePlan:
+def node_plan(c: Ctx, store: Reader, scope: Scope | None = None) -> NodePlan:
     """The node as the host shows it now (pure: observe and plan, nothing written), within
     ``scope``: what the view prints, read fresh, and nothing it does not (observe.Scope)."""
     plan: NodePlan = c.reconciler(store).plan(scope=scope)
@@ -416,7 +417,7 @@ def show_json(r: SandboxReport) -> dict[str, Any]:
     )
 
 
-def domain_report(c: Ctx, store: Store, key: str) -> SandboxReport | None:
+def domain_report(c: Ctx, store: Reader, key: str) -> SandboxReport | None:
     """The report of the libvirt domain named or identified by ``key`` (nothing applied)."""
     domains = c.domains()
     found = domains.find(key) if domains is not None else None
@@ -811,7 +812,7 @@ def run(given: dict[str, str], name: str, values: dict[str, Any]) -> int:
             print(f"vmpin: error: {e}", file=sys.stderr)
             return e.exit_code
         except sqlite3.Error as e:  # the database failed under a command: one line
-            from vmpin.state.store import state_error
+            from vmpin.state.schema import state_error
 
             # the store the command used: the global option when given, else as Settings says
             state_dir = Settings.from_env({"state_dir": given.get("state_dir")}).paths.state_dir

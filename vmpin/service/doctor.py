@@ -33,7 +33,8 @@ from vmpin.core.errors import VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import State
 from vmpin.state import journal
-from vmpin.state.store import SandboxRec, Store
+from vmpin.state.records import SandboxRec
+from vmpin.state.store import Store
 
 #: below this much free space in the state dir, hooks' events may not be recorded.
 MIN_FREE = 4 << 20

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.reconciler import Reconciler
     from vmpin.reconcile.sources import DomainSource
+    from vmpin.state.reader import Reader
     from vmpin.state.store import Store
 else:
     from vmpin.core._lean import NamedTuple
@@ -98,7 +99,7 @@ class Settings(NamedTuple):
             given=tuple(k for k in POLICY_KEYS if given.get(k) is not None or env.get(ENV[k])),
         )
 
-    def over_recorded(self, store: Store) -> Settings:
+    def over_recorded(self, store: Reader) -> Settings:
         """These settings, with each policy key this process was not given taken from the
         node policy the agent recorded (:meth:`record`).
 
@@ -165,7 +166,7 @@ class Settings(NamedTuple):
 
 def build_reconciler(
     settings: Settings,
-    store: Store | None = None,
+    store: Reader | None = None,
     *,
     affinity: AffinityBackend | None = None,
     qmp_timeout: float = 0.3,
@@ -194,7 +195,10 @@ def build_reconciler(
         settings = settings.over_recorded(store)
     return Reconciler(
         settings.paths,
-        store,
+        # A read-only view's Reader plans here too (Store.open_readonly): the reconciler
+        # writes only to a store that is not readonly, or applies (never for a view).  It
+        # is typed for the full Store until it holds its Reader and its Writer apart.
+        store,  # type: ignore[arg-type]
         policy=settings.policy,
         affinity=affinity,
         float_policy=settings.float_policy(),

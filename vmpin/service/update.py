@@ -26,7 +26,8 @@ from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
-from vmpin.state.store import ContainerRec, Store
+from vmpin.state.records import ContainerRec
+from vmpin.state.store import Store
 from vmpin.wire import views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)

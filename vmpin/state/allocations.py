@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 else:
     from vmpin.core._lean import NamedTuple
 
-#: the tables (vmpin.state.store appends them to its schema; version 3)
+#: the tables (vmpin.state.schema appends them to its schema; version 3)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS allocations (
     sandbox_id TEXT PRIMARY KEY,

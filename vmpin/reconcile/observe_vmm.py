@@ -1,0 +1,218 @@
+"""A sandbox's VMM as the host shows it now: found, its threads' roles known, their affinity read.
+
+:class:`VmmObserver` owns the per-VMM half of observing (:mod:`.observe` composes it through
+:mod:`.observe_sandbox`): locating the QEMU of a tracked sandbox, telling its threads apart
+(the roles the store remembers for the same VMM and thread ids, else
+:func:`vmpin.runtimes.threads.classify`, which may ask QMP), and reading each thread's actual
+affinity beside the one vmpin recorded before its first pin (the undo of invariant 4).  An
+untracked VMM's threads are read unclassified: vmpin plans nothing for them but undo.
+
+Identity is (pid, start time): roles remembered under a VMM's pid are reused only while its
+start time is the one they were recorded with, so a pid reused by another process never
+inherits them.  Reading only: the store, affinities and cgroups are not written here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import HostError, ProcessGone
+from vmpin.linux import procfs
+from vmpin.reconcile.observation import (
+    FULL,
+    Scope,
+    ThreadObs,
+    VmmObs,
+    missing_key,
+    orig_prefix,
+)
+from vmpin.state.records import ThreadRec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from vmpin.linux.paths import HostPaths
+    from vmpin.reconcile.observation import Recorded
+    from vmpin.state.records import SandboxRec
+
+
+class VmmObserver:
+    """Reads VMMs and their threads; holds nothing between passes (the store remembers roles)."""
+
+    __slots__ = ("paths", "qmp_timeout")
+
+    def __init__(self, paths: HostPaths, qmp_timeout: float = 0.3) -> None:
+        self.paths = paths
+        self.qmp_timeout = qmp_timeout
+
+    def tracked(
+        self, recorded: Recorded, rec: SandboxRec, scope: Scope = FULL
+    ) -> tuple[VmmObs | None, bool, list[str]]:
+        """The VMM of the tracked sandbox ``rec``, whether the recorded one is gone, and notes.
+
+        ``scope``: a VMM whose threads it does not read is only located."""
+        # (imported here, not with the module: a pass over runc containers needs none of it;
+        # "from <module> import" names, since "from <package> import <module>" costs a
+        # Python-level importlib call on every sandbox)
+        from vmpin.runtimes.vmm import Vmm, find_vmm, still_running
+
+        # The QEMU a pass classified before (its threads are remembered under its pid and
+        # start time, taken from a checked command line) is recognised by two small reads:
+        # the pidfile still names it and its start time is unchanged.  Anything else goes
+        # through find_vmm: the pidfile, then the recorded pid, then a scan of /proc.
+        vmm: Vmm | None = None
+        if rec.vmm_pid and rec.vmm_start is not None:
+            key = (rec.id, rec.vmm_pid, rec.vmm_start)
+            if key in recorded.threads and still_running(
+                self.paths, rec.id, rec.vmm_pid, rec.vmm_start
+            ):
+                vmm = Vmm(rec.vmm_pid, rec.vmm_start, (), False)  # (cmdline unread)
+        if vmm is None:
+            vmm = find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+        if vmm is None:
+            if rec.vmm_pid and rec.vmm_start is not None:
+                return None, True, [f"VMM pid {rec.vmm_pid} is gone"]
+            return None, False, ["no VMM found yet for this sandbox"]
+        if not scope.reads_threads(rec.id):
+            return VmmObs(vmm.pid, vmm.start), False, []  # located, its threads not read
+        originals = recorded.originals
+        affinity = scope.affinity
+        at = orig_prefix(rec.id, vmm.pid, vmm.start)
+        remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
+        try:
+            current = set(procfs.tids(self.paths.proc, vmm.pid))
+        except ProcessGone:
+            return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
+        missing_before = recorded.missing.get(missing_key(rec.id, vmm.pid, vmm.start))
+        if remembered and not missing_before and self._complete(remembered, current):
+            # Fast path: the same threads as last time, their roles are known; no QMP.
+            roles = list(remembered.values())
+            threads = tuple(self._thread(vmm.pid, at, t, originals, affinity) for t in roles)
+            layers = tuple(sorted({t.layer for t in roles}))
+            return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
+        from vmpin.runtimes.threads import VmmThread, classify
+
+        listed: set[int] | None = current  # (the task/ listing classify may take over)
+        if not vmm.cmdline:
+            # classifying reads the command line (iothread ids, debug-threads)
+            was = (vmm.pid, vmm.start)
+            vmm = find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True)
+            if vmm is None:
+                return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
+            if (vmm.pid, vmm.start) != was:
+                listed = None  # another process: its threads are listed anew
+            at = orig_prefix(rec.id, vmm.pid, vmm.start)
+            remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
+        sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
+        if recorded.vhost is None:
+            from vmpin.runtimes.threads import find_vhost_kthreads
+
+            recorded.vhost = find_vhost_kthreads(self.paths)
+        result = classify(
+            self.paths,
+            vmm,
+            sock if os.path.exists(sock) else None,
+            {t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer) for t in remembered.values()},
+            qmp_timeout=self.qmp_timeout,
+            vhost_kthreads=recorded.vhost,
+            tids=listed,
+        )
+        threads = tuple(
+            self._thread(
+                vmm.pid, at, ThreadRec(t.tid, t.role, t.index, t.label, t.layer), originals,
+                affinity,
+            )
+            for t in result.threads
+        )  # fmt: skip
+        obs = VmmObs(
+            vmm.pid,
+            vmm.start,
+            threads,
+            True,
+            tuple(result.missing_vcpus),
+            tuple(result.layers),
+            tuple(result.notes),
+            as_recorded=(
+                missing_before == ",".join(map(str, result.missing_vcpus))
+                and [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads]
+                == list(remembered.values())
+            ),
+        )
+        return obs, False, []
+
+    def untracked_threads(
+        self, sid: str, pid: int, start: int, originals: Mapping[str, str], affinity: bool = True
+    ) -> tuple[ThreadObs, ...]:
+        """An untracked VMM's threads, unclassified (vmpin plans nothing for them but undo)."""
+        try:
+            tids = procfs.tids(self.paths.proc, pid)
+        except ProcessGone:
+            return ()
+        at = orig_prefix(sid, pid, start)
+        return tuple(
+            self._thread(pid, at, ThreadRec(tid, "emulator", None, None, ""), originals, affinity)
+            for tid in tids
+        )
+
+    def _complete(self, remembered: dict[int, ThreadRec], current: set[int]) -> bool:
+        """The same threads as last time (vhost kthreads before Linux 6.4 live outside
+        ``task/`` and must merely still exist)."""
+        if remembered.keys() == current:
+            return True
+        outside = set(remembered) - current
+        if set(remembered) - outside != current:
+            return False
+        return all(
+            remembered[tid].role == "vhost"
+            and os.path.exists(os.path.join(self.paths.proc, str(tid)))
+            for tid in outside
+        )
+
+    def _thread(
+        self,
+        pid: int,
+        orig_at: str,
+        t: ThreadRec,
+        originals: Mapping[str, str],
+        affinity: bool = True,
+    ) -> ThreadObs:
+        """One thread of the VMM ``pid`` as it is now (``affinity`` False: its role only,
+        nothing read); ``orig_at``: :func:`orig_prefix` of the VMM."""
+        if not affinity:
+            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
+        # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
+        owner = pid if t.role != "vhost" or procfs.exists(self.paths.proc, pid, t.tid) else t.tid
+        # a thread created after vmpin's first pin inherited the pin: what the VMM had before
+        # (its main thread's record) is what it is to get back
+        orig_text = originals.get(f"{orig_at}{t.tid}") or originals.get(f"{orig_at}{pid}")
+        original = _parse(orig_text) if orig_text else None
+        try:
+            actual = procfs.affinity(self.paths.proc, owner, t.tid)
+            # a labelled thread is reported by its label: its comm is not read
+            name = t.label or procfs.comm(self.paths.proc, owner, t.tid)
+        except ProcessGone:
+            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
+        except HostError as err:
+            return ThreadObs(
+                t.tid, t.role, t.idx, t.label, t.layer, original=original, error=str(err)
+            )
+        return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
+
+
+_PARSED: dict[str, CpuSet] = {}
+
+
+def _parse(text: str) -> CpuSet:
+    """CpuSet.parse, remembered: a node's recorded affinities are few distinct texts, and a
+    pass parses one per thread."""
+    cpus = _PARSED.get(text)
+    if cpus is None:
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        cpus = _PARSED[text] = CpuSet.parse(text)
+    return cpus
+
+
+__all__ = ["VmmObserver"]
