@@ -249,9 +249,9 @@ def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path
     (unhealthy), and is healthy again once the store can be written.  (A read-only remount
     is refused while the agent holds the database open for writing: full is the fault a
     running agent meets.)"""
-    from vmpin.runtimes.oci import parse_state
+    from vmpin.runtimes.oci import hook_event, parse_state
     from vmpin.service import control
-    from vmpin.state.journal import append, build
+    from vmpin.state.journal import append
 
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a tmpfs")
@@ -270,7 +270,7 @@ def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path
         bundle.mkdir()
         (bundle / "config.json").write_text('{"linux":{"resources":{"cpu":{"cpus":"0"}}}}')
         state = parse_state(json.dumps({"id": "full1", "pid": os.getpid(), "bundle": str(bundle)}))
-        append(paths.state_dir, build(paths, "createRuntime", state))
+        append(paths.state_dir, hook_event(paths, "createRuntime", state))
         fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
         try:  # fill the filesystem to the last byte
             for size in (65536, 4096, 1):

@@ -12,9 +12,10 @@ import pytest
 
 from vmpin.core.errors import SpecError
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import parse_state
-from vmpin.state.journal import append, build, journal_dir, pending, sync
+from vmpin.runtimes.oci import hook_event, parse_state
+from vmpin.state.journal import append, journal_dir, pending, sync
 from vmpin.state.store import Store
+from vmpin.wire.hookevent import HookEvent
 
 ANN = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod"}
 
@@ -29,9 +30,9 @@ def bundle(tmp_path: Path, cid: str, cpus: str | None = "1") -> Path:
     return b
 
 
-def event(paths: HostPaths, stage: str, cid: str, b: Path) -> dict[str, object]:
+def event(paths: HostPaths, stage: str, cid: str, b: Path) -> HookEvent:
     state = parse_state(json.dumps({"id": cid, "bundle": str(b), "annotations": ANN}))
-    return build(paths, stage, state)
+    return hook_event(paths, stage, state)
 
 
 def test_events_apply_in_order_and_once(paths: HostPaths, tmp_path: Path) -> None:
@@ -105,7 +106,7 @@ def test_policy_annotations_are_kept_per_sandbox_until_it_goes(
         a = {**ann, **extra}
         (b / "config.json").write_text(json.dumps({"annotations": a}))
         state = parse_state(json.dumps({"id": cid, "bundle": str(b), "annotations": a}))
-        append(paths.state_dir, build(paths, "createRuntime", state))
+        append(paths.state_dir, hook_event(paths, "createRuntime", state))
     with Store(paths.state_dir) as store:
         assert store.policy_annotations("pod") == {
             "vmpin.io/vcpus": "float", "qos.gocrane.io/cpu-manager": "share"}

@@ -12,6 +12,13 @@ as such: its code, renamed per class, becomes a record's ``__new__`` or ``__init
 CODE = {}
 
 
+def __new__(_cls):
+    return _tuple_new(_cls, ())
+
+
+CODE[('new', 0)] = __new__.__code__
+
+
 def __new__(_cls, _0):
     return _tuple_new(_cls, (_0,))
 
@@ -87,6 +94,13 @@ def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10):
 
 
 CODE[('new', 11)] = __new__.__code__
+
+
+def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11):
+    return _tuple_new(_cls, (_0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11))
+
+
+CODE[('new', 12)] = __new__.__code__
 
 
 def __new__(_cls, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17):

@@ -43,9 +43,6 @@ from vmpin.reconcile.observation import (
     ThreadObs,
     VmmObs,
     leaves_alone,
-    missing_key,
-    orig_key,
-    orig_prefix,
     replace,
 )
 from vmpin.reconcile.observe_sandbox import SandboxObserver, pid_alive
@@ -275,8 +272,5 @@ __all__ = [
     "ThreadObs",
     "VmmObs",
     "leaves_alone",
-    "missing_key",
-    "orig_key",
-    "orig_prefix",
     "pid_alive",
 ]

@@ -86,7 +86,7 @@ class Summarizer:
                 ev = journal.read_event(state_dir, name)
             except (OSError, VmpinError):
                 continue  # never applied (ingest quarantines it): nothing to plan with
-            if ev.get("runtime") != "kata" and summary.event_needs_pass(s, ev):
+            if ev.runtime != "kata" and summary.event_needs_pass(s, ev):
                 return False  # (a Kata sandbox's hook re-plans the node itself)
         return True
 

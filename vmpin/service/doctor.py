@@ -31,7 +31,7 @@ from typing import Any
 
 from vmpin.core.errors import VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import State
+from vmpin.runtimes.oci import State, hook_event
 from vmpin.state import journal
 from vmpin.state.records import SandboxRec
 from vmpin.state.store import Store
@@ -99,7 +99,7 @@ def rebuild(paths: HostPaths, store: Store) -> list[str]:
             bundle = _runc_bundle(state) if state else None
             if state is None or pid is None or not bundle:
                 continue
-            event = journal.build(paths, "createRuntime", State(cid, "running", pid, bundle, {}))
+            event = hook_event(paths, "createRuntime", State(cid, "running", pid, bundle, {}))
             journal.append(paths.state_dir, event)
             out.append(f"container {cid}: recovered from runc state (bundle {bundle})")
         except VmpinError as err:

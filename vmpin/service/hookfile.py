@@ -120,7 +120,9 @@ HOOK_MODULES = (
     "vmpin/state/writer.py",
     "vmpin/wire/__init__.py",
     "vmpin/wire/argv.py",
+    "vmpin/wire/control.py",
     "vmpin/wire/guestmap.py",
+    "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
     "vmpin/wire/views.py",
 )

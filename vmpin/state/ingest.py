@@ -12,10 +12,9 @@ import os
 import sys
 import time
 
-from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError, StateError, UnsafeFile
 from vmpin.linux.files import fsync_path
-from vmpin.runtimes.oci import Identity, identify
+from vmpin.runtimes.oci import identify
 from vmpin.state import allocations, journal
 from vmpin.state.records import (
     CONTAINER_COLS,
@@ -32,9 +31,9 @@ TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.c
 if TYPE_CHECKING:
     import sqlite3
     from collections.abc import Mapping
-    from typing import Any
 
     from vmpin.state.store import Store
+    from vmpin.wire.hookevent import HookEvent
 else:
     from vmpin.state.sqlite import sqlite3
 
@@ -155,7 +154,7 @@ def _ingest_batch(
 
 
 # -- one event -----------------------------------------------------------------------------
-def _resolve(store: Store, ev: dict[str, Any]) -> ContainerRec | None:
+def _resolve(store: Store, ev: HookEvent) -> ContainerRec | None:
     """The recorded container an event is about, keyed by container id, never by bundle
     alone: two containers may share a bundle path, and Kata's poststart/poststop carry the
     *sandbox* id (the container's id then comes from the bundle: recorded at create, or
@@ -165,14 +164,14 @@ def _resolve(store: Store, ev: dict[str, Any]) -> ContainerRec | None:
     event's container (same id) or belongs to the sandbox the event names (Kata); a bundle
     shared by containers of different ids is ambiguous and resolves to nothing rather than
     clobbering one of them."""
-    ident = ev["ident"]
-    bundle = ev["bundle"]
+    ident = ev.ident
+    bundle = ev.bundle
     # A record found by id is this container only if its bundle agrees: a container's
     # bundle never changes, so another bundle means another container (Kata's sandbox id
     # with a container's bundle) or a new one reusing the id.
-    by_ident = ident["container_id"] if ident else None
+    by_ident = ident.container_id if ident else None
     # (a create's state id is its container id: looked up once)
-    for cid in (by_ident, ev["id"] if ev["id"] != by_ident else None):
+    for cid in (by_ident, ev.id if ev.id != by_ident else None):
         rec = store.container(cid) if cid else None
         if rec is not None and (not bundle or rec.bundle in (None, bundle)):
             return rec
@@ -181,9 +180,9 @@ def _resolve(store: Store, ev: dict[str, Any]) -> ContainerRec | None:
     cols = ",".join(CONTAINER_COLS)
     rows = store.db.execute(
         f"SELECT {cols} FROM containers WHERE bundle=? AND (id=? OR sandbox_id=?)",
-        (bundle, ev["id"], ev["id"]),
+        (bundle, ev.id, ev.id),
     ).fetchall()
-    exact = [r for r in rows if r[0] == ev["id"]]
+    exact = [r for r in rows if r[0] == ev.id]
     if len(exact) == 1:
         return container_row(exact[0])
     if len(rows) == 1:
@@ -191,32 +190,33 @@ def _resolve(store: Store, ev: dict[str, Any]) -> ContainerRec | None:
     return None
 
 
-def _apply(store: Store, ev: dict[str, Any]) -> str | None:
+def _apply(store: Store, ev: HookEvent) -> str | None:
     """Apply one event; the sandbox it touched (None when nothing is left to re-pin)."""
-    if ev["stage"] == "poststop":
+    if ev.stage == "poststop":
         return _forget(store, ev)
-    bundle = ev["bundle"]
+    bundle = ev.bundle
     existing = _resolve(store, ev)
     if existing is not None:
         sandbox = store.sandbox(existing.sandbox_id)
         if (
-            ev["host_pid"]
-            and ev["pid_start"] is not None
+            ev.host_pid
+            and ev.pid_start is not None
             and existing.pid is None
             and sandbox
             and sandbox.runtime == "runc"
         ):
             # (pid, start time) read by the hook at this very stage: the identity to follow
-            store.put_container(existing._replace(pid=ev["host_pid"], pid_start=ev["pid_start"]))
+            store.put_container(existing._replace(pid=ev.host_pid, pid_start=ev.pid_start))
         return existing.sandbox_id
-    if ev["ident"] is None or not ev.get("has_config"):
-        raise SpecError(f"hook {ev['stage']} for {ev['id']!r}: container unknown and no spec")
-    ident = Identity(**ev["ident"])
+    ident = ev.ident
+    if ident is None or not ev.has_config:
+        raise SpecError(f"hook {ev.stage} for {ev.id!r}: container unknown and no spec")
     sandbox = store.sandbox(ident.sandbox_id)
-    runtime = sandbox.runtime if sandbox else ev["runtime"]
+    runtime = sandbox.runtime if sandbox else ev.runtime
+    assert runtime is not None  # (vmpin.wire.hookevent: an event naming one names its runtime)
     if sandbox is None:
         # For Kata the state pid may be the VMM: kept as an unverified hint (no start time).
-        hint = ev["host_pid"] if runtime == "kata" else None
+        hint = ev.host_pid if runtime == "kata" else None
         store.put_sandbox(
             SandboxRec(
                 ident.sandbox_id,
@@ -228,10 +228,10 @@ def _apply(store: Store, ev: dict[str, Any]) -> str | None:
                 ident.pod_namespace,
             )
         )
-    _keep_policy_annotations(store, ident.sandbox_id, ev.get("annotations") or {})
+    _keep_policy_annotations(store, ident.sandbox_id, ev.annotations)
     # A pid is kept only with the start time the hook read with it: without one nothing
     # can prove later that the pid still names this container's process.
-    pid = ev["host_pid"] if runtime == "runc" and ev["pid_start"] is not None else None
+    pid = ev.host_pid if runtime == "runc" and ev.pid_start is not None else None
     store.put_container(
         ContainerRec(
             id=ident.container_id,
@@ -241,15 +241,15 @@ def _apply(store: Store, ev: dict[str, Any]) -> str | None:
             pod_uid=ident.pod_uid,
             pod_name=ident.pod_name,
             pod_namespace=ident.pod_namespace,
-            cpus=None if ev["cpus"] is None else CpuSet.parse(ev["cpus"]),
+            cpus=ev.cpus,
             cpus_source="spec",
-            mems=ev["mems"],
+            mems=ev.mems,
             bundle=bundle,
             pid=pid,
-            pid_start=ev["pid_start"] if pid else None,
+            pid_start=ev.pid_start if pid else None,
         )
     )
-    allocations.record_limit(store.db, ident.container_id, ev.get("cpu_limit"))
+    allocations.record_limit(store.db, ident.container_id, ev.cpu_limit)
     return ident.sandbox_id
 
 
@@ -274,17 +274,17 @@ def _keep_policy_annotations(store: Store, sandbox_id: str, annotations: Mapping
         store.set_meta(key, policy_json(merged, time.time()))
 
 
-def _forget(store: Store, ev: dict[str, Any]) -> str | None:
+def _forget(store: Store, ev: HookEvent) -> str | None:
     """poststop: forget the container the event is about (see :func:`_resolve`)."""
     rec = _resolve(store, ev)
     # A Kata poststop of a non-sandbox container carries the sandbox id: when its
     # annotations say it is not the sandbox, it must not tear the whole sandbox down.
     if (
         rec is not None
-        and rec.id == ev["id"]
+        and rec.id == ev.id
         and rec.is_sandbox
-        and ev["annotations"]
-        and not identify(ev["id"], ev["annotations"]).is_sandbox
+        and ev.annotations
+        and not identify(ev.id, ev.annotations).is_sandbox
     ):
         rec = None
     if rec is None:
