@@ -316,12 +316,12 @@ def test_sqlite_error_under_a_command_is_one_line(
     """A fault after the store opened (EIO on a read) still ends in one line, no traceback."""
     import sqlite3
 
-    from vmpin.cli import run
+    from vmpin.entry import main
 
     Store(paths.state_dir).close()
     for method in ("containers", "sandboxes"):  # (the views' read-only store: a Reader)
         mocker.patch.object(Reader, method, side_effect=sqlite3.OperationalError("disk I/O error"))
-    assert run(["--state-dir", paths.state_dir, "containers"]) == 2
+    assert main(["--state-dir", paths.state_dir, "containers"]) == 2
     err = capsys.readouterr().err
     line = one_line(err)
     assert os.path.join(paths.state_dir, "state.db") in line and "disk I/O error" in line

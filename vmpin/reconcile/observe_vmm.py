@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import parse_cpus
 from vmpin.core.errors import HostError, ProcessGone
 from vmpin.linux import procfs
 from vmpin.reconcile.observation import (
@@ -186,7 +186,7 @@ class VmmObserver:
         # a thread created after vmpin's first pin inherited the pin: what the VMM had before
         # (its main thread's record) is what it is to get back
         orig_text = originals.get(f"{orig_at}{t.tid}") or originals.get(f"{orig_at}{pid}")
-        original = _parse(orig_text) if orig_text else None
+        original = parse_cpus(orig_text) if orig_text else None
         try:
             actual = procfs.affinity(self.paths.proc, owner, t.tid)
             # a labelled thread is reported by its label: its comm is not read
@@ -200,18 +200,6 @@ class VmmObserver:
         return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
 
 
-_PARSED: dict[str, CpuSet] = {}
-
-
-def _parse(text: str) -> CpuSet:
-    """CpuSet.parse, remembered: a node's recorded affinities are few distinct texts, and a
-    pass parses one per thread."""
-    cpus = _PARSED.get(text)
-    if cpus is None:
-        if len(_PARSED) > 4096:
-            _PARSED.clear()
-        cpus = _PARSED[text] = CpuSet.parse(text)
-    return cpus
 
 
 __all__ = ["VmmObserver"]

@@ -119,10 +119,12 @@ HOOK_MODULES = (
     "vmpin/state/summary.py",
     "vmpin/state/writer.py",
     "vmpin/wire/__init__.py",
+    "vmpin/wire/argv.py",
     "vmpin/wire/control.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
+    "vmpin/wire/views.py",
 )
 
 _MIN = ", ".join(str(n) for n in REQUIRES_PYTHON)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sys import intern as _intern
 
-from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import CpuSet, parse_cpus
 from vmpin.core.errors import StateError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
@@ -126,20 +126,8 @@ SHARED_THREAD = tuple(ThreadRec._fields.index(c) for c in ("role", "label", "lay
 _SHARED_SANDBOX = tuple(
     SANDBOX_COLS.index(c) for c in ("id", "runtime", "pod_uid", "pod_name", "pod_namespace")
 )
-_PARSED: dict[str, CpuSet] = {}
-
-
 def _cpus(text: str | None) -> CpuSet | None:
-    """A stored CPU list, parsed once per distinct text (a node pass reads every container,
-    and a node's containers hold few distinct sets)."""
-    if text is None:
-        return None
-    cpus = _PARSED.get(text)
-    if cpus is None:
-        if len(_PARSED) > 4096:
-            _PARSED.clear()
-        cpus = _PARSED[text] = CpuSet.parse(text)
-    return cpus
+    return None if text is None else parse_cpus(text)
 
 
 def shared(values: list[Any], at: tuple[int, ...]) -> list[Any]:
