@@ -19,6 +19,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from vmpin import __version__
+from vmpin.guest.follower import follow_main
+from vmpin.guest.hook import main as guest_hook
 from vmpin.service.clispec import APP_HELP, COMMANDS, GUEST_HELP, VERSION_HELP, Arg, Opt
 from vmpin.service.commands import run
 from vmpin.wire.argv import GLOBALS
@@ -99,11 +101,7 @@ def _command(name: str) -> Callable[..., None]:
     def guest(ctx: typer.Context, **values: Any) -> None:
         """The guest's commands read their own argv (vmpin.entry hands it over)."""
         if name == "guest hook":
-            from vmpin.guest.hook import main
-
-            raise typer.Exit(main([values["stage"]]))
-        from vmpin.guest.follower import follow_main
-
+            raise typer.Exit(guest_hook([values["stage"]]))
         once = ["--once"] if values["once"] else []
         raise typer.Exit(follow_main([*once, "--interval", str(values["interval"])]))
 

@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 # hook would close its store, whose checkpoint the hook leaves undone on
                 # purpose (vmpin.service.hook.reconcile_here)
                 gc.disable()
-                # the hook's modules from one file (vmpin.service.codecache), only as the
+                # the hook's modules from one file (vmpin.lean.codecache), only as the
                 # process's command
-                from vmpin.service.codecache import install, save
+                from vmpin.lean.codecache import install, save
 
                 cache = install()
             from vmpin.service.hook import main as hook_main

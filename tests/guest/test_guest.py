@@ -274,7 +274,7 @@ def assert_loads_what_the_zipapp_ships(mods: set[str], not_loaded: set[str]) -> 
     }
     assert not_loaded <= shipped
     # (_shapes: precompiled record templates, used where present; the zipapp compiles them)
-    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.core._shapes"} == (
+    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.lean.shapes"} == (
         shipped - not_loaded - {"vmpin.guest.program"}
     ) | {"vmpin.entry"}
     assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",

@@ -14,12 +14,12 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import Plan
 from vmpin.core.topology import Topology
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 FLOAT_POLICIES = ("all", "proportional")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Mapping, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 DEFAULTS: dict[str, str] = {
     "state_dir": "/run/vmpin",

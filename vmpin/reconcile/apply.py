@@ -38,7 +38,7 @@ else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     # functools.partial is this C type; functools itself is ~2.5 ms (vmpin.state.sqlite)
     from _functools import partial
 
-    from vmpin.core._lean import dataclass, field
+    from vmpin.lean.records import dataclass, field
     from vmpin.state.sqlite import sqlite3
 
 

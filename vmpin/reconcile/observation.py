@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     _T = TypeVar("_T")
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
-    from vmpin.core._lean import NamedTuple, dataclass, field
+    from vmpin.lean.records import NamedTuple, dataclass, field
 
 # -- the store's undo records' keys ------------------------------------------------------------
 # Before vmpin first pins a VMM's threads, apply records each thread's affinity (invariant 4:
@@ -272,11 +272,11 @@ class Recorded:
 
 
 def replace(t: _T, **kw: object) -> _T:
-    """``dataclasses.replace`` for these values (made by vmpin.core._lean off mypy's view)."""
+    """``dataclasses.replace`` for these values (made by vmpin.lean.records off mypy's view)."""
     if TYPE_CHECKING:
         from dataclasses import replace as made
     else:
-        from vmpin.core._lean import replace as made
+        from vmpin.lean.records import replace as made
 
     return made(t, **kw)  # type: ignore[type-var]
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from dataclasses import dataclass, field
     from typing import Any
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
-    from vmpin.core._lean import dataclass, field
+    from vmpin.lean.records import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -736,7 +736,7 @@ def _replace(p: SandboxPlan, **kw: object) -> SandboxPlan:
     if TYPE_CHECKING:
         from dataclasses import replace
     else:
-        from vmpin.core._lean import replace
+        from vmpin.lean.records import replace
 
     return replace(p, **kw)  # type: ignore[arg-type]
 

@@ -20,7 +20,7 @@ from vmpin.core.planner import Policy
 from vmpin.core.podpolicy import policy_for
 from vmpin.state.records import PolicyRecord
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
 

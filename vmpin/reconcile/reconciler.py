@@ -37,7 +37,7 @@ from vmpin.state.locks import WAIT, NodeLock
 from vmpin.state.records import SandboxRec
 from vmpin.state.store import Store
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Container

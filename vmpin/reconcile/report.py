@@ -12,7 +12,7 @@ from __future__ import annotations
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.state.records import ContainerRec
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from typing import Any

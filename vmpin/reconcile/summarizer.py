@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from vmpin.core.errors import StateError, VmpinError
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths

@@ -41,13 +41,13 @@ from vmpin.core.ids import check_id
 from vmpin.linux.files import check_text, load_json, read_bytes
 from vmpin.wire.hookevent import PID_MAX, HookEvent, Identity
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 
     from vmpin.linux.paths import HostPaths
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the largest OCI state / config.json a hook accepts (Kata's, with every annotation, ~20 KiB).
 MAX_DOC = 1 << 20

@@ -27,7 +27,7 @@ from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor fu
 from vmpin.state.store import Store
 from vmpin.wire import jsonio, views
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

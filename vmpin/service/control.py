@@ -27,7 +27,7 @@ import time
 
 from vmpin.linux.paths import HostPaths
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any

@@ -31,6 +31,8 @@ from typing import Any
 
 from vmpin.core.errors import VmpinError
 from vmpin.linux.paths import HostPaths
+from vmpin.runtimes import runcstate, vmm
+from vmpin.runtimes.kataconfig import read
 from vmpin.runtimes.oci import State, hook_event
 from vmpin.state import journal
 from vmpin.state.records import SandboxRec
@@ -81,8 +83,6 @@ def _runc_bundle(state: dict[str, Any]) -> str | None:
 
 def rebuild(paths: HostPaths, store: Store) -> list[str]:
     """Record what the host says is running; one line per container or sandbox recovered."""
-    from vmpin.runtimes import runcstate, vmm
-
     out: list[str] = []
     ids: list[str] = []
     # runc_root is a search list ("/run/runc:/run/containerd/runc/*"): each root it names
@@ -123,8 +123,6 @@ def rebuild(paths: HostPaths, store: Store) -> list[str]:
 
 def kata_lines(paths: HostPaths) -> list[str]:
     """Kata's configuration files and their ``enable_vcpus_pinning``, read afresh."""
-    from vmpin.runtimes.kataconfig import read
-
     return read(paths.kata_config).lines(paths.kata_config)
 
 

@@ -70,7 +70,7 @@ from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog
 from vmpin.state.journal import sync as journal_sync
 from vmpin.wire.hookevent import STAGES
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from vmpin.state.store import Store
     from vmpin.wire.hookevent import HookEvent

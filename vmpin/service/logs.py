@@ -17,6 +17,8 @@ from collections.abc import Callable, Hashable
 from datetime import datetime, timezone
 from typing import Any
 
+from vmpin.core.errors import StateError
+
 log = logging.getLogger("vmpin.service.agent")
 
 
@@ -47,8 +49,6 @@ def setup_logging(stream: Any = None, level: str | None = None) -> None:
     root.propagate = False
     name = (level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper()
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        from vmpin.core.errors import StateError
-
         raise StateError(f"VMPIN_LOG_LEVEL={name!r}: expected DEBUG, INFO, WARNING or ERROR")
     root.setLevel(name)
 

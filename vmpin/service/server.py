@@ -22,6 +22,7 @@ from typing import Any
 
 from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
+from vmpin.service.control import request
 from vmpin.service.limits import (
     ACCEPT_BACKOFF,
     CONTROL_CAP,
@@ -133,8 +134,6 @@ class ControlServer:
             raise OSError(errno.EAGAIN, f"cannot start a thread: {err}") from err
 
     def open(self) -> None:
-        from vmpin.service.control import request
-
         path = self.paths.control_socket
         if os.path.lexists(path):
             # We hold the lock, so an answering agent would be a foreign one (another state

@@ -8,7 +8,7 @@ the read-only views and the agent then build their :class:`Reconciler` with
 :func:`build_reconciler`, so that they all plan alike (issue 9: ``update`` without the agent
 used to plan with the default policy).
 
-Lean on purpose (the hook imports it): a NamedTuple from ``vmpin.core._lean``, and the
+Lean on purpose (the hook imports it): a NamedTuple from ``vmpin.lean.records``, and the
 planner's Policy is only built when a pass needs it.
 """
 
@@ -20,7 +20,7 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.linux.paths import ENVVARS as PATH_ENVVARS
 from vmpin.linux.paths import HostPaths
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from vmpin.state.reader import Reader
     from vmpin.state.store import Store
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 ENV = {
     "helpers": "VMPIN_HELPER_POLICY",

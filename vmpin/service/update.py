@@ -30,7 +30,7 @@ from vmpin.state.records import ContainerRec
 from vmpin.state.store import Store
 from vmpin.wire import views
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Callable

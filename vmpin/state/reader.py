@@ -27,7 +27,7 @@ from vmpin.state.records import (
     shared,
 )
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
     from typing import TypeVar

@@ -14,13 +14,13 @@ from vmpin.core.cpuset import CpuSet, parse_cpus
 from vmpin.core.errors import StateError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
     from collections.abc import Mapping
     from typing import Any, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
 POLICY_META = "podpolicy:"

@@ -13,7 +13,7 @@ import time
 from vmpin.core.errors import StateError
 from vmpin.state import allocations
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
 

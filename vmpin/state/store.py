@@ -31,7 +31,7 @@ from vmpin.state.records import (
 from vmpin.state.schema import CACHE_KIB, MIN_BUSY, SCHEMA_VERSION, state_error
 from vmpin.state.writer import Writer
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
     from typing import Literal, overload

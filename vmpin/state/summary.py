@@ -53,13 +53,13 @@ from vmpin.core.errors import CpuSetError
 from vmpin.linux.files import identity, save_cache
 from vmpin.runtimes.kubelet import is_infra
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import NamedTuple
 
     from vmpin.wire.hookevent import HookEvent
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 FILE = "node-summary"
 HEADER = "vmpin node summary 1"

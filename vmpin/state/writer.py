@@ -22,7 +22,7 @@ from vmpin.state.reader import Reader
 from vmpin.state.records import API_POLICY_META, CONTAINER_COLS, POLICY_META, policy_json
 from vmpin.state.schema import left as _left
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
     from collections.abc import Iterable, Mapping

@@ -28,12 +28,12 @@ from vmpin.core.errors import IdError, WireError
 from vmpin.core.ids import check_id
 from vmpin.wire.jsonio import dumps, loads
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any, NamedTuple, TypeAlias
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the protocol's version (not sent: see the module docstring)
 VERSION = 1

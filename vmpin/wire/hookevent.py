@@ -32,11 +32,11 @@ from vmpin.core.errors import CpuSetError, SpecError
 from vmpin.core.ids import check_id
 from vmpin.wire.jsonio import dumps, loads
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the journal file's format version (its ``v``)
 VERSION = 1

@@ -22,7 +22,7 @@ Pure, stdlib only: the hooks load vmpin.reconcile.report, whose rows are built h
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, Literal, Optional
