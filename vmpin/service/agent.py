@@ -540,7 +540,7 @@ def serve(
     ``holdoff`` (seconds; also ``VMPIN_HOLDOFF``) is the least time between two passes over
     one sandbox while events keep coming for it.
     """
-    setup_logging()
+    setup_logging(level=ctx_obj.settings.log_level)
     if holdoff is None:
         # VMPIN_HOLDOFF, read where every variable is read: Settings.from_env
         raw = ctx_obj.settings.holdoff if env is None else env.get("VMPIN_HOLDOFF", "")

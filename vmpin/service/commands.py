@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 
 #: set (to anything but "" or "0") to validate every --json view against its model first
-CHECK_VIEWS = "VMPIN_CHECK_VIEWS"
 
 
 class Ctx:
@@ -141,9 +140,9 @@ def echo(line: str = "") -> None:
     print(line)
 
 
-def emit(data: Any, view: str) -> None:
+def emit(c: Ctx, data: Any, view: str) -> None:
     """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS)."""
-    if os.environ.get(CHECK_VIEWS, "") not in ("", "0"):
+    if c.settings.check_views:
         from vmpin.wire.viewschema import check
 
         check(view, data)
@@ -172,7 +171,7 @@ def update(
     domain = _update_domain(c, container, cpuset_cpus, resources, deadline)
     if domain is not None:
         if as_json:
-            emit(domain, "update")
+            emit(c, domain, "update")
         else:
             echo(f"{domain['id']}: cpus {domain['cpus'] or '-'} (libvirt domain metadata)")
         return 0
@@ -185,7 +184,7 @@ def update(
         deadline=deadline,
     )
     if as_json:
-        emit(result, "update")
+        emit(c, result, "update")
     else:
         echo(
             f"{result['id']}: cpus {result['cpus'] or '-'} "
@@ -296,7 +295,7 @@ def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
         for r in reports
     ]
     if as_json:
-        emit(out, "reconcile")
+        emit(c, out, "reconcile")
     else:
         for o in out:
             state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
@@ -310,7 +309,7 @@ def containers(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         rows = fresh_containers(node_plan(c, store, view_scope("containers")))
     if as_json:
-        emit(rows, "containers")
+        emit(c, rows, "containers")
         return 0
     table(
         ["id", "sandbox", "name", "cpus", "runtime", "source"],
@@ -379,7 +378,7 @@ def sandboxes(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
     if as_json:
-        emit(out, "sandboxes")
+        emit(c, out, "sandboxes")
         return 0
     table(
         ["id", "runtime", "vmm_pid", "mask", "containers"],
@@ -451,7 +450,7 @@ _POLICY_SOURCES = {
 def show(c: Ctx, sandbox: str, as_json: bool) -> int:
     r = _one(c, sandbox)
     if as_json:
-        emit(show_json(r), "show")
+        emit(c, show_json(r), "show")
         return 0
     echo(
         f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
@@ -493,7 +492,7 @@ def audit(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         result = c.reconciler(store).audit(view_scope("audit"))
     if as_json:
-        emit(result, "audit")
+        emit(c, result, "audit")
     else:
         for v in result["violations"]:
             echo(
@@ -548,7 +547,7 @@ def guest_map(c: Ctx, container: str, as_json: bool) -> int:
             domain = domain_report(c, store, container)
             if domain is not None and domain.guest_map is not None:
                 (entry,) = domain.guest_map["containers"].values()
-                _print_guest_map(entry, as_json)
+                _print_guest_map(c, entry, as_json)
                 return 0
             raise StateError(f"unknown container {container!r} (see `vmpin containers`)")
         sb = store.sandbox(k.sandbox_id)
@@ -567,13 +566,13 @@ def guest_map(c: Ctx, container: str, as_json: bool) -> int:
             reason="no guest map: "
             + ("a plain container runs in no VM" if r.runtime != "kata" else "no VMM/plan yet"),
         )
-    _print_guest_map(entry, as_json)
+    _print_guest_map(c, entry, as_json)
     return 0
 
 
-def _print_guest_map(out: dict[str, Any], as_json: bool) -> None:
+def _print_guest_map(c: Ctx, out: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        emit(out, "guest-map")
+        emit(c, out, "guest-map")
     else:
         echo(
             f"{out['container']} (sandbox {out['sandbox']}): host CPUs "
@@ -587,7 +586,7 @@ def topology(c: Ctx, as_json: bool) -> int:
 
     data = read_topology(c.paths.sys).to_json()
     if as_json:
-        emit(data, "topology")
+        emit(c, data, "topology")
         return 0
     echo(
         f"online {data['online']}  offline {data['offline'] or '-'}  "
@@ -623,7 +622,7 @@ def explain(c: Ctx, what: str, as_json: bool) -> int:
         reconciler = c.reconciler(store)
         out = explain_what(reconciler.plan(), reconciler.topology, what)
     if as_json:
-        emit(out, "explain")
+        emit(c, out, "explain")
     else:
         _print_explained(out)
     return 0
@@ -691,7 +690,7 @@ def cluster(c: Ctx, kubeconfig: str | None, as_json: bool) -> int:
         raise KubeError("no Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG)")
     rows = cluster_rows(kubeapi.list_reports(api), time.time())
     if as_json:
-        emit(rows, "cluster")
+        emit(c, rows, "cluster")
     else:
         table(
             ["NODE", "STATE", "SANDBOXES", "VIOLATIONS", "CONFLICTS", "EXCLUSIVE", "HEARTBEAT"],
@@ -718,7 +717,7 @@ def status(c: Ctx, as_json: bool) -> int:
         journal_bad=journal.quarantined(c.paths.state_dir),
     )
     if as_json:
-        emit(out, "status")
+        emit(c, out, "status")
     elif reply:
         echo(" ".join(f"{k}={v}" for k, v in reply.items()))
     else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ def setup_logging(stream: Any = None, level: str | None = None) -> None:
     root = logging.getLogger("vmpin")
     root.handlers[:] = [handler]
     root.propagate = False
-    name = (level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper()
+    name = (level or "INFO").upper()
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise StateError(f"VMPIN_LOG_LEVEL={name!r}: expected DEBUG, INFO, WARNING or ERROR")
     root.setLevel(name)

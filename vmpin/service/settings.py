@@ -65,6 +65,11 @@ class Settings(NamedTuple):
     #: the POLICY_KEYS this process was given (an option or a VMPIN_* variable): the others
     #: follow the node policy the agent recorded (:meth:`over_recorded`)
     given: tuple[str, ...] = ()
+    #: the agent's log level (``VMPIN_LOG_LEVEL``; "" = INFO)
+    log_level: str = ""
+    #: ``--json`` output is checked against its view's schema first (``VMPIN_CHECK_VIEWS``,
+    #: which the tests set for every vmpin they start)
+    check_views: bool = False
 
     @classmethod
     def from_env(
@@ -97,6 +102,8 @@ class Settings(NamedTuple):
             holdoff=pick("holdoff", ""),
             libvirt=pick("libvirt", DEFAULT_LIBVIRT),
             given=tuple(k for k in POLICY_KEYS if given.get(k) is not None or env.get(ENV[k])),
+            log_level=env.get("VMPIN_LOG_LEVEL", ""),
+            check_views=env.get("VMPIN_CHECK_VIEWS", "") not in ("", "0"),
         )
 
     def over_recorded(self, store: Reader) -> Settings:
@@ -154,14 +161,6 @@ class Settings(NamedTuple):
         uris = [u.strip() for u in self.libvirt.split(",") if u.strip()]
         return [] if uris == ["none"] else uris
 
-    def as_env(self) -> dict[str, str]:
-        """The policy as environment variables, for hooks a CLI command runs in-process."""
-        return {
-            ENV["helpers"]: self.helpers,
-            ENV["housekeeping"]: self.housekeeping,
-            ENV["vcpus"]: self.vcpus,
-            ENV["guest_float"]: self.guest_float,
-        }
 
 
 def build_reconciler(
