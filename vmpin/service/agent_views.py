@@ -41,6 +41,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from vmpin.reconcile.audit import node_audit
+from vmpin.reconcile.report import node_reports
+from vmpin.service import commands
 from vmpin.service.logs import log_event
 from vmpin.state import journal
 from vmpin.state.schema import uri_path
@@ -81,20 +84,14 @@ class _Plan:
 def _data(p: _Plan, view: str, sandbox: str | None) -> Any:
     """The view's data, as the command builds it in-process (None: ``sandbox`` is not one
     the plan reports: the command says so itself, or finds a libvirt domain of that name)."""
-    from vmpin.service import commands
-
     if view == "containers":
         return commands.fresh_containers(p.plan)
     if view == "sandboxes":
         return commands.sandbox_rows(p.plan)
     if view == "show":
-        from vmpin.reconcile.report import node_reports
-
         assert sandbox is not None
         found = node_reports(p.plan, None, [sandbox])
         return commands.show_json(found[0]) if found else None
-    from vmpin.reconcile.audit import node_audit
-
     return node_audit(p.obs, p.plan)
 
 
@@ -116,6 +113,7 @@ class AgentViews:
         #: a plan was made (its own lock: the planner and the readers both ask)
         self._db: sqlite3.Connection | None = None
         self._db_lock = threading.Lock()
+        self._closed = False
 
     # -- the planner's side ------------------------------------------------------------------
     def pass_begins(self, number: int) -> None:
@@ -134,7 +132,10 @@ class AgentViews:
             # (read before the store's version: a commit in between makes the plan unclean,
             # one after moves this value)
             seen = self._data_version()
-            clean = reconciler.last_writes == 0 and store.version() == version
+            try:
+                clean = reconciler.last_writes == 0 and store.version() == version
+            except sqlite3.Error:  # (the planner's own pass is what says so, not the views)
+                clean = False
             made = _Plan(number, obs, plan, read_all, clean, seen)
         with self._cond:
             self._running = False
@@ -143,6 +144,7 @@ class AgentViews:
 
     def close(self) -> None:
         with self._db_lock:
+            self._closed = True
             if self._db is not None:
                 self._db.close()
                 self._db = None
@@ -150,6 +152,8 @@ class AgentViews:
     def _data_version(self) -> int | None:
         """``PRAGMA data_version`` of this module's connection (None: it cannot be read)."""
         with self._db_lock:
+            if self._closed:
+                return None
             try:
                 if self._db is None:
                     path = os.path.join(self.state_dir, "state.db")
@@ -203,8 +207,10 @@ class AgentViews:
             return "ask"
         if self.queue.depth() or self.queue.running():
             return "ask"
-        if journal.backlog(self.state_dir) or self._data_version() != p.data_version:
+        if journal.backlog(self.state_dir):
             return "ask"
+        if p.data_version is None or self._data_version() != p.data_version:
+            return "ask"  # (someone committed since, or it cannot be told)
         return "answer"
 
     def _ask(self) -> int:

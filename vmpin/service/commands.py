@@ -22,9 +22,6 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
-from vmpin.state.reader import Reader
-from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
-from vmpin.state.store import Store
 from vmpin.wire import jsonio, views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -37,6 +34,8 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Scope
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+    from vmpin.state.reader import Reader
+    from vmpin.state.store import Store
 
 #: set (to anything but "" or "0") to validate every --json view against its model first
 
@@ -69,6 +68,8 @@ class Ctx:
 
     def store(self) -> Store:
         """The store for commands that write (update, reconcile, serve): created if missing."""
+        from vmpin.state.store import Store
+
         return Store(self.paths.state_dir)
 
     def reader(self) -> Reader:
@@ -79,6 +80,7 @@ class Ctx:
         why.  A state dir named by hand that does not exist is an error (a typo must not read
         as an empty node)."""
         from vmpin.linux.paths import DEFAULTS
+        from vmpin.state.store import Store
 
         where = self.paths.state_dir
         fresh = where == DEFAULTS["state_dir"] or os.path.isdir(where)
@@ -200,6 +202,8 @@ def _update_domain(
     the node is re-planned.  None when ``key`` is a tracked container or no domain."""
     # (no journal applied here: a container only journaled is no domain either, and
     # update_container applies it)
+    from vmpin.state.store import Store
+
     with Store(c.paths.state_dir, ingest=False, deadline=deadline) as store:
         if store.container(key) is not None:
             return None
@@ -847,7 +851,14 @@ def run(given: dict[str, str], name: str, values: dict[str, Any]) -> int:
         except VmpinError as e:
             print(f"vmpin: error: {e}", file=sys.stderr)
             return e.exit_code
-        except sqlite3.Error as e:  # the database failed under a command: one line
+        except Exception as e:
+            # (SQLite is loaded by whoever opened the store: a read answered by the agent,
+            # or --version, does not load it for this clause)
+            from vmpin.state.sqlite import sqlite3  # (without the package's, nor functools')
+
+            if not isinstance(e, sqlite3.Error):
+                raise
+            # the database failed under a command: one line
             from vmpin.state.schema import state_error
 
             # the store the command used: the global option when given, else as Settings says
