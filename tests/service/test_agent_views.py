@@ -14,6 +14,8 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -298,3 +300,21 @@ def test_the_agent_answers_views_from_one_plan_until_the_node_changes(
     assert ask("audit", fresh=True)["pass"] > third["pass"]
     assert wait_until(lambda: ask("sandboxes", max_age=0.01)["pass"] > third["pass"] + 1, 10)
     assert CpuSet.parse("1") == CpuSet.parse(ask("show", sandbox="vd")["data"]["mask"] or "1")
+
+
+def test_an_answer_from_the_agent_loads_neither_typing_nor_sqlite(
+    env: dict[str, str], paths: HostPaths
+) -> None:
+    """The read commands are on the fast route (vmpin/lean): an answer from the agent is
+    printed without the store (SQLite) or ``typing`` loaded."""
+    reply = b'{"ok": true, "view": "sandboxes", "age_s": 0.1, "pass": 4, "data": []}\n'
+    lean_env = {k: v for k, v in env.items() if k != "VMPIN_CHECK_VIEWS"}  # (pydantic's)
+    with fake_agent(paths, reply):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "vmpin", "sandboxes", "--json"],
+            env=lean_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "[]\n", done.stderr[-2000:]
+    loaded = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "vmpin.service.control" in loaded
+    assert not loaded & {"typing", "_sqlite3", "sqlite3", "vmpin.state.store"}
