@@ -112,13 +112,15 @@ def test_replies() -> None:
     assert reply_from_json(b"[1]\n") is None and reply_from_json(b"{") is None
 
 
-def test_a_view_reply_carries_its_data_as_written() -> None:
-    line = view_reply_to_json("sandboxes", '[{"id":"a"}]', 0.12345, 7)
+def test_a_view_reply_carries_its_text_as_written() -> None:
+    text = '[\n  {\n    "id": "a"\n  }\n]'
+    line = view_reply_to_json("sandboxes", jsonio.dumps(text), 0.12345, 7)
     assert line == (
-        b'{"ok": true, "view": "sandboxes", "age_s": 0.123, "pass": 7, "data": [{"id":"a"}]}\n'
+        b'{"ok": true, "view": "sandboxes", "age_s": 0.123, "pass": 7,'
+        b' "text": "[\\n  {\\n    \\"id\\": \\"a\\"\\n  }\\n]"}\n'
     )
     assert ViewReply.from_obj(reply_from_json(line), "sandboxes") == ViewReply(
-        "sandboxes", [{"id": "a"}], 0.123, 7
+        "sandboxes", text, 0.123, 7
     )
     # another view's answer, a refusal (an old agent's "unknown op"), no answer: none
     assert ViewReply.from_obj(reply_from_json(line), "containers") is None
@@ -126,6 +128,8 @@ def test_a_view_reply_carries_its_data_as_written() -> None:
     assert ViewReply.from_obj(old, "audit") is None
     assert ViewReply.from_obj(None, "audit") is None
     assert ViewReply.from_obj({"ok": True, "view": "audit", "pass": 1, "age_s": 0}, "audit") is None
+    shaped = {"ok": True, "view": "audit", "pass": True, "age_s": 0, "text": "{}"}
+    assert ViewReply.from_obj(shaped, "audit") is None
 
 
 def test_a_view_of_2000_sandboxes_fits_the_reply_limit_many_times_over() -> None:
@@ -143,6 +147,8 @@ def test_a_view_of_2000_sandboxes_fits_the_reply_limit_many_times_over() -> None
         )
         for n in range(2000) for k in (0, 1, 2)
     ]  # fmt: skip
-    line = view_reply_to_json("containers", jsonio.dumps(rows, separators=(",", ":")), 1.0, 1)
+    text = jsonio.dumps(rows, indent=2)  # (as printed: vmpin.service.commands.json_text)
+    line = view_reply_to_json("containers", jsonio.dumps(text), 1.0, 1)
     assert len(line) * 4 < MAX_REPLY
-    assert len(ViewReply.from_obj(reply_from_json(line), "containers").data) == 6000  # type: ignore[union-attr]
+    got = ViewReply.from_obj(reply_from_json(line), "containers")
+    assert got is not None and jsonio.loads(got.text) == rows

@@ -22,11 +22,13 @@ as before.  What answers:
 Nothing here blocks the planner: it hands over the plan it made (:meth:`AgentViews.pass_ends`,
 a reference: plans and observations are immutable) and a reader builds its view on its own
 connection thread with the command's own builders (:mod:`vmpin.service.commands`,
-:func:`vmpin.reconcile.audit.node_audit`), once per plan and view (later readers get the same
-text).  The reply goes out as every reply does (:class:`vmpin.service.server.Reply`: one
-``sendall`` bounded by the write timeout), so a reader that stops reading holds only its own
-connection thread.  The plan is dropped when the next pass begins, as the reconciler drops its
-own (the agent's RSS peak is a pass building a node's observation while the last is kept).
+:func:`vmpin.reconcile.audit.node_audit`) and its own writer (``commands.json_text``: the
+``--json`` text, which the command prints as it comes), once per plan and view (later readers
+get the same text).  The reply goes out as every reply does
+(:class:`vmpin.service.server.Reply`: one ``sendall`` bounded by the write timeout), so a
+reader that stops reading holds only its own connection thread.  The plan is dropped when the
+next pass begins, as the reconciler drops its own (the agent's RSS peak is a pass building a
+node's observation while the last is kept).
 
 The command's settings come with the request (:meth:`Settings.view_key`): an agent whose host
 roots, policy or libvirt connections differ refuses, and the command observes with its own.
@@ -77,7 +79,8 @@ class _Plan:
         self.read_all, self.clean, self.data_version = read_all, clean, data_version
         self.at = time.monotonic()
         self.lock = threading.Lock()
-        #: (view, sandbox) -> the view's JSON text (None: the sandbox is not tracked)
+        #: (view, sandbox) -> the view's --json text, as a JSON string (None: the sandbox
+        #: is not tracked)
         self.built: dict[tuple[str, str | None], str | None] = {}
 
 
@@ -225,7 +228,8 @@ class AgentViews:
         with p.lock:  # (one reader builds a plan's view; the others wait for its text)
             if key not in p.built:
                 data = _data(p, req.view, req.sandbox)
-                p.built[key] = None if data is None else jsonio.dumps(data, separators=(",", ":"))
+                # (the text the command prints, as one JSON string: the reply is one line)
+                p.built[key] = None if data is None else jsonio.dumps(commands.json_text(data))
             text = p.built[key]
         if text is None:
             return refused(f"view: no sandbox {req.sandbox!r} in the agent's plan")

@@ -142,13 +142,19 @@ def echo(line: str = "") -> None:
     print(line)
 
 
-def emit(c: Ctx, data: Any, view: str) -> None:
-    """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS)."""
+def json_text(data: Any) -> str:
+    """A ``--json`` view's text, as printed (the agent writes the views it answers with it)."""
+    return jsonio.dumps(data, indent=2)
+
+
+def emit(c: Ctx, data: Any, view: str, text: str | None = None) -> None:
+    """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS);
+    ``text``: its text, written already (by the agent)."""
     if c.settings.check_views:
         from vmpin.wire.viewschema import check
 
-        check(view, data)
-    echo(jsonio.dumps(data, indent=2))
+        check(view, jsonio.loads(text) if data is None and text is not None else data)
+    echo(json_text(data) if text is None else text)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -233,10 +239,11 @@ AGENT_VIEW_WAIT = 2.0
 AGENT_VIEW_AGE = 30.0
 
 
-def agent_view(c: Ctx, view: str, sandbox: str | None = None) -> Any:
-    """The view's data as the running agent's plan shows it (vmpin.service.agent_views), the
-    same the command would print; None: no agent, an old one that does not know the request,
-    a refusal (settings other than the agent's), a timeout -- the command observes itself.
+def agent_view(c: Ctx, view: str, sandbox: str | None = None) -> str | None:
+    """The view's ``--json`` text as the running agent's plan shows it
+    (vmpin.service.agent_views), the same bytes the command would print; None: no agent, an
+    old one that does not know the request, a refusal (settings other than the agent's), a
+    timeout -- the command observes itself.
 
     ``audit`` asks for a pass that starts after the request (drift since the last pass must be
     seen); the others for the current plan when nothing changed since it was made."""
@@ -253,7 +260,7 @@ def agent_view(c: Ctx, view: str, sandbox: str | None = None) -> Any:
         None if fresh else AGENT_VIEW_AGE,
     )
     got = ask(c.paths, request, AGENT_VIEW_WAIT)
-    return None if got is None else got.data
+    return None if got is None else got.text
 
 
 def node_plan(c: Ctx, store: Reader, scope: Scope | None = None) -> NodePlan:
@@ -341,8 +348,13 @@ def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
 
 
 def containers(c: Ctx, as_json: bool) -> int:
-    rows = agent_view(c, "containers")
-    if rows is None:
+    text = agent_view(c, "containers")
+    if text is not None and as_json:
+        emit(c, None, "containers", text)
+        return 0
+    if text is not None:
+        rows = jsonio.loads(text)
+    else:
         with c.reader() as store:
             rows = fresh_containers(node_plan(c, store, view_scope("containers")))
     if as_json:
@@ -412,8 +424,13 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
 
 
 def sandboxes(c: Ctx, as_json: bool) -> int:
-    out = agent_view(c, "sandboxes")
-    if out is None:
+    text = agent_view(c, "sandboxes")
+    if text is not None and as_json:
+        emit(c, None, "sandboxes", text)
+        return 0
+    if text is not None:
+        out = jsonio.loads(text)
+    else:
         with c.reader() as store:
             out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
     if as_json:
@@ -487,9 +504,11 @@ _POLICY_SOURCES = {
 
 
 def show(c: Ctx, sandbox: str, as_json: bool) -> int:
-    r = agent_view(c, "show", sandbox)
-    if r is None:
-        r = show_json(_one(c, sandbox))
+    text = agent_view(c, "show", sandbox)
+    if text is not None and as_json:
+        emit(c, None, "show", text)
+        return 0
+    r = jsonio.loads(text) if text is not None else show_json(_one(c, sandbox))
     if as_json:
         emit(c, r, "show")
         return 0
@@ -528,12 +547,14 @@ def show(c: Ctx, sandbox: str, as_json: bool) -> int:
 
 
 def audit(c: Ctx, as_json: bool) -> int:
-    result = agent_view(c, "audit")
-    if result is None:
+    text = agent_view(c, "audit")
+    if text is not None:
+        result = jsonio.loads(text)  # (its exit code is its "ok")
+    else:
         with c.reader() as store:
             result = c.reconciler(store).audit(view_scope("audit"))
     if as_json:
-        emit(c, result, "audit")
+        emit(c, result, "audit", text)
     else:
         for v in result["violations"]:
             echo(

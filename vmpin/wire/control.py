@@ -14,9 +14,9 @@ cannot drift.  One JSON object per line each way, version :data:`VERSION`::
     {"op":"reconcile"}                          -> {"ok":true}: a full pass now
     {"op":"view","view":NAME[,"sandbox":id][,"fresh":true][,"max_age":s],"wait":s,
      "settings":{key:value}}                    -> {"ok":true,"view":NAME,"age_s":s,
-                                                   "pass":n,"data":VIEW}
-        (NAME one of VIEW_NAMES, "sandbox" for show; the data exactly as the command
-        prints it with --json; refused when the agent's settings differ from "settings",
+                                                   "pass":n,"text":TEXT}
+        (NAME one of VIEW_NAMES, "sandbox" for show; TEXT what the command prints with
+        --json, to the byte; refused when the agent's settings differ from "settings",
         or it cannot answer within "wait": the command then observes in-process)
     anything else                               -> {"ok":false,"error":TEXT}
 
@@ -24,7 +24,7 @@ The version is not on the wire: version 1 is everything a vmpin since the agent 
 and understands; a change that an older peer would misread takes a new socket name instead,
 so an old hook meeting a new agent gets no agent, never a wrong answer.  Limits: a request
 line of at most :data:`MAX_REQUEST` bytes, a blocking wait of at most :data:`MAX_WAIT` s, a
-reply line of at most :data:`MAX_REPLY` bytes (a view of a 2,000-sandbox node is ~2 MB).
+reply line of at most :data:`MAX_REPLY` bytes (a view of a 2,000-sandbox node is ~3 MB).
 
 Lean (the Kata hook speaks it): stdlib and vmpin.core only, no ``typing`` at run time.
 """
@@ -151,11 +151,12 @@ class DirtyReply(NamedTuple):
 
 
 class ViewReply(NamedTuple):
-    """The agent's answer to :class:`View`: the view's data, the age of the plan it comes
-    from (seconds) and that pass's number."""
+    """The agent's answer to :class:`View`: the view as the command prints it with
+    ``--json`` (its text: the command prints it as it is, or reads its data back for a
+    table), the age of the plan it comes from (seconds) and that pass's number."""
 
     view: str
-    data: Any
+    text: str
     age_s: float
     number: int
 
@@ -165,17 +166,19 @@ class ViewReply(NamedTuple):
         old agent that does not know the request, a reply of another shape)."""
         if not reply or reply.get("ok") is not True or reply.get("view") != view:
             return None
-        data, age, number = reply.get("data"), reply.get("age_s"), reply.get("pass")
-        if data is None or not isinstance(age, (int, float)) or not isinstance(number, int):
+        text, age, number = reply.get("text"), reply.get("age_s"), reply.get("pass")
+        if not isinstance(text, str) or not isinstance(age, (int, float)):
             return None
-        return cls(view, data, float(age), number)
+        if isinstance(number, bool) or not isinstance(number, int):
+            return None
+        return cls(view, text, float(age), number)
 
 
-def view_reply_to_json(view: str, data_json: str, age_s: float, number: int) -> bytes:
-    """The reply line of a :class:`View`, around its data already written as JSON (the agent
-    writes a plan's view once, for every reader of that plan)."""
+def view_reply_to_json(view: str, text_json: str, age_s: float, number: int) -> bytes:
+    """The reply line of a :class:`View`, around its text already written as a JSON string
+    (the agent writes a plan's view once, for every reader of that plan)."""
     head = dumps({"ok": True, "view": view, "age_s": round(age_s, 3), "pass": number})
-    return f'{head[:-1]}, "data": {data_json}}}\n'.encode()
+    return f'{head[:-1]}, "text": {text_json}}}\n'.encode()
 
 
 OK: dict[str, Any] = {"ok": True}
