@@ -278,7 +278,7 @@ def scrape(port: int) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for line in body.splitlines():
-        if line.startswith("vmpin_") and not line.startswith("vmpin_pin_latency_seconds_bucket"):
+        if line.startswith("vmpin_") and "_bucket{" not in line:
             name, _, value = line.rpartition(" ")
             if "_bucket" not in name:
                 out[name] = float(value)
@@ -381,6 +381,8 @@ def main() -> int:
             return after.get(name, 0.0) - before.get(name, 0.0)
 
         lat_n = delta("vmpin_pin_latency_seconds_count")
+        ev_n = delta("vmpin_event_pass_cpu_seconds_count")
+        events = delta("vmpin_events_total")
         result = {
             "benchmark": "churn",
             "sandboxes": args.sandboxes,
@@ -397,6 +399,21 @@ def main() -> int:
                 "coalesced": delta("vmpin_events_coalesced_total"),
                 "plans_event": delta('vmpin_plans_total{cause="event"}'),
                 "plans_periodic": delta('vmpin_plans_total{cause="periodic"}'),
+                # what each event costs the agent, in CPU (not wall: the load of the machine
+                # does not move it) and in node passes: the figures that would have shown
+                # issue 28's regression (a pass whose work grew with the node)
+                "event_pass_cpu_mean_ms": round(
+                    1000 * delta("vmpin_event_pass_cpu_seconds_sum") / ev_n, 2
+                )
+                if ev_n
+                else None,
+                "event_passes": ev_n,
+                "node_passes_per_event": round(delta("vmpin_node_passes_total") / events, 3)
+                if events
+                else None,
+                "plans_per_event": round(delta('vmpin_plans_total{cause="event"}') / events, 3)
+                if events
+                else None,
                 "pin_latency_mean_ms": round(
                     1000 * delta("vmpin_pin_latency_seconds_sum") / lat_n, 2
                 )

@@ -33,6 +33,7 @@ from vmpin.core.errors import StateError
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.report import SandboxReport, ThreadReport
+from vmpin.reconcile.settled import Settled
 from vmpin.state.locks import WAIT, NodeLock
 from vmpin.state.store import SandboxRec, Store
 
@@ -147,6 +148,8 @@ class Reconciler:
         #: owner-only and cannot be made so); such passes go on without it
         self.lock_error: str | None = None
         self._summarizer: Summarizer | None = None
+        #: the plans the last passes applied cleanly (an event's pass applies the rest)
+        self._settled = Settled()
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -375,6 +378,10 @@ class Reconciler:
         if apply:
             from vmpin.reconcile.apply import Applier
 
+            # an event's pass applies what it names and what moved (.settled)
+            only = None
+            if fresh is not None and sandbox_ids is not None:
+                only = self._settled.to_apply(plan, sandbox_ids)
             applied = Applier(
                 self.paths,
                 self.affinity,
@@ -382,7 +389,8 @@ class Reconciler:
                 domains=self.domains,
                 maps_later=self.maps_later,
                 hold=self.held_maps,
-            ).apply(self.store, plan)
+            ).apply(self.store, plan, only)
+            self._settled.note(plan, applied, only)
             self._note_applied(applied)
         return node_reports(plan, applied, sandbox_ids)
 

@@ -28,7 +28,7 @@ from vmpin.core.errors import SpecError, StateError, UnsafeFile
 from vmpin.core.ids import check_id
 from vmpin.linux.files import fsync_path
 from vmpin.runtimes.oci import Identity, identify
-from vmpin.state import allocations, journal
+from vmpin.state import allocations, changes, journal
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 #: meta key prefix of a sandbox's per-pod policy annotations (from its OCI specs)
@@ -49,7 +49,7 @@ else:
     from vmpin.state.sqlite import sqlite3
 
 
-SCHEMA_VERSION = 3  # 3: vmpin's own allocations (vmpin.state.allocations)
+SCHEMA_VERSION = 4  # 3: vmpin's own allocations (vmpin.state.allocations); 4: vmpin.state.changes
 #: journal events applied per transaction (one fsync each): 10,000 pending events cost
 #: 20 commits, and a hook's time budget is checked between them.
 INGEST_BATCH = 500
@@ -133,7 +133,7 @@ CREATE TABLE IF NOT EXISTS threads (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS journal (name TEXT PRIMARY KEY);
-""" + allocations.SCHEMA
+""" + allocations.SCHEMA + changes.SCHEMA
 
 
 class ContainerRec(NamedTuple):
@@ -388,6 +388,7 @@ class Store:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self.db.execute(statement)
+                changes.create(self.db)  # (triggers: not split on ";")
                 self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         try:  # noqa: SIM105 (contextlib stays off the hook's path)
             os.chmod(self.path, 0o600)
@@ -1185,6 +1186,28 @@ class Store:
     def set_meta(self, key: str, value: str) -> None:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
+
+    # -- one sandbox's records through the indexes (an event's pass: issue 28) ----------------
+    def threads_of(self, sandbox_id: str) -> dict[tuple[str, int, int], dict[int, ThreadRec]]:
+        """:meth:`all_threads` of one sandbox (the primary key's range)."""
+        out: dict[tuple[str, int, int], dict[int, ThreadRec]] = {}
+        rows = self.db.execute(
+            "SELECT vmm_pid, vmm_start, tid, role, idx, label, layer FROM threads"
+            " WHERE sandbox_id=? ORDER BY tid",
+            (sandbox_id,),
+        )
+        for row in rows.fetchall():
+            out.setdefault((sandbox_id, row[0], row[1]), {})[row[2]] = ThreadRec(*row[2:])
+        return out
+
+    def meta_under(self, prefix: str) -> list[tuple[str, str]]:
+        """:meth:`meta_prefix` through the key's index (a range, not a scan): for a prefix
+        that names one sandbox."""
+        rows = self.db.execute(
+            "SELECT key, value FROM meta WHERE key >= ? AND key < ?",
+            (prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)),
+        ).fetchall()
+        return [(str(r[0]), _intern(str(r[1]))) for r in rows]
 
 
 def _left(deadline: float) -> float:
