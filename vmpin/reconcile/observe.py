@@ -55,7 +55,7 @@ from vmpin.state.store import SandboxRec, Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Container, Mapping
+    from collections.abc import Collection, Container, Mapping
 
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
@@ -139,7 +139,7 @@ class Observer:
         pass without ``fresh`` (the agent's periodic one)."""
         checkpoint, cp_error = self.checkpoint()
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
-        recorded, records, (oci, api) = self._read_store(store, scope, fresh is not None)
+        recorded, records, (oci, api), moved = self._read_store(store, scope, fresh is not None)
         originals = recorded.originals
         sandboxes = self.sandboxes
         policies = PodPolicies(sandboxes.policy, oci, api)
@@ -151,6 +151,13 @@ class Observer:
         for rec in records:
             seen.add(rec.id)
             reuse = fresh is not None and rec.id not in fresh
+            if reuse and moved is not None and rec.id not in moved:
+                # not one of its records has been written since the last pass read them
+                # (the store's change log, .tables): that pass's observation stands as it is
+                before = last.get(rec.id)
+                if before is not None and not before.errors:
+                    out.append(before)
+                    continue
             out.append(
                 sandboxes.tracked(
                     recorded, policies, rec, checkpoint, scope, last.get(rec.id), reuse
@@ -226,16 +233,17 @@ class Observer:
 
     def _read_store(
         self, store: Store, scope: Scope, keep_last: bool = False
-    ) -> tuple[Recorded, list[SandboxRec], _PolicyRecords]:
+    ) -> tuple[Recorded, list[SandboxRec], _PolicyRecords, Collection[str] | None]:
         """The store's tables a pass reads: as the last pass read them while the store has
         not moved (:meth:`Store.version`; an idle node's passes find it unchanged), else
         brought up to date through the store's change log, a sandbox at a time
         (:mod:`.tables`), or read whole.  What is returned is only read, never changed, by
-        the pass."""
+        the pass; and the sandboxes whose records may have moved since the last call (None:
+        any of them)."""
         version = store.version()
         tables = self._tables
         if tables is not None and tables.matches(store, scope) and tables.version == version:
-            return tables.current()
+            return (*tables.current(), ())
         if not keep_last:
             # with the store moved the node is planned anew anyway, and building a node's
             # observation while the last one is kept was the agent's RSS peak
@@ -244,7 +252,7 @@ class Observer:
             # (the old tables go before the new are read)
             self._tables = None
             self._tables = tables = Tables(store, scope)
-        return tables.current()
+        return (*tables.current(), tables.moved)
 
 
 __all__ = [

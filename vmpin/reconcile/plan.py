@@ -36,7 +36,7 @@ from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.reconcile.allocations import SOURCE as ALLOC
-from vmpin.reconcile.allocations import overlay
+from vmpin.reconcile.allocations import Overlay, overlay
 from vmpin.reconcile.observe import (
     FULL,
     ContainerObs,
@@ -288,12 +288,102 @@ def _pod(s: SandboxObs) -> str:
     return f"sandbox:{s.id}"
 
 
+class _Records:
+    """What one sandbox's records come to in a plan (:func:`_records`), and its footprint
+    (:func:`_footprint`) with what that was made from: kept between calls in ``memo``."""
+
+    __slots__ = ("adoptions", "alloc", "cplans", "footprint", "forget", "obs", "recs", "taken")
+
+    def __init__(
+        self,
+        obs: SandboxObs,
+        alloc: CpuSet | None,
+        taken: tuple[object, ...],
+        recs: list[ContainerRec],
+        cplans: list[ContainerPlan],
+        adoptions: list[Adoption],
+        forget: list[str],
+    ) -> None:
+        self.obs, self.alloc, self.taken = obs, alloc, taken
+        self.recs, self.cplans, self.adoptions, self.forget = recs, cplans, adoptions, forget
+        #: (this, the CPUs kept off, the node's inputs, mask, Kata's cpuset, kept off, fp)
+        self.footprint: tuple[Any, ...] | None = None
+
+
+class _Kept:
+    """A sandbox's plan in ``memo`` with what it was planned from."""
+
+    __slots__ = ("inputs", "plan", "records")
+
+    def __init__(self, inputs: tuple[object, ...], plan: SandboxPlan, records: _Records) -> None:
+        self.inputs, self.plan, self.records = inputs, plan, records
+
+    @property
+    def footprint(self) -> tuple[Any, ...] | None:
+        return self.records.footprint
+
+
+def _records(
+    s: SandboxObs,
+    alloc: Overlay,
+    pool: CpuSet | None,
+    mine: CpuSet | None,
+    taken: tuple[object, ...],
+) -> _Records:
+    """Each container's record with its sources' news adopted and its pod's allocation, and
+    what it is to run on; the containers that are gone."""
+    recs: list[ContainerRec] = []
+    cps: list[ContainerPlan] = []
+    adoptions: list[Adoption] = []
+    forget: list[str] = []
+    for c in s.containers:
+        rec, adopted = refresh(c, s.runtime)
+        adoptions.extend(adopted)
+        if rec is None:
+            forget.append(c.rec.id)
+            continue
+        rec = alloc.container(s.id, rec)
+        recs.append(rec)
+        cpus = _own_cpus(rec)
+        desired = cpus if cpus is not None else pool
+        cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else cpus, c))
+    return _Records(s, mine, taken, recs, cps, adoptions, forget)
+
+
+def _footprint(
+    s: SandboxObs, first: _Records, off: CpuSet, pool: CpuSet | None, online: CpuSet
+) -> tuple[CpuSet, CpuSet, CpuSet | None, CpuSet]:
+    """A sandbox's mask, its mask before ``off`` (the CPUs kept free for Crane's exclusive
+    pods) was taken out, what was taken out (None: nothing), and its footprint: where its
+    threads may run once the plan is applied."""
+    mask = whole = _mask(first.recs)
+    kept = None
+    if s.runtime != "runc" and mask & off and mask - off:
+        kept = mask & off
+        mask = mask - off
+    if s.runtime == "runc":
+        cplans = first.cplans
+        runs = any(c.obs.tasks for c in cplans)
+        fp = CpuSet.union_all(
+            (c.desired if c.desired is not None else online) for c in cplans if c.obs.tasks
+        )
+        return mask, whole, kept, fp if runs else EMPTY
+    if s.vmm is None:
+        return mask, whole, kept, EMPTY  # nothing runs
+    if not s.tracked and s.vmm.threads:
+        return mask, whole, kept, _left_alone(s, online)  # not vmpin's: where its threads run
+    fp = mask or pool or online
+    fp = (fp - off) or fp
+    held = _left_alone(s, online)
+    return mask, whole, kept, fp | held if held else fp
+
+
 def plan_node(
     obs: Observation,
     topology: Topology,
     *,
     float_policy: str = "all",
-    memo: dict[str, tuple[tuple[object, ...], SandboxPlan]] | None = None,
+    memo: dict[str, _Kept] | None = None,
 ) -> NodePlan:
     """Plan every sandbox and runc container of the node from one observation.
 
@@ -311,21 +401,22 @@ def plan_node(
     forget: list[str] = []
     live: dict[str, list[ContainerRec]] = {}
     cplans: dict[str, list[ContainerPlan]] = {}
+    last = memo if memo is not None else {}
+    # (what a sandbox's records come to depends on it and the allocations alone: a sandbox
+    # given as the very observation of the last call, under the same allocations, comes to
+    # what it came to then -- most of an event's pass, issue 28)
+    taken = (alloc.taken, alloc.pool, pool)
+    firsts: dict[str, _Records] = {}
     for s in obs.sandboxes:
-        recs: list[ContainerRec] = []
-        cps: list[ContainerPlan] = []
-        for c in s.containers:
-            rec, adopted = refresh(c, s.runtime)
-            adoptions.extend(adopted)
-            if rec is None:
-                forget.append(c.rec.id)
-                continue
-            rec = alloc.container(s.id, rec)
-            recs.append(rec)
-            cpus = _own_cpus(rec)
-            desired = cpus if cpus is not None else pool
-            cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else cpus, c))
-        live[s.id], cplans[s.id] = recs, cps
+        before = last.get(s.id)
+        mine = alloc.by_sandbox.get(s.id)
+        got = before.records if before is not None else None
+        if got is None or got.obs is not s or got.alloc != mine or got.taken != taken:
+            got = _records(s, alloc, pool, mine, taken)
+        firsts[s.id] = got
+        adoptions.extend(got.adoptions)
+        forget.extend(got.forget)
+        live[s.id], cplans[s.id] = got.recs, got.cplans
 
     # Footprints: where each sandbox's threads may run once this plan is applied.
     pods = {s.id: _pod(s) for s in obs.sandboxes}
@@ -343,32 +434,22 @@ def plan_node(
     # Kata's cpuset, over which it pins vCPUs itself when a configuration says so: the union
     # of the containers' CPU sets, as vmpin's mask before anything is kept off it
     kata_pins: dict[str, CpuSet] = {}
+    node = (obs.kata_pinning, pool, online)
     for s in obs.sandboxes:
-        mask = _mask(live[s.id])
-        if s.runtime == "kata" and obs.kata_pinning:
-            kata_pins[s.id] = mask
+        first = firsts[s.id]
         off = crane_others.without(s.id)
-        if s.runtime != "runc" and mask & off and mask - off:
-            kept_off[s.id] = mask & off
-            mask = mask - off
+        was = last.get(s.id)
+        fp_memo = was.footprint if was is not None else None
+        if fp_memo is None or fp_memo[0] is not first or fp_memo[1] != off or fp_memo[2] != node:
+            fp_memo = (first, off, node, *_footprint(s, first, off, pool, online))
+        _, _, _, mask, pinned_by_kata, off_mask, fp = fp_memo
+        first.footprint = fp_memo
+        if s.runtime == "kata" and obs.kata_pinning:
+            kata_pins[s.id] = pinned_by_kata
+        if off_mask is not None:
+            kept_off[s.id] = off_mask
         masks[s.id] = mask
-        if s.runtime == "runc":
-            runs = any(c.obs.tasks for c in cplans[s.id])
-            fp = CpuSet.union_all(
-                (c.desired if c.desired is not None else online)
-                for c in cplans[s.id]
-                if c.obs.tasks
-            )
-            footprint[s.id] = fp if runs else EMPTY
-        elif s.vmm is None:
-            footprint[s.id] = EMPTY  # nothing runs
-        elif not s.tracked and s.vmm.threads:
-            footprint[s.id] = _left_alone(s, online)  # not vmpin's: where its threads run
-        else:
-            fp = mask or pool or online
-            fp = (fp - off) or fp
-            held = _left_alone(s, online)
-            footprint[s.id] = fp | held if held else fp
+        footprint[s.id] = fp
 
     exclusive, conflicts = _claims(obs, live, pods, pool)
     for cpu, sid in alloc.owner.items():  # a CPU vmpin allocated is its pod's alone
@@ -385,8 +466,7 @@ def plan_node(
     for cpu, cl in exclusive.items():
         excl_own.setdefault(cl.pod, set()).add(cpu)
     foreign_by_pod: dict[str, CpuSet] = {}
-    last = memo if memo is not None else {}
-    kept: dict[str, tuple[tuple[object, ...], SandboxPlan]] = {}
+    kept: dict[str, _Kept] = {}
     for s in obs.sandboxes:
         others = others_fp.without(s.id)
         own = masks[s.id]
@@ -401,8 +481,8 @@ def plan_node(
             s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
         )  # fmt: skip
         before = last.get(s.id)
-        if before is not None and before[1].obs is s and before[0] == inputs:
-            sp = before[1]
+        if before is not None and before.plan.obs is s and before.inputs == inputs:
+            sp = before.plan
         else:
             sp = _plan_sandbox(
                 s, topology, masks[s.id], live[s.id], cplans[s.id], footprint[s.id], others,
@@ -410,7 +490,7 @@ def plan_node(
                 alloc.reserved, alloc.uncore,
             )  # fmt: skip
         if memo is not None:
-            kept[s.id] = (inputs, sp)
+            kept[s.id] = _Kept(inputs, sp, firsts[s.id])
         plans.append(sp)
     if memo is not None:
         memo.clear()

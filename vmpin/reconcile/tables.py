@@ -41,8 +41,8 @@ class Tables:
     """One store's tables as of its :attr:`version` and its change log's :attr:`seq`."""
 
     __slots__ = (
-        "_at", "_keys", "_recs", "_threads", "api", "containers", "missing", "oci", "originals",
-        "records", "scope_key", "seq", "store", "threads", "version",
+        "_at", "_keys", "_recs", "_threads", "api", "containers", "missing", "moved", "oci",
+        "originals", "records", "scope_key", "seq", "store", "threads", "version",
     )  # fmt: skip
 
     def __init__(self, store: Store, scope: Scope) -> None:
@@ -52,6 +52,9 @@ class Tables:
         self.version = store.version()
         # (before the tables: whatever commits while they are read is in the next delta)
         self.seq = changes.top(store.db)
+        #: the sandboxes whose records the last :meth:`follow` read again (None: the tables
+        #: were read whole, or the pods' API policies moved: any sandbox's may have)
+        self.moved: set[str] | None = None
         rec = Recorded.read(store, scope)
         self.containers: dict[str, list[ContainerRec]] = dict(rec.containers)
         self.threads: dict[tuple[str, int, int], dict[int, ThreadRec]] = dict(rec.threads)
@@ -103,6 +106,7 @@ class Tables:
                 if raw
             }
         self.seq, self.version = delta.top, version
+        self.moved = None if api else sids
         return True
 
     def _read_sandbox(self, sid: str) -> bool:
