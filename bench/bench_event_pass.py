@@ -268,6 +268,8 @@ def main() -> int:
     ap.add_argument("--sandboxes", default="60,500,2000", help="comma-separated sizes")
     ap.add_argument("--updates", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="profile the largest size's passes")
+    ap.add_argument("--sort", default="tottime", help="the profile's order (pstats)")
+    ap.add_argument("--top", type=int, default=25, help="the profile's lines")
     ap.add_argument("--examples", action="store_true", help="print one pass's SQL and files")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
@@ -279,7 +281,8 @@ def main() -> int:
             profile = cProfile.Profile() if args.profile and n == max(sizes) else None
             results.append(one_size(n, args, profile))
             if profile is not None:
-                pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+                stats = pstats.Stats(profile, stream=sys.stderr)
+                stats.sort_stats(args.sort).print_stats(args.top)
     if not args.examples:
         for r in results:
             r.pop("example_pass", None)

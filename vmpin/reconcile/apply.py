@@ -218,6 +218,10 @@ class Applier:
         live_vmms: set[str] = set()
         publish: list[tuple[str, dict[str, Any] | None]] = []
         for sp in plan.sandboxes:
+            if only is not None and sp.id not in only:
+                # (applied as it is by an earlier pass, its records written then: an event's
+                # pass, .settled; what it recorded of VMMs gone, the next full pass forgets)
+                continue
             s = sp.obs
             if s.vmm is not None:
                 live_vmms.add(f"{ORIG_PREFIX}{sp.id}:{s.vmm.pid}:{s.vmm.start}:")
@@ -258,7 +262,11 @@ class Applier:
                 publish.append((sp.id, None))  # the pod turned guest pinning off: withdrawn
         # what vmpin recorded for VMMs that no longer run is of no use to anyone
         # (a key is its VMM's prefix plus the tid: one set lookup each, not a scan of the VMMs)
-        stale = [k for k in plan.originals if k[: k.rfind(":") + 1] not in live_vmms]
+        stale = (
+            [k for k in plan.originals if k[: k.rfind(":") + 1] not in live_vmms]
+            if only is None
+            else []
+        )
         if stale:
             writes.append(partial(store.delete_meta, stale))
         if writes:

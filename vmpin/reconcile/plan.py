@@ -37,6 +37,7 @@ from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.reconcile.allocations import SOURCE as ALLOC
 from vmpin.reconcile.allocations import Overlay, overlay
+from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import (
     FULL,
     ContainerObs,
@@ -292,7 +293,9 @@ class _Records:
     """What one sandbox's records come to in a plan (:func:`_records`), and its footprint
     (:func:`_footprint`) with what that was made from: kept between calls in ``memo``."""
 
-    __slots__ = ("adoptions", "alloc", "cplans", "footprint", "forget", "obs", "recs", "taken")
+    __slots__ = (
+        "adoptions", "alloc", "cplans", "footprint", "forget", "obs", "pod", "recs", "taken",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -306,6 +309,8 @@ class _Records:
     ) -> None:
         self.obs, self.alloc, self.taken = obs, alloc, taken
         self.recs, self.cplans, self.adoptions, self.forget = recs, cplans, adoptions, forget
+        #: the pod it belongs to (:func:`_pod`)
+        self.pod = _pod(obs)
         #: (this, the CPUs kept off, the node's inputs, mask, Kata's cpuset, kept off, fp)
         self.footprint: tuple[Any, ...] | None = None
 
@@ -321,6 +326,17 @@ class _Kept:
     @property
     def footprint(self) -> tuple[Any, ...] | None:
         return self.records.footprint
+
+
+def _moved_books(before: SandboxObs, s: SandboxObs) -> bool:
+    """Whether ``s`` is ``before`` with its record's bookkeeping moved alone (generation,
+    done generation, time): the last pass marked it done.  Its plan is the same: the next
+    event's pass would plan and apply it again for nothing (issue 28)."""
+    was, rec = before.record, s.record
+    if was is None or rec is None or was is rec:
+        return False
+    books = was._replace(gen=rec.gen, done_gen=rec.done_gen, updated_at=rec.updated_at)
+    return books == rec and replace(before, record=rec) == s
 
 
 def _records(
@@ -419,7 +435,7 @@ def plan_node(
         live[s.id], cplans[s.id] = got.recs, got.cplans
 
     # Footprints: where each sandbox's threads may run once this plan is applied.
-    pods = {s.id: _pod(s) for s in obs.sandboxes}
+    pods = {s.id: firsts[s.id].pod for s in obs.sandboxes}
     masks: dict[str, CpuSet] = {}
     footprint: dict[str, CpuSet] = {}
     # Crane's cpu-manager "exclusive" (vmpin.core.podpolicy): other sandboxes' threads are
@@ -434,7 +450,8 @@ def plan_node(
     # Kata's cpuset, over which it pins vCPUs itself when a configuration says so: the union
     # of the containers' CPU sets, as vmpin's mask before anything is kept off it
     kata_pins: dict[str, CpuSet] = {}
-    node = (obs.kata_pinning, pool, online)
+    kata_pinning = obs.kata_pinning
+    node = (kata_pinning, pool, online)
     for s in obs.sandboxes:
         first = firsts[s.id]
         off = crane_others.without(s.id)
@@ -444,7 +461,7 @@ def plan_node(
             fp_memo = (first, off, node, *_footprint(s, first, off, pool, online))
         _, _, _, mask, pinned_by_kata, off_mask, fp = fp_memo
         first.footprint = fp_memo
-        if s.runtime == "kata" and obs.kata_pinning:
+        if kata_pinning and s.runtime == "kata":
             kata_pins[s.id] = pinned_by_kata
         if off_mask is not None:
             kept_off[s.id] = off_mask
@@ -483,6 +500,8 @@ def plan_node(
         before = last.get(s.id)
         if before is not None and before.plan.obs is s and before.inputs == inputs:
             sp = before.plan
+        elif before is not None and before.inputs == inputs and _moved_books(before.plan.obs, s):
+            sp = _replace(before.plan, obs=s)  # (its threads, containers and map: the same)
         else:
             sp = _plan_sandbox(
                 s, topology, masks[s.id], live[s.id], cplans[s.id], footprint[s.id], others,

@@ -24,6 +24,23 @@ if TYPE_CHECKING:
 _CLEAN = frozenset(("ok", "pinned", "unmanaged"))
 
 
+def _same_work(before: SandboxPlan | None, sp: SandboxPlan) -> bool:
+    """Whether applying ``sp`` would do what applying ``before`` did: the very plan, or the
+    same threads, containers and guest map of a sandbox whose record moved in its
+    bookkeeping alone and is not dirty (plan_node gives such a plan its new observation)."""
+    if before is sp:
+        return True
+    if before is None or before.threads is not sp.threads or before.containers is not sp.containers:
+        return False
+    rec = sp.obs.record
+    return (
+        before.guest_map is sp.guest_map
+        and before.obs.vmm is sp.obs.vmm
+        and rec is not None
+        and rec.gen <= rec.done_gen
+    )
+
+
 class Settled:
     """Sandbox id -> the plan applied without an error by the last pass that applied it."""
 
@@ -37,7 +54,7 @@ class Settled:
         whose plan is not the very one applied cleanly before."""
         plans = self._plans
         out = set(named)
-        out.update(sp.id for sp in plan.sandboxes if plans.get(sp.id) is not sp)
+        out.update(sp.id for sp in plan.sandboxes if not _same_work(plans.get(sp.id), sp))
         return out
 
     def note(self, plan: NodePlan, applied: Applied, only: Collection[str] | None) -> None:
@@ -48,14 +65,20 @@ class Settled:
             sid for sid, drifts in applied.cgroups.items()
             if any(not d.get("repaired") for d in drifts)
         )  # fmt: skip
-        before = self._plans
-        self._plans = {
-            sp.id: sp
-            for sp in plan.sandboxes
-            if not sp.vanished
-            and sp.id not in bad
-            and (only is None or sp.id in only or before.get(sp.id) is sp)
-        }
+        if only is None:
+            self._plans = {
+                sp.id: sp for sp in plan.sandboxes if not sp.vanished and sp.id not in bad
+            }
+            return
+        # (an event's pass: the others stand; a sandbox gone meanwhile stays here until the
+        # next full pass, harmless: a sandbox of that id again has another plan)
+        plans = self._plans
+        for sp in plan.sandboxes:
+            if sp.id in only:
+                if sp.vanished or sp.id in bad:
+                    plans.pop(sp.id, None)
+                else:
+                    plans[sp.id] = sp
 
     def forget(self) -> None:
         self._plans = {}
