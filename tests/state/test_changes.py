@@ -16,9 +16,7 @@ from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 def _sandbox(store: Store, sid: str, cpus: str = "0") -> None:
     store.put_sandbox(SandboxRec(sid, "kata"))
     store.put_container(ContainerRec(sid, sid, True, name="pause"))
-    store.put_container(
-        ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse(cpus))
-    )
+    store.put_container(ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse(cpus)))
 
 
 def _whole(t: Tables) -> tuple[object, ...]:
