@@ -475,9 +475,28 @@ def plan_node(
     plans: list[SandboxPlan] = []
     # Every "all the others" set below is derived from per-CPU counts made once, so the
     # node is planned in time linear in its sandboxes (a union over the others per sandbox
-    # was quadratic: 2,000 sandboxes took seconds).
-    others_fp = _Others(footprint)
-    alone = _Others(masks).alone - (pool or EMPTY)  # CPUs in exactly one sandbox's mask
+    # was quadratic: 2,000 sandboxes took seconds); a long-lived caller's counts are kept
+    # and moved by the sandboxes whose footprint or mask moved (PlanMemo).
+    prior = None
+    if isinstance(memo, PlanMemo):
+        # (its counts are moved below: a call that fails on the way leaves none behind)
+        prior, memo.node = memo.node, None
+    others_fp, fp_moved = _counted(footprint, prior.footprints if prior is not None else None)
+    by_mask, _ = _counted(masks, prior.masks if prior is not None else None)
+    alone = by_mask.alone - (pool or EMPTY)  # CPUs in exactly one sandbox's mask
+    # The node as the last call saw it, but for the CPUs ``fp_moved`` (an event's pass): a
+    # sandbox whose observation, mask, footprint and Kata cpuset are the very ones it was
+    # planned with, and whose footprint holds none of those CPUs, has the inputs it was
+    # planned with (its others' footprints and exclusive CPUs): its plan stands unasked.
+    node_key = (
+        topology, float_policy, obs.scope, pool, alloc.reserved, alloc.uncore,
+        bool(conflicts), bool(exclusive),
+    )  # fmt: skip
+    steady = (
+        prior is not None and fp_moved is not None and not conflicts and not exclusive
+        and prior.key == node_key and prior.total == others_fp.total and prior.alone == alone
+    )  # fmt: skip
+    moved_cpus = CpuSet(fp_moved or ())
     excl_all = CpuSet(exclusive)
     excl_own: dict[str, set[int]] = {}
     for cpu, cl in exclusive.items():
@@ -485,6 +504,23 @@ def plan_node(
     foreign_by_pod: dict[str, CpuSet] = {}
     kept: dict[str, _Kept] = {}
     for s in obs.sandboxes:
+        before = last.get(s.id)
+        if (
+            steady
+            and before is not None
+            and before.plan.obs is s
+            and before.inputs[3] is masks[s.id]
+            and before.inputs[4] is footprint[s.id]
+            and before.inputs[9] is kata_pins.get(s.id)
+            and footprint[s.id].isdisjoint(moved_cpus)
+        ):
+            plans.append(before.plan)
+            if memo is not None:
+                first = firsts[s.id]
+                kept[s.id] = (
+                    before if before.records is first else _Kept(before.inputs, before.plan, first)
+                )
+            continue
         others = others_fp.without(s.id)
         own = masks[s.id]
         others_excl = alone - own if alone & own else alone
@@ -497,7 +533,6 @@ def plan_node(
             topology, float_policy, obs.scope, masks[s.id], footprint[s.id], others, excl, pool,
             s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
         )  # fmt: skip
-        before = last.get(s.id)
         if before is not None and before.plan.obs is s and before.inputs == inputs:
             sp = before.plan
         elif before is not None and before.inputs == inputs and _moved_books(before.plan.obs, s):
@@ -514,6 +549,8 @@ def plan_node(
     if memo is not None:
         memo.clear()
         memo.update(kept)
+        if isinstance(memo, PlanMemo):
+            memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
     plans = [
         _replace(
             p,
@@ -598,13 +635,16 @@ class _Others:
 
     __slots__ = ("_count", "_sets", "total")
 
-    def __init__(self, sets: Mapping[str, CpuSet]) -> None:
+    def __init__(self, sets: Mapping[str, CpuSet], counts: dict[int, int] | None = None) -> None:
+        """``counts``: how many of ``sets`` hold each CPU, when the caller knows (_counted)."""
         self._sets = sets
-        self._count: dict[int, int] = {}
-        for cpus in sets.values():
-            for cpu in cpus:
-                self._count[cpu] = self._count.get(cpu, 0) + 1
-        self.total = CpuSet(self._count)
+        if counts is None:
+            counts = {}
+            for cpus in sets.values():
+                for cpu in cpus:
+                    counts[cpu] = counts.get(cpu, 0) + 1
+        self._count = counts
+        self.total = CpuSet(counts)
 
     @property
     def alone(self) -> CpuSet:
@@ -617,6 +657,59 @@ class _Others:
             return self.total
         only_own = [cpu for cpu in own if self._count[cpu] == 1]
         return self.total - CpuSet(only_own) if only_own else self.total
+
+
+def _counted(
+    sets: dict[str, CpuSet], before: _Others | None
+) -> tuple[_Others, set[int] | None]:
+    """:class:`_Others` of ``sets``, from ``before``'s counts moved by the sets that are not
+    the very objects they were (``before`` is spent); and the CPUs whose count may have moved
+    (None: counted anew)."""
+    if before is None:
+        return _Others(sets), None
+    old, counts = before._sets, before._count
+    moved: set[int] = set()
+    for sid, cpus in sets.items():
+        was = old.get(sid)
+        if was is cpus:
+            continue
+        for cpu in was or ():
+            counts[cpu] -= 1
+            moved.add(cpu)
+        for cpu in cpus:
+            counts[cpu] = counts.get(cpu, 0) + 1
+            moved.add(cpu)
+    if len(old) + sum(1 for sid in sets if sid not in old) != len(sets):
+        for sid in old.keys() - sets.keys():  # (gone from the node)
+            for cpu in old[sid]:
+                counts[cpu] -= 1
+                moved.add(cpu)
+    for cpu in moved:
+        if counts.get(cpu) == 0:
+            del counts[cpu]
+    return _Others(sets, counts), moved
+
+
+class _NodeMemo:
+    """What a plan's node-wide inputs were (:class:`PlanMemo`)."""
+
+    __slots__ = ("alone", "footprints", "key", "masks", "total")
+
+    def __init__(self, key: tuple[object, ...], footprints: _Others, masks: _Others, alone: CpuSet):
+        self.key, self.footprints, self.masks, self.alone = key, footprints, masks, alone
+        self.total = footprints.total
+
+
+class PlanMemo(dict[str, _Kept]):
+    """A long-lived caller's memo for :func:`plan_node`: each sandbox's plan with what it was
+    planned from, and (``node``) the node-wide counts of the last call, which the next one
+    moves by what moved instead of counting the node again (issue 28)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node: _NodeMemo | None = None
 
 
 def _claims(

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.observe import Observation, Observer, Scope
-    from vmpin.reconcile.plan import NodePlan, _Kept
+    from vmpin.reconcile.plan import NodePlan, PlanMemo
     from vmpin.reconcile.sources import DomainSource
     from vmpin.reconcile.summarizer import Summarizer
 
@@ -121,7 +121,7 @@ class Reconciler:
         #: publish (:meth:`publish_maps`) once it has answered whoever waits on the pins
         self.maps_later: list[tuple[str, dict[str, Any] | None]] | None = None
         #: each sandbox's last plan with what it was planned from (plan_node's ``memo``)
-        self._sandbox_plans: dict[str, _Kept] = {}
+        self._sandbox_plans: PlanMemo | None = None
         #: the last plan and what it was made from (see plan())
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = None
         #: False: a pass does not apply the journal first (its caller just did, without
@@ -246,6 +246,10 @@ class Reconciler:
                 # the old node's plan goes first: never two nodes' plans in memory at once
                 # (the agent's RSS peaks in a pass, issue 14)
                 self._plan_memo = self.last_plan = None
+                if self._sandbox_plans is None:
+                    from vmpin.reconcile.plan import PlanMemo
+
+                    self._sandbox_plans = PlanMemo()
                 plan = plan_node(
                     obs, topology, float_policy=float_policy, memo=self._sandbox_plans
                 )
