@@ -454,7 +454,7 @@ def plan_node(
     node = (kata_pinning, pool, online)
     for s in obs.sandboxes:
         first = firsts[s.id]
-        off = crane_others.without(s.id)
+        off = crane_others.without(s.id) if crane else EMPTY
         was = last.get(s.id)
         fp_memo = was.footprint if was is not None else None
         if fp_memo is None or fp_memo[0] is not first or fp_memo[1] != off or fp_memo[2] != node:
@@ -663,30 +663,36 @@ def _counted(
     sets: dict[str, CpuSet], before: _Others | None
 ) -> tuple[_Others, set[int] | None]:
     """:class:`_Others` of ``sets``, from ``before``'s counts moved by the sets that are not
-    the very objects they were (``before`` is spent); and the CPUs whose count may have moved
-    (None: counted anew)."""
+    the very objects they were (``before`` is spent); and the CPUs where "some set holds it"
+    or "exactly one set holds it" may have changed -- all that :meth:`_Others.without` and
+    :attr:`_Others.alone` depend on (None: counted anew)."""
     if before is None:
         return _Others(sets), None
     old, counts = before._sets, before._count
-    moved: set[int] = set()
-    for sid, cpus in sets.items():
-        was = old.get(sid)
-        if was is cpus:
-            continue
-        for cpu in was or ():
-            counts[cpu] -= 1
-            moved.add(cpu)
+    was: dict[int, int] = {}  # (each touched CPU's count before)
+
+    def move(cpus: CpuSet, by: int) -> None:
         for cpu in cpus:
-            counts[cpu] = counts.get(cpu, 0) + 1
-            moved.add(cpu)
+            n = counts.get(cpu, 0)
+            was.setdefault(cpu, n)
+            counts[cpu] = n + by
+
+    for sid, cpus in sets.items():
+        then = old.get(sid)
+        if then is not cpus:
+            if then is not None:
+                move(then, -1)
+            move(cpus, 1)
     if len(old) + sum(1 for sid in sets if sid not in old) != len(sets):
         for sid in old.keys() - sets.keys():  # (gone from the node)
-            for cpu in old[sid]:
-                counts[cpu] -= 1
-                moved.add(cpu)
-    for cpu in moved:
-        if counts.get(cpu) == 0:
+            move(old[sid], -1)
+    moved = set()
+    for cpu, n in was.items():
+        now = counts[cpu]
+        if now == 0:
             del counts[cpu]
+        if (n == 1) != (now == 1) or (n == 0) != (now == 0):
+            moved.add(cpu)
     return _Others(sets, counts), moved
 
 
