@@ -83,10 +83,19 @@ class Delta:
         self.keys = keys
 
 
+#: :func:`top` of a database without the log (an older schema a read-only view opened)
+NO_LOG = -1
+
+
 def top(db: sqlite3.Connection) -> int:
-    """The last ``seq`` handed out (0: none yet): read it *before* reading the tables whole,
-    and every change after the read is in :func:`since` of it."""
-    row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
+    """The last ``seq`` handed out (0: none yet; :data:`NO_LOG`): read it *before* reading
+    the tables whole, and every change after the read is in :func:`since` of it."""
+    from vmpin.state.sqlite import sqlite3 as module
+
+    try:
+        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
+    except module.OperationalError:  # no AUTOINCREMENT table at all: schema 3 or older
+        return NO_LOG
     return int(row[0]) if row else 0
 
 
@@ -94,6 +103,8 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
     """What changed after ``seq`` (a :func:`top` or a Delta's ``top``); None when the log no
     longer holds all of it (the reader then reads the tables whole)."""
     last = top(db)
+    if last == NO_LOG or seq == NO_LOG:
+        return None
     if last == seq:
         return Delta(seq, set(), set())
     if last < seq:
