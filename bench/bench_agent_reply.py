@@ -67,7 +67,8 @@ from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile.reconciler import Reconciler  # noqa: E402
 from vmpin.service import control  # noqa: E402
 from vmpin.service.agent import Agent  # noqa: E402
-from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
+from vmpin.state.records import ContainerRec, SandboxRec  # noqa: E402
+from vmpin.state.store import Store  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

@@ -66,13 +66,13 @@ def find_vmpin(explicit: str | None) -> list[str]:
 
 
 def code_cache_file(vmpin: list[str]) -> str | None:
-    """Where the hook's code cache (vmpin.service.codecache) of this vmpin lives, if known."""
+    """Where the hook's code cache (vmpin.lean.codecache) of this vmpin lives, if known."""
     python = vmpin[0] if len(vmpin) > 1 else None
     if python is None:
         with open(vmpin[0], "rb") as f:
             first = f.readline()
         python = first[2:].decode().strip() if first.startswith(b"#!") else sys.executable
-    probe = ("import vmpin; from vmpin.service.codecache import cache_path;"
+    probe = ("import vmpin; from vmpin.lean.codecache import cache_path;"
              " print(cache_path(vmpin.__path__[0]))")  # fmt: skip
     # -I: not the package in the current directory (a checkout), the one vmpin runs
     out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True)
@@ -276,7 +276,7 @@ def main() -> int:
     ap.add_argument("--kata-limit", type=float, default=2.0, help="Kata without an agent")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-code-cache", dest="code_cache", action="store_false",
-                    help="time the hooks without their code cache (vmpin.service.codecache)")
+                    help="time the hooks without their code cache (vmpin.lean.codecache)")
     ap.add_argument(
         "--tmpdir",
         help="where the state dir, the VM dir and Kata's shared dir go (default: the system's"

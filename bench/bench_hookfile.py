@@ -5,7 +5,7 @@ Per round, in rotating order, each of these runs one prestart (a fresh container
 ``file``      the hook file (vmpin.service.hookfile), bytecode compiled by ``--python``, run
               as a runtime runs it (its path; ``python3`` on PATH is ``--python``);
 ``launcher``  ``--python bin/vmpin`` with the repository on PYTHONPATH: the venv's launcher
-              and its code cache (vmpin.service.codecache) on the *same* interpreter -- the
+              and its code cache (vmpin.lean.codecache) on the *same* interpreter -- the
               fair comparison;
 ``venv``      the ``vmpin`` beside this interpreter (the venv's console script), when there;
 ``bare``      ``--python -c pass``, the floor.

@@ -18,8 +18,8 @@ Three series (``--samples`` each, default 200):
             runs): from just before the fork to every thread on the new CPU; also the
             command's own run time (it returns once the agent's blocking reply says a pass
             that saw the write has finished -- or, with an agent that does not give that
-            reply, once it has re-pinned in-process).  ``vmpin update`` takes the fast route
-            of vmpin.entry (no typer, no pydantic).
+            reply, once it has re-pinned in-process).  ``vmpin update`` runs as every
+            command does (vmpin.entry: no typer, no pydantic).
 ``notify``  what ``vmpin update`` does once started, from this process: the store write,
             then the blocking ``dirty`` request (``{"op": "dirty", "wait": ...,
             "guest_map": "after"}``), the write synced while the agent works.  Timed from
@@ -65,7 +65,8 @@ from tests.support.qemu_util import launch  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.service import control  # noqa: E402
-from vmpin.state.store import ContainerRec, SandboxRec, Store  # noqa: E402
+from vmpin.state.records import ContainerRec, SandboxRec  # noqa: E402
+from vmpin.state.store import Store  # noqa: E402
 
 SID = "lat32"
 POLL = 0.0002

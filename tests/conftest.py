@@ -35,7 +35,7 @@ from vmpin.linux.paths import HostPaths
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # every --json view any vmpin prints under the tests is checked against its pydantic model
-# (vmpin.service.commands.CHECK_VIEWS: off in production, where pydantic costs a read command
+# (Settings.check_views: off in production, where pydantic costs a read command
 # four bare interpreters)
 os.environ.setdefault("VMPIN_CHECK_VIEWS", "1")
 

@@ -1,20 +1,27 @@
-"""The ``vmpin`` console script: a thin dispatcher that keeps ``vmpin hook`` lean.
+"""The ``vmpin`` console script: find the command in argv and run it.
 
-A typer app costs ~70 ms to import on a small node, and the OCI hook runs on every container
-start; so ``hook`` (and the in-guest ``guest hook`` and ``guest follow``, which run in a small
-guest image) are recognised here, by hand, and never import typer, pydantic, psutil or
-kubernetes.
+Every command runs one way: :func:`vmpin.service.clispec.parse` reads argv with the one table
+of commands and options, and :func:`vmpin.service.commands.run` runs the command's body.  What
+that parser does not accept (``--help``, a typo, a missing argument) goes to the typer app
+(:mod:`vmpin.cli`), built from the same table, which explains it; typer is imported for that
+alone (with pydantic, ~80 ms: most of what ``vmpin update`` or a read command would cost).
 
-``vmpin update`` and the read commands (``containers``, ``sandboxes``, ``show``, ``audit``)
-take the same kind of fast route (issue 14): typer 0.29 imports pydantic and builds a
-TypeAdapter per option on every run (~80 ms together, against ~8 ms for a bare interpreter),
-which is most of what ``update`` costs.  ``serve`` takes it too: typer and pydantic would stay
-in the agent's memory for its whole life (~7 MB of RSS) for parsing five options once.  Their
-argv is parsed with the option table the typer app itself is declared from
-(:mod:`vmpin.service.clispec`), and they run the very bodies the typer commands run
-(:mod:`vmpin.service.commands`); anything not plainly one of them (--help, a typo, a missing
-argument) goes to typer, which explains.  Everything else goes to
-:mod:`vmpin.cli`.
+What is here besides is kept for docs/benchmarks.md's figures, and each part says so:
+
+- The hooks -- ``vmpin [HOST ROOTS] hook STAGE`` at every container start, ``guest hook``
+  and ``guest follow`` in a small guest image -- are picked out before anything else is
+  imported, and import their own modules only: never the table, typer, pydantic, psutil or
+  kubernetes.  The global options (:mod:`vmpin.wire.argv`) are read only when argv starts
+  with one (the runtimes run ``vmpin hook STAGE``); the guest's commands parse their own
+  options, and the hook with a global option that is no host root runs as a command
+  (:func:`vmpin.service.commands.hook`).
+- A command runs with the cyclic collector off: it is one short process that frees what it
+  drops by reference counting, and collections finding nothing were 1-3 ms of a read command
+  at 500 sandboxes (imports, the store's rows, the view).  ``serve`` lives on, and keeps it.
+- :func:`console` leaves with ``os._exit`` once the output is out and no thread runs: the
+  interpreter's teardown is several ms of every hook (and SQLite's checkpoint on close, which
+  the hook leaves undone on purpose: vmpin.service.hook.run), ~3-4 ms of a read command at
+  500 sandboxes (issue 14), for nothing.
 """
 
 from __future__ import annotations
@@ -22,62 +29,19 @@ from __future__ import annotations
 import os
 import sys
 
-#: global options that take a value, as in DESIGN.md (plus vmpin's own path extras).
-#: The hook's and the guest's own copy of the host-root entries of vmpin.service.clispec.GLOBALS
-#: (the guest path may load nothing the guest program does not ship, tests/guest/test_guest.py);
-#: tests/service/test_cli.py checks the two agree.
-GLOBAL_OPTIONS = {
-    "--state-dir": "state_dir",
-    "--vm-dir": "vm_dir",
-    "--proc-root": "proc",
-    "--sysfs-root": "sys",
-    "--cgroup-root": "cgroup",
-    "--runc-root": "runc_root",
-    "--kubelet-state": "kubelet_state",
-    "--publish-dir": "publish_dir",
-    "--kata-config": "kata_config",
-    "--kubelet-config": "kubelet_config",
-}
-
-
-def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
-    """Take leading global options off ``argv``; None when something else leads."""
-    opts: dict[str, str] = {}
-    i = 0
-    while i < len(argv) and argv[i].startswith("--"):
-        name, eq, value = argv[i].partition("=")
-        if name not in GLOBAL_OPTIONS:
-            return None
-        if not eq:
-            if i + 1 >= len(argv):
-                return None
-            value = argv[i + 1]
-            i += 1
-        opts[GLOBAL_OPTIONS[name]] = value
-        i += 1
-    return opts, argv[i:]
-
 
 def console() -> None:
-    """The console script: :func:`main`, then a fast exit for the hooks.
-
-    A hook has flushed what it had to say and committed what it had to write; skipping the
-    interpreter's teardown (and SQLite's checkpoint on close, see vmpin.service.hook.run) is several
-    milliseconds off every container start.
-
-    A command of the fast route (update, the read commands) has closed its store too, and
-    started no thread: its teardown (~3-4 ms at 500 sandboxes, a third of a bare interpreter:
-    issue 14) is skipped the same way once its output is out.  Where stdout cannot take it (a
-    reader that went away), the interpreter's own teardown reports that, as it always did.
-    """
+    """The console script: :func:`main`, then the fast exit (see the module docstring).
+    Where stdout cannot take the output (a reader that went away), the interpreter's own
+    teardown reports that, as it always did."""
     global _console
     _console = True
     code = main()
-    if _hook_ran:
+    if _ran == "hook":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    if _fast_ran and _single_threaded():
+    if _ran and _single_threaded():
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -88,7 +52,7 @@ def console() -> None:
 
 
 def _single_threaded() -> bool:
-    """No thread but this one (the threading module is not even loaded on the fast route)."""
+    """No thread but this one (the threading module is not even loaded by most commands)."""
     threading = sys.modules.get("threading")
     return threading is None or threading.active_count() == 1
 
@@ -102,13 +66,13 @@ HOOK_FILE_USAGE = (
 
 def hook_file() -> None:
     """The installed hook file's entry point (:mod:`vmpin.service.hookfile`, ``vmpin
-    install``): ``[GLOBAL OPTIONS] hook [--strict] STAGE`` and nothing else, since the file
+    install``): ``[HOST ROOTS] hook [--strict] STAGE`` and nothing else, since the file
     carries only the hook's modules.  Fail-open like the hook itself: anything else is one
     line on stderr and exit 0 (1 with ``--strict``).  Leaves with a fast exit, as
     :func:`console` does after a hook (never returns)."""
     args = sys.argv[1:]
-    split = split_globals(args)
-    if split is None or split[1][:1] != ["hook"] or "--help" in split[1]:
+    split = _leading(args)
+    if split is None or split[1][:1] != ["hook"] or "--help" in split[1] or not split[2]:
         print(HOOK_FILE_USAGE, file=sys.stderr)
         code = 1 if "--strict" in args else 0
     else:
@@ -118,20 +82,36 @@ def hook_file() -> None:
     os._exit(code)
 
 
-_hook_ran = False
-_fast_ran = False
+#: what main() ran: "" nothing yet, "hook" a hook, "command" a command
+_ran = ""
 #: main() runs as the process's command (console), not called by a test or a bench
 _console = False
 
 
+def _leading(args: list[str]) -> tuple[dict[str, str], list[str], bool] | None:
+    """The leading global options of ``args`` by key, the rest, and whether those options
+    are all host roots (what a hook run this way takes); None when another option leads.
+    The table is read only when an option leads."""
+    if args[:1] == [] or args[0][:1] != "-":
+        return {}, args, True
+    from vmpin.wire.argv import GLOBALS, HOST_ROOTS, split_globals
+
+    split = split_globals(args, dict.fromkeys(GLOBALS, True))
+    if split is None:
+        return None
+    given, rest = split
+    roots = all(flag in HOST_ROOTS for flag in given)
+    return {GLOBALS[flag][0]: str(value) for flag, value in given.items()}, rest, roots
+
+
 def main(argv: list[str] | None = None) -> int:
-    global _hook_ran, _fast_ran
+    """Run ``argv`` (default: the process's); its exit code."""
+    global _ran
     args = sys.argv[1:] if argv is None else argv
-    split = split_globals(args)
-    if split is not None:
-        opts, rest = split
-        if rest[:1] == ["hook"] and "--help" not in rest:
-            # the hook's modules from one file (vmpin.service.codecache), only as the command
+    split = _leading(args)
+    if split is not None and "--help" not in split[1]:
+        opts, rest, roots = split
+        if rest[:1] == ["hook"] and roots:
             cache = None
             if _console:
                 import gc
@@ -140,55 +120,49 @@ def main(argv: list[str] | None = None) -> int:
                 # hook would close its store, whose checkpoint the hook leaves undone on
                 # purpose (vmpin.service.hook.reconcile_here)
                 gc.disable()
-                from vmpin.service.codecache import install, save
+                # the hook's modules from one file (vmpin.lean.codecache), only as the
+                # process's command
+                from vmpin.lean.codecache import install, save
 
                 cache = install()
             from vmpin.service.hook import main as hook_main
 
-            _hook_ran = True
-
+            _ran = "hook"
             code: int = hook_main(opts, rest[1:])
             if cache is not None:
                 save(cache)  # (after a miss only; never raises: not a container start's end)
             return code
-        if rest[:2] == ["guest", "hook"] and "--help" not in rest:
+        # the guest's own commands parse their own options, and take nothing of the host's
+        if rest[:2] == ["guest", "hook"]:
             from vmpin.guest.hook import main as guest_main
 
-            _hook_ran = True
-
+            _ran = "hook"
             guest_code: int = guest_main(rest[2:])
             return guest_code
-        if rest[:2] == ["guest", "follow"] and "--help" not in rest:
-            # The in-guest follower: as lean as the guest hook (a small guest image).
+        if rest[:2] == ["guest", "follow"]:
             from vmpin.guest.follower import follow_main
 
-            _hook_ran = True
-
+            _ran = "hook"
             follow_code: int = follow_main(rest[2:])
             return follow_code
     import gc
 
-    # A fast-route command is one short process that frees what it drops by reference
-    # counting: the cyclic collector (1-3 ms of collections finding nothing in a read command
-    # at 500 sandboxes: imports, the store's rows, the view) stays off for its life, as in
-    # the hooks.  Anything else (typer, serve) gets it back.
-    paused = _console and gc.isenabled()
-    if paused:
+    collecting = _console and gc.isenabled()
+    if collecting:
         gc.disable()
-    from vmpin.service import clispec
+    from vmpin.service.clispec import parse
 
-    parsed = clispec.parse(args)
-    if parsed is not None:
-        # update and the read commands: the typer app's own bodies, without typer or pydantic
-        from vmpin.service.commands import fast
-
-        _fast_ran = True
-        return fast(args, *parsed)
-    if paused:
+    parsed = parse(args)
+    if collecting and (parsed is None or parsed[1] == "serve"):
         gc.enable()
-    from vmpin.cli import run
+    if parsed is None:
+        from vmpin.cli import explain
 
-    return run(args)
+        return explain(args)
+    from vmpin.service.commands import run
+
+    _ran = "command"
+    return run(*parsed)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""vmpin.core._lean.NamedTuple builds what typing.NamedTuple builds (a collections.namedtuple)."""
+"""vmpin.lean.records.NamedTuple builds what typing.NamedTuple builds (a collections.namedtuple)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import NamedTuple as TypingNamedTuple
 
 import pytest
 
-from vmpin.core._lean import NamedTuple
+from vmpin.lean.records import NamedTuple
 
 
 class Lean(NamedTuple):
@@ -68,7 +68,7 @@ def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
     """Records of one shape share __init__'s code, renamed: each still sets its own fields."""
     import dataclasses
 
-    from vmpin.core._lean import FrozenInstanceError, dataclass, field, replace
+    from vmpin.lean.records import FrozenInstanceError, dataclass, field, replace
 
     @dataclass(frozen=True)
     class F:
@@ -113,11 +113,12 @@ def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
 
 
 def test_shapes_module_is_generated_and_current() -> None:
-    """vmpin/core/_shapes.py is what _lean writes (``python -m vmpin.core._lean``), and each
+    """vmpin/lean/shapes.py is what _lean writes (``python -m vmpin.lean.records``), and each
     template in it is the code _lean would compile for that shape."""
     from pathlib import Path
 
-    from vmpin.core import _lean, _shapes
+    from vmpin.lean import records as _lean
+    from vmpin.lean import shapes as _shapes
 
     assert Path(_shapes.__file__).read_text() == _lean.shapes_source()
     assert list(_shapes.CODE) == list(_lean.SHAPES)
@@ -138,14 +139,14 @@ def test_records_compile_nothing_for_known_shapes_and_the_rest_on_first_use() ->
 
     probe = """
 import builtins
-from vmpin.core import _lean
+from vmpin.lean import records as _lean
 compiles = []
 real_exec = builtins.exec
 def counting_exec(src, *a):
     compiles.append(src)
     return real_exec(src, *a)
 _lean.exec = counting_exec
-from vmpin.core._lean import NamedTuple, dataclass, field
+from vmpin.lean.records import NamedTuple, dataclass, field
 class P(NamedTuple):
     a: int
     b: str = "x"
@@ -173,12 +174,13 @@ print(defined, len(compiles), stand_ins)
 def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
     """A new record whose shape _shapes lacks would compile its method in every process that
     makes one (~0.1-0.3 ms): add its shape to _lean.SHAPES and run
-    ``python -m vmpin.core._lean``."""
+    ``python -m vmpin.lean.records``."""
     import importlib
     import pkgutil
 
     import vmpin
-    from vmpin.core import _lean, _shapes
+    from vmpin.lean import records as _lean
+    from vmpin.lean import shapes as _shapes
 
     missing = []
     for info in pkgutil.walk_packages(vmpin.__path__, "vmpin."):

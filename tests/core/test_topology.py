@@ -367,12 +367,12 @@ def test_this_machine() -> None:
 
 
 def _cli_has_topology() -> bool:
-    cli = ROOT / "vmpin" / "cli.py"
-    return cli.exists() and "topology" in cli.read_text()
+    table = ROOT / "vmpin" / "service" / "clispec.py"
+    return table.exists() and '"topology"' in table.read_text()
 
 
 cli_topology = pytest.mark.skipif(
-    not _cli_has_topology(), reason="vmpin/cli.py has no `topology` command yet"
+    not _cli_has_topology(), reason="the command line has no `topology` command yet"
 )
 
 

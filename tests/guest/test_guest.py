@@ -274,7 +274,7 @@ def assert_loads_what_the_zipapp_ships(mods: set[str], not_loaded: set[str]) -> 
     }
     assert not_loaded <= shipped
     # (_shapes: precompiled record templates, used where present; the zipapp compiles them)
-    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.core._shapes"} == (
+    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.lean.shapes"} == (
         shipped - not_loaded - {"vmpin.guest.program"}
     ) | {"vmpin.entry"}
     assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",
@@ -637,7 +637,8 @@ def test_end_to_end(
 ) -> None:
     from tests.support.qemu_util import start_qemu
     from vmpin.core.cpuset import CpuSet
-    from vmpin.state.store import ContainerRec, SandboxRec, Store
+    from vmpin.state.records import ContainerRec, SandboxRec
+    from vmpin.state.store import Store
 
     sid = new_id("vmpin-sb")
     cids = {new_id("vmpin-c0"): "0", new_id("vmpin-c1"): "1"}

@@ -25,7 +25,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux.sysfs import read_topology
 from vmpin.reconcile.allocations import NODE_ROW, decide, plan_options
 from vmpin.state.allocations import Allocation
-from vmpin.state.store import ContainerRec, PolicyRecord
+from vmpin.state.records import ContainerRec, PolicyRecord
 
 SYSFS = FIXTURES / "sysfs"
 XEON = read_topology(str(SYSFS / "xeon-gold-6258r-2s"))

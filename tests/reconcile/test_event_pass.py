@@ -30,7 +30,8 @@ from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile import plan as plan_module
 from vmpin.reconcile.reconciler import Reconciler
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 def _sandbox(store: Store, vmms: Callable[[str], fakevmm.FakeVmm], cpus: str) -> tuple[str, int]:

@@ -32,7 +32,8 @@ from vmpin.reconcile.observe import (
 )
 from vmpin.reconcile.plan import plan_node
 from vmpin.runtimes.kubelet import Checkpoint, _dump_v1, fnv32a
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 XEON = "xeon-gold-6258r-2s"  # 2 sockets x 28 cores x 2 threads: siblings n / n+56
 

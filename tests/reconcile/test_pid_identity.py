@@ -33,7 +33,8 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 cg_dir, state_dir, runc_root, ident, with_start = sys.argv[1:6]
 mine, stranger = os.path.join(cg_dir, ident + "-c"), os.path.join(cg_dir, ident + "-s")

@@ -21,7 +21,7 @@ from vmpin.reconcile.audit import audit
 from vmpin.reconcile.observe import ContainerObs, Observation, SandboxObs, ThreadObs, VmmObs
 from vmpin.reconcile.plan import NodePlan, plan_node
 from vmpin.runtimes.kubelet import Checkpoint
-from vmpin.state.store import ContainerRec, SandboxRec
+from vmpin.state.records import ContainerRec, SandboxRec
 
 
 def cs(text: str) -> CpuSet:

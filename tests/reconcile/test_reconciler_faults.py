@@ -19,7 +19,8 @@ from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 #: real QEMUs under KVM (vCPU threads named "CPU N/KVM"), pinned to host CPU 1.
 pytestmark = [pytest.mark.qemu, pytest.mark.kvm, pytest.mark.multi_cpu]

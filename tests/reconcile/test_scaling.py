@@ -37,7 +37,8 @@ from vmpin.reconcile.observe import ContainerObs, Observation, SandboxObs, Threa
 from vmpin.reconcile.plan import plan_node
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.runtimes.kubelet import Checkpoint
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 # -- plan + audit: calls made, N vs 2N ----------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 from tests.support import runc_util
 from tests.support.runc_util import HOST_STAGES, RuncSession, new_id
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import STAGES
+from vmpin.wire.hookevent import STAGES
 
 HOOKS = Path(__file__).resolve().parents[2] / "hooks"
 GUEST = HOOKS / "kata-guest" / "usr" / "share" / "oci" / "hooks"

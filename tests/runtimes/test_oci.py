@@ -11,7 +11,6 @@ import pytest
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import IdError, SpecError, VmpinError
 from vmpin.runtimes.oci import (
-    STAGES,
     Identity,
     Resources,
     State,
@@ -21,6 +20,7 @@ from vmpin.runtimes.oci import (
     parse_state,
     read_config,
 )
+from vmpin.wire.hookevent import STAGES
 
 # -- state ------------------------------------------------------------------------------------
 

@@ -283,7 +283,7 @@ def test_location_configurable(tmp_path: Path) -> None:
 
 
 def test_location_from_environment(tmp_path: Path) -> None:
-    p = HostPaths.from_env(env={"VMPIN_PUBLISH_DIR": str(tmp_path / "x" / "{sandbox}")})
+    p = HostPaths.from_env(None, env={"VMPIN_PUBLISH_DIR": str(tmp_path / "x" / "{sandbox}")})
     assert publish.map_path(p, SID) == str(tmp_path / "x" / SID / "guest-map.json")
 
 

@@ -42,7 +42,7 @@ from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.qmp import QmpClient, QmpTimeout, query_vmm
 from vmpin.runtimes.threads import Classification, VmmThread, classify, find_vhost_kthreads
 from vmpin.runtimes.vmm import Vmm, find_vmm
-from vmpin.state.store import ThreadRec
+from vmpin.state.records import ThreadRec
 
 #: the BIOS of a diskless QEMU spins a vCPU for a few seconds (~5 s seen here) before idling
 FALLBACK_WAIT = 30.0

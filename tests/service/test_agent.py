@@ -40,7 +40,8 @@ from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.service import control
 from vmpin.service.agent import Agent, DirtyQueue
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 sys.path.insert(0, str(ROOT / "bench"))
 from tests.support import fakevmm

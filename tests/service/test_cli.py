@@ -18,7 +18,8 @@ from tests.support.session import new_id
 from vmpin import __version__
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 def vmpin(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -119,11 +120,9 @@ def test_global_options_win_over_env(env: dict[str, str], tmp_path: Path) -> Non
     assert (other / "state.db").exists()
 
 
-# -- the fast route (vmpin.entry -> vmpin.service.commands) and the typer route agree ------------
-#: the typer route, forced: what vmpin.entry falls back to for anything not plainly fast
-TYPER = "import sys; from vmpin.cli import run; sys.exit(run(sys.argv[1:]))"
-#: the console script's route, reporting what it loaded into the file named by $PROBE_OUT
-FAST = """
+# -- one route: the table's parser runs every command; typer explains what it refuses ------------
+#: what the console script loaded, reported into the file named by $PROBE_OUT
+PROBE = """
 import json, os, sys
 from vmpin.entry import main
 code = main(sys.argv[1:])
@@ -134,21 +133,6 @@ with open(os.environ["PROBE_OUT"], "w") as f:
               f)
 sys.exit(code)
 """
-
-
-def both(env: dict[str, str], tmp_path: Path, args: list[str], stdin: str = "") -> list[str]:
-    """Run ``args`` on both routes; assert the same stdout, stderr and exit code; return what
-    the fast route's process loaded of typer/pydantic (empty when it took the fast route)."""
-    probe = tmp_path / "probe.json"
-    fast = subprocess.run([sys.executable, "-c", FAST, *args], env={**env, "PROBE_OUT": str(probe)},
-                          input=stdin, capture_output=True, text=True, timeout=120)
-    slow = subprocess.run([sys.executable, "-c", TYPER, *args], env=env, input=stdin,
-                          capture_output=True, text=True, timeout=120)
-    assert (fast.returncode, fast.stdout, fast.stderr) == (
-        slow.returncode, slow.stdout, slow.stderr), args
-    assert "Traceback" not in fast.stderr
-    loaded: list[str] = json.loads(probe.read_text())
-    return loaded
 
 
 @pytest.fixture
@@ -167,108 +151,109 @@ def node(env: dict[str, str], paths: HostPaths, vm_dir: Path) -> Iterator[str]:
         vmm.kill()
 
 
-FAST_CASES = [
-    ["containers"], ["containers", "--json"], ["sandboxes"], ["sandboxes", "--json"],
-    ["show", "{sid}"], ["show", "{sid}", "--json"], ["audit"], ["audit", "--json"],
-    ["--vm-dir={vm}", "--helper-policy", "isolate", "--housekeeping", "0", "show", "{sid}"],
-    ["update", "{sid}-app", "--cpuset-cpus", "0"], ["update", "--json", "{sid}-app", "-r", "-"],
-    ["update", "{sid}-app", "--cpuset-cpus=0", "--json"],
-    ["reconcile", "--once"], ["reconcile", "--json", "--once"], ["reconcile"],
-    # bad input, answered by the commands' bodies on both routes
-    ["show", "nosuch"], ["update", "nosuch", "--cpuset-cpus", "0"],
-    ["update", "{sid}-app", "--cpuset-cpus", "3-1"], ["update", "{sid}-app", "--cpuset-cpus", "7"],
-    ["update", "{sid}-app"], ["update", "{sid}-app", "--cpuset-cpus", "0", "-r", "-"],
-    ["update", "{sid}-app", "--cpuset-cpus", ""], ["--libvirt", "bogus:", "containers"],
-    ["--helper-policy", "bogus", "containers"], ["update", "{sid}-app", "-r", "/nonexistent"],
-    # serve: refused before the agent starts (it would run until stopped), on both routes
-    ["serve", "--interval", "0"], ["serve", "--interval=nan", "--metrics-port", "0"],
-    ["serve", "--workers", "0"], ["serve", "--workers=65", "--interval", "1e9"],
-    ["serve", "--metrics-port", "70000"], ["serve", "--interval", " 5 ", "--workers", "1_000"],
-    ["--vm-dir={vm}", "serve", "--metrics-port", "0", "--node-name", "n", "--kubeconfig",
-     "/nonexistent", "--interval=-1"],
+#: argv click reads as commands (and the table's parser must read alike), and argv both refuse
+ACCEPTED = [
+    ["containers"], ["containers", "--json"], ["show", "s1", "--json"], ["show", "--json", "s1"],
+    ["--vm-dir=/v", "--helper-policy", "isolate", "--housekeeping", "0", "show", "s1"],
+    ["--state-dir", "a", "--state-dir", "b", "audit", "--json", "--json"],
+    ["update", "c1", "--cpuset-cpus", "0"], ["update", "--json", "c1", "-r", "-"],
+    ["update", "c1", "--cpuset-cpus=0", "--json"], ["update", "c1", "--cpuset-cpus", "--json"],
+    ["update", "c1", "-rFILE"], ["update", "c1", "-r", "a", "-r", "b"], ["update", "c1"],
+    ["update", "--", "-c1"], ["show", "-"], ["reconcile"], ["reconcile", "--once", "--json"],
+    ["serve", "--interval", " 5 ", "--workers", "1_000"], ["serve", "--metrics-port", "-1"],
+    ["serve", "--interval=1e9", "--node-name", "n", "--kubeconfig", "/k"],
+    ["hook", "--strict", "prestart"], ["--helper-policy", "x", "hook", "prestart", "--strict"],
+    ["schema"], ["schema", "show"], ["install", "--root", "/r", "--env", "A=1", "--env", "B=2"],
+    ["uninstall", "--root=/r", "--prefix", "/p"], ["explain", "0"], ["guest-map", "c1"],
+    ["topology"], ["demo"], ["doctor", "--dry-run"], ["status", "--json"], ["cluster"],
 ]
-#: argv the fast route leaves to typer (usage errors, --help): the same by construction
-TYPER_CASES = [
-    ["update", "--bogus"], ["show"], ["show", "a", "b"], ["containers", "-h"], ["update", "--help"],
-    ["audit", "--json", "--json"], ["containers", "--json=1"], ["--state-dir", "containers"],
-    ["update", "{sid}-app", "--cpuset-cpus"], ["containers", "--", "x"],
-    ["serve", "--help"], ["serve", "--interval", "x"], ["serve", "--workers", "1.5"],
-    ["serve", "--metrics-port", "-1"], ["serve", "--interval"], ["serve", "extra"],
-    ["reconcile", "--once=1"], ["reconcile", "--help"],
+REFUSED = [
+    [], ["--help"], ["-h"], ["nosuch"], ["--bogus"], ["--state-dir"], ["containers", "-h"],
+    ["update", "--help"], ["update", "--bogus"], ["show"], ["show", "a", "b"],
+    ["containers", "--json=1"], ["--state-dir", "containers"], ["containers", "--", "x"],
+    ["update", "c1", "--cpuset-cpus"], ["serve", "--interval", "x"], ["serve", "--workers", "1.5"],
+    ["serve", "--interval"], ["serve", "extra"], ["reconcile", "--once=1"], ["install"],
+    ["containers", "--json", "--state-dir", "x"], ["guest"], ["guest", "nosuch"],
+    ["guest", "hook", "--help"], ["--helper-policy", "x", "hook", "--bogus", "prestart"],
+    ["schema", "a", "b"], ["hook", "--help"], ["containers", "-x"],
 ]
 
 
-def test_fast_and_typer_routes_agree(env: dict[str, str], tmp_path: Path, node: str,
-                                     vm_dir: Path) -> None:
-    stdin = json.dumps({"cpu": {"cpus": "0"}})
-    for case in FAST_CASES + TYPER_CASES:
-        args = [a.format(sid=node, vm=vm_dir) for a in case]
-        typer_loaded = [m for m in both(env, tmp_path, args, stdin) if m in ("typer", "vmpin.cli")]
-        assert typer_loaded == ([] if case in FAST_CASES else ["typer", "vmpin.cli"]), (
-            args, typer_loaded)
+def test_the_table_parser_reads_argv_as_click_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both readers of the one table agree: what click accepts, clispec.parse reads to the
+    same global options, command and values (so typer never runs a command); what it refuses,
+    clispec.parse leaves to typer.  In-process: click is asked through the typer app with its
+    commands' run replaced by a recorder."""
+    from vmpin import cli
+    from vmpin.service import clispec
+
+    monkeypatch.setenv("VMPIN_KUBECONFIG", "/from-env")
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    monkeypatch.delenv("VMPIN_METRICS_ADDRESS", raising=False)
+    ran: list[tuple[dict[str, str], str, dict[str, object]]] = []
+    monkeypatch.setattr(cli, "run", lambda given, name, values: ran.append(
+        (given, name, values)) or 0)
+    for args in ACCEPTED + REFUSED:
+        ran.clear()
+        code = cli.explain(list(args))
+        parsed = clispec.parse(list(args))
+        if args in ACCEPTED:
+            assert (code, ran) == (0, [parsed]), args
+        else:
+            assert (ran, parsed) == ([], None), args
+            assert code in (0, 2), args
 
 
-def test_fast_route_reports_a_broken_store_as_typer_does(env: dict[str, str],
-                                                         tmp_path: Path) -> None:
-    init(env)
-    (Path(env["VMPIN_STATE_DIR"]) / "state.db").write_bytes(b"not a database" * 512)
-    for args in (["containers"], ["audit", "--json"], ["update", "x", "--cpuset-cpus", "0"]):
-        assert both(env, tmp_path, args) == []
+def test_commands_and_bodies_are_one_table() -> None:
+    """Every command of the table has one body, taking exactly its arguments and options."""
+    import inspect
 
-
-def test_typer_app_declares_the_option_table() -> None:
-    """One home: the typer app's options are clispec's, flag for flag, help for help."""
-    import typer.main
-    from typer.core import TyperArgument, TyperGroup, TyperOption
-
-    from vmpin.cli import app
     from vmpin.service import clispec, commands
 
-    group = typer.main.get_command(app)
-    assert isinstance(group, TyperGroup)
-
-    def declared(cmd: object) -> dict[str, tuple[tuple[str, ...], bool, str | None]]:
-        return {p.opts[0]: (tuple(p.opts), not p.is_flag, p.help)
-                for p in getattr(cmd, "params", []) if isinstance(p, TyperOption)
-                and p.name not in ("help", "version")}
-
-    def table(opts: tuple[clispec.Opt, ...]) -> dict[str, tuple[tuple[str, ...], bool, str]]:
-        return {o.flags[0]: (tuple(sorted(o.flags, key=lambda f: f.startswith("--"))), o.value,
-                             o.help) for o in opts}
-
-    def norm(d: dict[str, tuple[tuple[str, ...], bool, str | None]]) -> object:
-        return {k: (tuple(sorted(v[0])), v[1], v[2]) for k, v in d.items()}
-
-    assert norm(declared(group)) == norm(table(clispec.GLOBALS))
-    # the hooks' own parse (vmpin.entry, kept free of vmpin.service for the guest) agrees
-    from vmpin.entry import GLOBAL_OPTIONS
-
-    assert {o.flags[0]: o.key for o in clispec.GLOBALS if o.path} == GLOBAL_OPTIONS
-    assert set(clispec.FAST) == set(commands.BODIES)
-    for name, spec in clispec.FAST.items():
-        cmd = group.commands[name]
-        assert norm(declared(cmd)) == norm(table(spec.options)), name
-        args = [p for p in cmd.params if isinstance(p, TyperArgument)]
-        assert [(p.metavar, p.name) for p in args] == [(a.metavar, a.key) for a in spec.args]
-        # defaults and environment variables: the fast route applies clispec's
-        options = {p.name: p for p in cmd.params if isinstance(p, TyperOption)}
-        for o in spec.options:
-            if o.value:
-                assert (options[o.key].default, options[o.key].envvar) == (o.default, o.envvar)
+    own = [name for name, spec in clispec.COMMANDS.items() if spec.own]
+    assert own == ["guest hook", "guest follow"]  # (vmpin.entry runs vmpin.guest's)
+    assert [n for n in clispec.COMMANDS if n not in own] == list(commands.BODIES)
+    for name, spec in clispec.COMMANDS.items():
+        if spec.own:
+            continue
+        params = list(inspect.signature(commands.BODIES[name]).parameters)
+        assert sorted(params[1:]) == sorted(p.key for p in (*spec.args, *spec.options)), name
 
 
-def test_fast_route_needs_no_pydantic(env: dict[str, str], tmp_path: Path, node: str) -> None:
-    """Off the tests' VMPIN_CHECK_VIEWS, a --json read loads neither pydantic nor typer; and
-    with libvirt left at its default (qemu:///system when its daemon runs), not libvirt
-    either on a node where no daemon runs."""
+def test_commands_need_no_typer(env: dict[str, str], tmp_path: Path, node: str) -> None:
+    """Every command runs without typer (nor, off the tests' VMPIN_CHECK_VIEWS, pydantic);
+    and with libvirt left at its default (qemu:///system when its daemon runs), a read
+    command loads libvirt only where that daemon runs."""
     from vmpin.runtimes.libvirtd import SYSTEM_SOCKETS
 
     quiet = {k: v for k, v in env.items() if k not in ("VMPIN_CHECK_VIEWS", "VMPIN_LIBVIRT")}
     daemon = any(os.path.exists(s) for s in SYSTEM_SOCKETS)
     probe = tmp_path / "probe.json"
-    out = subprocess.run([sys.executable, "-c", FAST, "sandboxes", "--json"],
+    for args, want in ((["sandboxes", "--json"], ["libvirt"] if daemon else []),
+                       (["--libvirt", "none", "topology"], []),
+                       (["--libvirt", "none", "show", node], [])):  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", PROBE, *args],
+                             env={**quiet, "PROBE_OUT": str(probe)}, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert json.loads(probe.read_text()) == want, args
+    out = subprocess.run([sys.executable, "-c", PROBE, "sandboxes", "--json"],
                          env={**quiet, "PROBE_OUT": str(probe)}, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
+                         timeout=60)  # fmt: skip
     assert [s["id"] for s in json.loads(out.stdout)] == [node]
-    assert json.loads(probe.read_text()) == (["libvirt"] if daemon else [])
+    for args in (["--help"], ["show"]):  # typer explains: help, or usage and exit 2
+        out = subprocess.run([sys.executable, "-c", PROBE, *args],
+                             env={**quiet, "PROBE_OUT": str(probe)}, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert out.returncode == (0 if args == ["--help"] else 2)
+        assert "typer" in json.loads(probe.read_text())
+
+
+def test_a_broken_store_is_one_line(env: dict[str, str]) -> None:
+    init(env)
+    (Path(env["VMPIN_STATE_DIR"]) / "state.db").write_bytes(b"not a database" * 512)
+    for args in (["containers"], ["audit", "--json"], ["update", "x", "--cpuset-cpus", "0"]):
+        out = vmpin(env, *args)
+        assert out.returncode == 2, args
+        assert out.stderr.startswith("vmpin: error: ") and out.stderr.count("\n") == 1, args
+        assert "state.db" in out.stderr, args

@@ -1,4 +1,4 @@
-"""The hook's code cache (vmpin.service.codecache): served when it checks out, never stale.
+"""The hook's code cache (vmpin.lean.codecache): served when it checks out, never stale.
 
 Each test runs the real launcher's hook (a plain container's prestart, no agent: it journals)
 in a fresh interpreter on a private copy of the package, so the cache it writes and the
@@ -115,8 +115,8 @@ def test_cache_is_written_once_then_serves_the_hook(
     loaders = second["loaders"]
     assert isinstance(loaders, dict)
     # every vmpin module after the launcher's own two (imported before the cache is put in)
-    assert served(second) == set(loaders) - {"vmpin.entry", "vmpin.service.codecache",
-                                             "vmpin.service"}, loaders  # fmt: skip
+    assert served(second) == set(loaders) - {"vmpin.entry", "vmpin.lean.codecache",
+                                             "vmpin.lean"}, loaders  # fmt: skip
     assert "vmpin.state.journal" in served(second)
     # served around importlib's machinery (the module docstring), each module as importlib
     # would have left it; the first hook, with nothing to serve, left importlib alone
@@ -184,7 +184,7 @@ SERVE = """
 import json, marshal, os, sys, threading
 sys.path.insert(0, sys.argv[1])
 import vmpin
-from vmpin.service import codecache as cc
+from vmpin.lean import codecache as cc
 root = vmpin.__path__[0]
 texts = {
     "vmpin.zz_ok": "import vmpin.zz_dep\\nY = vmpin.zz_dep.Z\\n",

@@ -41,7 +41,7 @@ LAUNCHER = ROOT / "bin" / "vmpin"
 CRI = "io.kubernetes.cri."
 
 #: never on any hook path (json and dataclasses pull in re and inspect: vmpin.wire.jsonio and
-#: vmpin.core._lean stand in for them; the agent's socket and QMP's use _socket)
+#: vmpin.lean.records stand in for them; the agent's socket and QMP's use _socket)
 FORBIDDEN = ("typer", "click", "pydantic", "psutil", "kubernetes", "libvirt",
              "prometheus_client", "vmpin.cli", "vmpin.service.agent",
              "vmpin.service.agent_accounting", "vmpin.service.agent_passes",

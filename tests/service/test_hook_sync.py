@@ -107,7 +107,8 @@ def test_hook_pinning_in_process_keeps_the_wal_short(
 ) -> None:
     """The hook's own pass (no agent) checkpoints a short WAL: it leaves unclosed, and the
     next start without an agent reads the whole WAL again (Store.keep_wal_short)."""
-    from vmpin.state.store import SHORT_WAL, Store
+    from vmpin.state.ingest import SHORT_WAL
+    from vmpin.state.store import Store
 
     cid, data, _, _ = _prestart(paths, tmp_path, mocker)
     spy = mocker.spy(Store, "keep_wal_short")

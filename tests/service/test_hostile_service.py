@@ -26,7 +26,9 @@ from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes import publish
 from vmpin.runtimes.kubelet import read_checkpoint
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.reader import Reader
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 def cli(
@@ -247,9 +249,9 @@ def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path
     (unhealthy), and is healthy again once the store can be written.  (A read-only remount
     is refused while the agent holds the database open for writing: full is the fault a
     running agent meets.)"""
-    from vmpin.runtimes.oci import parse_state
+    from vmpin.runtimes.oci import hook_event, parse_state
     from vmpin.service import control
-    from vmpin.state.journal import append, build
+    from vmpin.state.journal import append
 
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a tmpfs")
@@ -268,7 +270,7 @@ def test_agent_runs_on_when_the_state_dir_fills_up(env: dict[str, str], tmp_path
         bundle.mkdir()
         (bundle / "config.json").write_text('{"linux":{"resources":{"cpu":{"cpus":"0"}}}}')
         state = parse_state(json.dumps({"id": "full1", "pid": os.getpid(), "bundle": str(bundle)}))
-        append(paths.state_dir, build(paths, "createRuntime", state))
+        append(paths.state_dir, hook_event(paths, "createRuntime", state))
         fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
         try:  # fill the filesystem to the last byte
             for size in (65536, 4096, 1):
@@ -314,12 +316,12 @@ def test_sqlite_error_under_a_command_is_one_line(
     """A fault after the store opened (EIO on a read) still ends in one line, no traceback."""
     import sqlite3
 
-    from vmpin.cli import run
+    from vmpin.entry import main
 
     Store(paths.state_dir).close()
-    for method in ("containers", "sandboxes"):
-        mocker.patch.object(Store, method, side_effect=sqlite3.OperationalError("disk I/O error"))
-    assert run(["--state-dir", paths.state_dir, "containers"]) == 2
+    for method in ("containers", "sandboxes"):  # (the views' read-only store: a Reader)
+        mocker.patch.object(Reader, method, side_effect=sqlite3.OperationalError("disk I/O error"))
+    assert main(["--state-dir", paths.state_dir, "containers"]) == 2
     err = capsys.readouterr().err
     line = one_line(err)
     assert os.path.join(paths.state_dir, "state.db") in line and "disk I/O error" in line

@@ -305,17 +305,15 @@ def test_base_specs_from_the_nodes_ctr(root: Path) -> None:
 
 
 def test_cli_defaults_are_the_installers() -> None:
-    from vmpin.cli import install, uninstall
+    from vmpin.service.clispec import COMMANDS
 
-    def default(fn: Any, name: str) -> Any:
-        import inspect
+    def default(command: str, key: str) -> Any:
+        return next(o.default for o in COMMANDS[command].options if o.key == key)
 
-        return inspect.signature(fn).parameters[name].default
-
-    assert default(install, "prefix") == default(uninstall, "prefix") == inst.DEFAULT_PREFIX
-    assert default(install, "runtime") == ",".join(inst.RUNTIMES)
-    assert default(install, "hooks_dir") == inst.DEFAULT_HOOKS_DIR
-    assert default(install, "containerd_config") == inst.DEFAULT_CONTAINERD_CONFIG
+    assert default("install", "prefix") == default("uninstall", "prefix") == inst.DEFAULT_PREFIX
+    assert default("install", "runtime") == ",".join(inst.RUNTIMES)
+    assert default("install", "hooks_dir") == inst.DEFAULT_HOOKS_DIR
+    assert default("install", "containerd_config") == inst.DEFAULT_CONTAINERD_CONFIG
 
 
 def test_strip_undoes_every_kind_of_edit() -> None:

@@ -18,7 +18,7 @@ from vmpin.reconcile.reconciler import SandboxReport, ThreadReport
 from vmpin.runtimes import kubeapi
 from vmpin.service.kube import KubeLink
 from vmpin.service.settings import kube_configured as configured
-from vmpin.state.store import ContainerRec, SandboxRec
+from vmpin.state.records import ContainerRec, SandboxRec
 
 
 def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]

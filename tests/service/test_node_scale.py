@@ -34,7 +34,8 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.state import journal, summary
-from vmpin.state.store import ContainerRec, Store
+from vmpin.state.records import ContainerRec
+from vmpin.state.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "bin" / "vmpin"
@@ -324,10 +325,10 @@ def test_a_pass_plans_again_with_an_event_judged_by_the_summary_it_replaced(
     shared then) while a pass planned without its event and made CPU 1 the VM's own."""
     _cgroup(node, "late", bignode.VM_CPUS)
     b, ann = bignode.bundle(node.root, "late", bignode.pod_id(1), bignode.VM_CPUS)
-    from vmpin.runtimes.oci import parse_state
+    from vmpin.runtimes.oci import hook_event, parse_state
 
     state = parse_state(bignode.state("late", os.getpid(), b, ann), "state")
-    event = journal.build(node.paths, "createRuntime", state)
+    event = hook_event(node.paths, "createRuntime", state)
     with Store(node.paths.state_dir) as store:
         rec = Reconciler(node.paths, store)
         real = rec._reconcile
@@ -353,10 +354,10 @@ def test_a_hook_whose_summary_was_replaced_judges_by_the_new_one(
     from vmpin.service import hook
 
     b, ann = bignode.bundle(node.root, "judged", bignode.pod_id(1), bignode.POD_CPUS)
-    from vmpin.runtimes.oci import parse_state
+    from vmpin.runtimes.oci import hook_event, parse_state
 
     state = parse_state(bignode.state("judged", os.getpid(), b, ann), "state")
-    event = journal.build(node.paths, "createRuntime", state)
+    event = hook_event(node.paths, "createRuntime", state)
     # a pass replaced the summary between the judgement and the check: one that now makes
     # CPU 0 the VM's own -> the hook must re-plan
     s = node.summary()

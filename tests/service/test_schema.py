@@ -19,7 +19,8 @@ from tests.support import fakevmm
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 DESIGN_KEYS = {
     "containers": ["id", "sandbox", "name", "cpus", "runtime"],
@@ -75,7 +76,7 @@ def test_fast_route_json_matches_its_views(env: dict[str, str], paths: HostPaths
     """``update`` and the read commands, run as an operator runs them (no VMPIN_CHECK_VIEWS:
     the process validates nothing), print JSON that the views' models accept -- on a node
     with a live (fake) QEMU, before its first pass (audit finds drift) and after an update."""
-    from vmpin.reconcile.views import check
+    from vmpin.wire.viewschema import check
 
     quiet = {k: v for k, v in env.items() if k != "VMPIN_CHECK_VIEWS"}
     sid = new_id("view")
@@ -109,7 +110,7 @@ def test_check_rejects_a_view_that_lost_a_key() -> None:
     """The check the tests rely on can fail: a DESIGN.md key missing is an error."""
     from pydantic import ValidationError
 
-    from vmpin.reconcile.views import check
+    from vmpin.wire.viewschema import check
 
     check("update", {"id": "c", "sandbox": "s", "cpus": "0", "applied_by": "x"})
     with pytest.raises(ValidationError):

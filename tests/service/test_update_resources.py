@@ -15,7 +15,8 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import SpecError
 from vmpin.linux.paths import HostPaths
 from vmpin.service.update import parse_update
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 # Documents `runc update -r FILE` applies (Go's encoding/json; runc's fs2 manager writes
 # `unified` files verbatim after the cpu fields).  Each names CPUs: none is "nothing to do".

@@ -27,7 +27,8 @@ from vmpin.reconcile.apply import Applier
 from vmpin.reconcile.observe import FULL, Scope
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.service.commands import fresh_containers, sandbox_rows, show_json, view_scope
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 
 @pytest.fixture(params=[True, False], ids=["b-runs", "b-never-ran"])

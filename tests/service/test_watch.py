@@ -126,7 +126,7 @@ def test_containerd_namespace_created_later_is_watched(
     try:
         cid = new_id("vmpin-watch")
         with Store(paths.state_dir) as store:
-            from vmpin.state.store import ContainerRec, SandboxRec
+            from vmpin.state.records import ContainerRec, SandboxRec
 
             store.put_sandbox(SandboxRec(id=cid, runtime="runc"))
             store.put_container(ContainerRec(id=cid, sandbox_id=cid, is_sandbox=True))

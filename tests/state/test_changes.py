@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.reconcile.observation import FULL, missing_key, orig_key
+from vmpin.reconcile.observation import FULL, VmmKey
 from vmpin.reconcile.tables import Tables
 from vmpin.state import changes
 from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
@@ -35,12 +35,12 @@ def test_every_write_names_its_sandbox_or_key(tmp_path: Path) -> None:
         assert changes.since(store.db, seq).sandboxes == set()  # type: ignore[union-attr]
         other.set_container_cpus("b-app", CpuSet.parse("1"), "update")
         other.save_threads("a", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
-        other.set_meta(orig_key("a", 10, 20, 11), "0-1")
+        other.set_meta(VmmKey("a", 10, 20).orig(11), "0-1")
         other.note_seen("b-app", runtime_seen="1")
         delta = changes.since(store.db, seq)
         assert delta is not None
         assert delta.sandboxes == {"a", "b"}
-        assert delta.keys == {orig_key("a", 10, 20, 11)}
+        assert delta.keys == {VmmKey("a", 10, 20).orig(11)}
         # a container written again under another sandbox: both sandboxes moved
         seq = delta.top
         other.put_container(ContainerRec("b-app", "a", False, name="app"))
@@ -69,7 +69,7 @@ def test_tables_followed_are_the_tables_read_whole(tmp_path: Path) -> None:
             for i in range(40):
                 _sandbox(store, f"s{i:02d}", str(i % 2))
         store.save_threads("s00", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
-        store.set_meta(orig_key("s00", 10, 20, 11), "0-1")
+        store.set_meta(VmmKey("s00", 10, 20).orig(11), "0-1")
         followed = Tables(store, FULL)
         # another process: an update, a new sandbox, one forgotten, thread roles and
         # original affinities moved, a pod's policy recorded
@@ -77,9 +77,9 @@ def test_tables_followed_are_the_tables_read_whole(tmp_path: Path) -> None:
         _sandbox(other, "s99")
         other.delete_sandbox("s02")
         other.save_threads("s00", 10, 20, [ThreadRec(12, "vcpu", 0, "CPU 0/KVM", "names")])
-        other.delete_meta([orig_key("s00", 10, 20, 11)])
-        other.set_meta(orig_key("s00", 10, 20, 12), "1")
-        other.set_meta(missing_key("s03", 30, 40), "1")
+        other.delete_meta([VmmKey("s00", 10, 20).orig(11)])
+        other.set_meta(VmmKey("s00", 10, 20).orig(12), "1")
+        other.set_meta(VmmKey("s03", 30, 40).missing(), "1")
         other.set_meta("podpolicy:s04", '{"annotations": {"vmpin.io/vcpus": "float"}, "at": 1}')
         assert followed.follow(store.version())
         assert followed.moved == {"s00", "s01", "s02", "s03", "s04", "s99"}

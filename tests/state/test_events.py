@@ -12,9 +12,10 @@ import pytest
 
 from vmpin.core.errors import SpecError
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import parse_state
-from vmpin.state.journal import append, build, journal_dir, pending, sync
+from vmpin.runtimes.oci import hook_event, parse_state
+from vmpin.state.journal import append, journal_dir, pending, sync
 from vmpin.state.store import Store
+from vmpin.wire.hookevent import HookEvent
 
 ANN = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod"}
 
@@ -29,9 +30,9 @@ def bundle(tmp_path: Path, cid: str, cpus: str | None = "1") -> Path:
     return b
 
 
-def event(paths: HostPaths, stage: str, cid: str, b: Path) -> dict[str, object]:
+def event(paths: HostPaths, stage: str, cid: str, b: Path) -> HookEvent:
     state = parse_state(json.dumps({"id": cid, "bundle": str(b), "annotations": ANN}))
-    return build(paths, stage, state)
+    return hook_event(paths, stage, state)
 
 
 def test_events_apply_in_order_and_once(paths: HostPaths, tmp_path: Path) -> None:
@@ -105,7 +106,7 @@ def test_policy_annotations_are_kept_per_sandbox_until_it_goes(
         a = {**ann, **extra}
         (b / "config.json").write_text(json.dumps({"annotations": a}))
         state = parse_state(json.dumps({"id": cid, "bundle": str(b), "annotations": a}))
-        append(paths.state_dir, build(paths, "createRuntime", state))
+        append(paths.state_dir, hook_event(paths, "createRuntime", state))
     with Store(paths.state_dir) as store:
         assert store.policy_annotations("pod") == {
             "vmpin.io/vcpus": "float", "qos.gocrane.io/cpu-manager": "share"}
@@ -158,7 +159,7 @@ def test_an_event_whose_commit_was_lost_is_applied_again_from_its_file(
 
 
 def test_non_durable_ingest_settles_past_its_bound(paths: HostPaths, tmp_path: Path) -> None:
-    from vmpin.state.store import SETTLE_AFTER
+    from vmpin.state.ingest import SETTLE_AFTER
 
     for i in range(SETTLE_AFTER + 1):
         b = bundle(tmp_path, f"c{i}")
@@ -172,7 +173,7 @@ def test_non_durable_ingest_settles_past_its_bound(paths: HostPaths, tmp_path: P
 def test_deferred_connection_is_made_durable_by_settle(paths: HostPaths, tmp_path: Path) -> None:
     """defer_durability: commits without a sync; settle_journal checkpoints what it wrote."""
     from vmpin.core.cpuset import CpuSet
-    from vmpin.state.store import ContainerRec, SandboxRec
+    from vmpin.state.records import ContainerRec, SandboxRec
 
     with Store(paths.state_dir) as store:
         store.defer_durability()
@@ -203,7 +204,7 @@ def test_sync_puts_a_deferred_commit_on_the_disk_and_says_what_failed(
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.core.errors import StateError
-    from vmpin.state.store import ContainerRec, SandboxRec
+    from vmpin.state.records import ContainerRec, SandboxRec
 
     synced: list[str] = []
     real = os.fsync
@@ -280,7 +281,8 @@ def test_an_event_file_a_crash_left_empty_or_cut_short_is_never_applied(
 def test_a_hooks_connection_keeps_the_wal_short(tmp_path: Path, short: bool) -> None:
     """keep_wal_short: a connection that dies unclosed (a hook) checkpoints every SHORT_WAL
     pages, so the next lone opener rebuilds the WAL's index from a few frames, not ~1,000."""
-    from vmpin.state.store import SHORT_WAL, ContainerRec, SandboxRec
+    from vmpin.state.ingest import SHORT_WAL
+    from vmpin.state.records import ContainerRec, SandboxRec
 
     with Store(str(tmp_path)) as store:
         store.put_sandbox(SandboxRec("s", "kata"))

@@ -20,10 +20,11 @@ import pytest
 from tests.conftest import vmpin_cmd
 from vmpin.core.errors import SpecError, StateError
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import parse_state
+from vmpin.runtimes.oci import hook_event, parse_state
 from vmpin.state import journal
-from vmpin.state.journal import append, build, journal_dir, pending
+from vmpin.state.journal import append, journal_dir, pending
 from vmpin.state.store import Store
+from vmpin.wire.hookevent import HookEvent, from_json
 
 ANN = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod"}
 
@@ -170,7 +171,7 @@ def test_poisoned_entries_are_quarantined_and_the_rest_applied(
         (d / f"{i + 1:020d}-1.json").write_bytes(raw)
     c1 = uid()
     b1 = make_bundle(tmp_path, c1)
-    append(paths.state_dir, build(paths, "createRuntime", parse_state(
+    append(paths.state_dir, hook_event(paths, "createRuntime", parse_state(
         json.dumps({"id": c1, "pid": os.getpid(), "bundle": str(b1)}))))
     out = cli(env, "containers", "--json")  # a read-only command applies them in memory
     assert out.returncode == 0 and "Traceback" not in out.stderr
@@ -195,7 +196,7 @@ def test_an_entry_failing_half_way_is_rolled_back_alone(
     cids = [uid() for _ in range(3)]
     for cid in cids:
         b = make_bundle(tmp_path, cid)
-        append(paths.state_dir, build(paths, "createRuntime", parse_state(
+        append(paths.state_dir, hook_event(paths, "createRuntime", parse_state(
             json.dumps({"id": cid, "pid": os.getpid(), "bundle": str(b)}))))
     real = Store.put_container
     calls = {"n": 0}
@@ -255,9 +256,9 @@ def test_kata_poststop_with_the_sandbox_id_clobbers_no_one(
 def test_short_write_is_retried_to_completion(paths: HostPaths, mocker: Any) -> None:
     real = os.write
     mocker.patch("vmpin.state.journal.os.write", side_effect=lambda fd, b: real(fd, b[:7]))
-    ev = {"v": 1, "stage": "prestart", "id": "x", "annotations": {}, "pad": "y" * 500}
+    ev = HookEvent("prestart", "x", "/b", {"pad": "y" * 500})
     name = append(paths.state_dir, ev)
-    assert json.loads(Path(journal_dir(paths.state_dir), name).read_bytes()) == ev
+    assert from_json(Path(journal_dir(paths.state_dir), name).read_bytes()) == ev
 
 
 def test_failed_write_leaves_nothing(paths: HostPaths, mocker: Any) -> None:
@@ -272,7 +273,7 @@ def test_failed_write_leaves_nothing(paths: HostPaths, mocker: Any) -> None:
 
     mocker.patch("vmpin.state.journal.os.write", side_effect=enospc)
     with pytest.raises(StateError, match="event not recorded: No space left"):
-        append(paths.state_dir, {"v": 1, "id": "x", "pad": "y" * 100})
+        append(paths.state_dir, HookEvent("prestart", "x", "/b", {"pad": "y" * 100}))
     assert os.listdir(journal_dir(paths.state_dir)) == []
 
 
@@ -373,7 +374,7 @@ def test_plain_hooks_keep_the_backlog_bounded(
 ) -> None:
     b = make_bundle(tmp_path, "many")
     for i in range(journal.INGEST_THRESHOLD + 50):
-        append(paths.state_dir, build(paths, "createRuntime", parse_state(
+        append(paths.state_dir, hook_event(paths, "createRuntime", parse_state(
             json.dumps({"id": f"m{i}", "pid": 1, "bundle": str(b)}))))
     out = hook(env, "createRuntime", json.dumps({"id": "last", "pid": 1, "bundle": str(b)}))
     assert out.returncode == 0, out.stderr
@@ -386,7 +387,7 @@ def test_ingest_stops_between_batches_when_the_budget_is_spent(
 ) -> None:
     b = make_bundle(tmp_path, "budget")
     for i in range(30):
-        append(paths.state_dir, build(paths, "createRuntime", parse_state(
+        append(paths.state_dir, hook_event(paths, "createRuntime", parse_state(
             json.dumps({"id": f"q{i}", "pid": 1, "bundle": str(b)}))))
     with Store(paths.state_dir, ingest=False) as store:
         store.ingest(budget=0.0, batch=10)
@@ -414,7 +415,7 @@ def test_truncated_wal_loses_no_event_whose_file_is_gone(
     b = make_bundle(tmp_path, "wal")
     cids = [f"w{i}" for i in range(20)]
     for cid in cids:
-        append(paths.state_dir, build(paths, "createRuntime", parse_state(
+        append(paths.state_dir, hook_event(paths, "createRuntime", parse_state(
             json.dumps({"id": cid, "pid": 1, "bundle": str(b)}))))
     subprocess.run([sys.executable, "-c", INGEST_AND_DIE, paths.state_dir], check=True,
                    timeout=60)
@@ -463,10 +464,9 @@ def test_symlinked_database_is_refused(paths: HostPaths, tmp_path: Path) -> None
 def test_bad_event_refused_at_build(paths: HostPaths, tmp_path: Path) -> None:
     b = make_bundle(tmp_path, "surrogate", ann={"k": "v"})
     state = parse_state(json.dumps({"id": "s1", "pid": 1, "bundle": str(b)}))
-    ev = build(paths, "createRuntime", state)
-    ev["annotations"] = {"k": "\ud800"}
+    ev = hook_event(paths, "createRuntime", state)
     with pytest.raises(SpecError, match="cannot be stored"):
-        journal.encode(ev)
+        ev._replace(annotations={"k": "\ud800"}).to_json()
 
 
 def test_a_pid_without_start_time_is_not_kept(paths: HostPaths, tmp_path: Path) -> None:
@@ -475,7 +475,7 @@ def test_a_pid_without_start_time_is_not_kept(paths: HostPaths, tmp_path: Path) 
     b = make_bundle(tmp_path, "nostart")
     gone, alive = uid(), uid()
     for cid, pid in ((gone, 4194304), (alive, os.getpid())):  # PID_MAX itself: never in use
-        append(paths.state_dir, build(paths, "createRuntime", parse_state(
+        append(paths.state_dir, hook_event(paths, "createRuntime", parse_state(
             json.dumps({"id": cid, "pid": pid, "bundle": str(b)}))))
     with Store(paths.state_dir) as store:
         g, a = store.container(gone), store.container(alive)

@@ -14,7 +14,9 @@ import pytest
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import IdError, StateError
-from vmpin.state.store import SCHEMA_VERSION, ContainerRec, SandboxRec, Store, ThreadRec
+from vmpin.state.records import ContainerRec, SandboxRec, ThreadRec
+from vmpin.state.schema import SCHEMA_VERSION
+from vmpin.state.store import Store
 
 
 @pytest.fixture
@@ -383,7 +385,7 @@ def test_rows_read_share_their_repeated_strings(store: Store) -> None:
 def test_page_cache_is_bounded(state_dir: Path) -> None:
     """Every connection caches CACHE_KIB of pages, not SQLite's 2,000 KiB default: the agent
     holds three for its life (issue 14's RSS budget), and the read-only one of commands."""
-    from vmpin.state.store import CACHE_KIB
+    from vmpin.state.schema import CACHE_KIB
 
     with Store(str(state_dir)) as s:
         assert s.db.execute("PRAGMA cache_size").fetchone()[0] == -CACHE_KIB
@@ -559,7 +561,7 @@ def test_read_only_open_of_an_awkward_path(tmp_path: Path, name: str) -> None:
 def test_policy_inputs_are_recorded_with_source_and_time(store: Store) -> None:
     """Every policy input lives in the store (issue 25): the specs' per sandbox, the API's per
     pod uid, each with when it was recorded; an older vmpin's bare map still reads."""
-    from vmpin.state.store import API_POLICY_META, POLICY_META
+    from vmpin.state.records import API_POLICY_META, POLICY_META
 
     store.set_meta(POLICY_META + "old", '{"vmpin.io/vcpus": "float"}')  # before issue 25
     store.set_meta(POLICY_META + "edited", "{not json")

@@ -10,6 +10,7 @@ import pytest
 from vmpin.core.cpuset import CpuSet
 from vmpin.state import summary
 from vmpin.state.summary import Summary
+from vmpin.wire.hookevent import HookEvent, Identity
 
 
 def _s(**kw: object) -> Summary:
@@ -62,16 +63,18 @@ def test_what_an_update_may_do(old: str | None, new: str, why: str | None) -> No
 
 
 def test_events_are_judged_by_stage() -> None:
-    ident = {"container_id": "c", "sandbox_id": "p", "is_sandbox": False, "name": "c"}
+    ident = Identity("c", "p", False, name="c")
     s = _s()
-    create = {"stage": "createRuntime", "runtime": "runc", "ident": ident, "cpus": "0-3"}
+    create = HookEvent("createRuntime", "c", "/b", {}, ident=ident, cpus=CpuSet.parse("0-3"),
+                       runtime="runc")  # fmt: skip
     assert summary.event_needs_pass(s, create) is None
-    assert summary.event_needs_pass(s, {**create, "runtime": "kata"})
-    assert summary.event_needs_pass(s, {**create, "ident": None})
-    gone = {**create, "stage": "poststop"}
+    assert summary.event_needs_pass(s, create._replace(runtime="kata"))
+    assert summary.event_needs_pass(s, create._replace(ident=None))
+    gone = create._replace(stage="poststop")
     assert summary.event_needs_pass(s, gone) is None
-    assert summary.event_needs_pass(s, {**gone, "cpus": "5"})  # contended: may be the VM's
-    assert summary.event_needs_pass(s, {**gone, "cpus": None})  # unknown: any CPU
+    # contended: may be the VM's
+    assert summary.event_needs_pass(s, gone._replace(cpus=CpuSet.parse("5")))
+    assert summary.event_needs_pass(s, gone._replace(cpus=None))  # unknown: any CPU
 
 
 def test_the_file_round_trips_and_anything_else_is_no_summary(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
-from vmpin.state.store import ContainerRec, SandboxRec, Store
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
 
 PER_POD = 5
 VM = "bigvm"

@@ -47,7 +47,7 @@ from vmpin.core.errors import ProcessGone
 from vmpin.linux import procfs
 from vmpin.linux.cgroups import cgroup_of_pid
 from vmpin.linux.paths import ENVVARS, HostPaths
-from vmpin.runtimes.oci import STAGES
+from vmpin.wire.hookevent import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 BUSYBOX = "/usr/bin/busybox"

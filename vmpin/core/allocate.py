@@ -56,14 +56,14 @@ from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from typing import NamedTuple
 
     from vmpin.core.topology import CpuInfo, Topology
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 
 class Refusal(NamedTuple):

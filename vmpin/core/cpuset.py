@@ -345,6 +345,16 @@ def _number(part: str, text: str) -> int:
     return int(part)
 
 
+_PARSED: dict[str, CpuSet] = {}
+
+
 def parse_cpus(text: str) -> CpuSet:
-    """Shorthand for :meth:`CpuSet.parse`."""
-    return CpuSet.parse(text)
+    """:meth:`CpuSet.parse`, remembered per distinct text: a pass parses a CPU list for every
+    stored container and every thread's recorded affinity, and a node holds few distinct ones.
+    (CpuSets are immutable, so sharing one is safe; the memo is bounded.)"""
+    cpus = _PARSED.get(text)
+    if cpus is None:
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        cpus = _PARSED[text] = CpuSet.parse(text)
+    return cpus

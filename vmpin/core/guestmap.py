@@ -14,17 +14,21 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import Plan
 from vmpin.core.topology import Topology
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 FLOAT_POLICIES = ("all", "proportional")
 
 
-class GuestMap(NamedTuple):
+class ContainerMap(NamedTuple):
+    """One container's guest vCPUs under a plan, and why: one entry of a sandbox's guest map
+    as computed here (the published file, its envelope and readers, is
+    :class:`vmpin.wire.guestmap.GuestMap`; :meth:`to_json` is an entry of its ``containers``)."""
+
     container: str
     sandbox: str
     host_cpus: CpuSet | None
@@ -52,14 +56,14 @@ def map_container(
     *,
     float_policy: str = "all",
     order: list[int] | None = None,
-) -> GuestMap:
+) -> ContainerMap:
     """Translate one container's host CPU set into guest vCPUs under ``plan``."""
     every = CpuSet(range(plan.nvcpus))
     sid = plan.sandbox_id
     if plan.nvcpus == 0:
-        return GuestMap(container_id, sid, host_cpus, every, False, plan.mode, "no vCPU known")
+        return ContainerMap(container_id, sid, host_cpus, every, False, plan.mode, "no vCPU known")
     if host_cpus is None:
-        return GuestMap(
+        return ContainerMap(
             container_id, sid, None, every, False, plan.mode, "container has no CPU set: all vCPUs"
         )
     if plan.vcpu_map:
@@ -67,7 +71,7 @@ def map_container(
         covered = CpuSet(h for h in plan.vcpu_map.values())
         missing = host_cpus - covered
         if guest and not missing:
-            return GuestMap(
+            return ContainerMap(
                 container_id,
                 sid,
                 host_cpus,
@@ -77,7 +81,7 @@ def map_container(
                 f"1:1: host CPUs {host_cpus} are guest vCPUs {guest}",
             )
         if guest:
-            return GuestMap(
+            return ContainerMap(
                 container_id,
                 sid,
                 host_cpus,
@@ -91,7 +95,7 @@ def map_container(
         first = min((order.index(c) for c in host_cpus if c in order), default=0)
         start = min(round(first * plan.nvcpus / len(plan.mask)), plan.nvcpus - share)
         guest = CpuSet(range(start, start + share))
-        return GuestMap(
+        return ContainerMap(
             container_id,
             sid,
             host_cpus,
@@ -100,7 +104,7 @@ def map_container(
             plan.mode,
             f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs",
         )
-    return GuestMap(
+    return ContainerMap(
         container_id,
         sid,
         host_cpus,

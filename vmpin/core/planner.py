@@ -49,12 +49,12 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import PlanError
 from vmpin.core.topology import Topology
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Mapping, Sequence
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator", "container")
 HELPER_POLICIES = ("share", "isolate", "none")

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 from vmpin.core.planner import CPUSET_MODES, HELPER_POLICIES, VCPU_POLICIES, Policy
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 PREFIX = "vmpin.io/"
 VERSION_KEY = PREFIX + "version"

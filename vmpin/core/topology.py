@@ -26,12 +26,12 @@ from __future__ import annotations
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import TopologyError
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
     from typing import Any, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 
 class CpuInfo(NamedTuple):

@@ -16,7 +16,8 @@ import zipfile
 GUEST_MODULES = (
     "vmpin/__init__.py",
     "vmpin/core/__init__.py",
-    "vmpin/core/_lean.py",
+    "vmpin/lean/__init__.py",
+    "vmpin/lean/records.py",
     "vmpin/core/errors.py",
     "vmpin/core/cpuset.py",
     "vmpin/linux/__init__.py",

@@ -20,7 +20,7 @@ import os
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import AffinityRejected, HostError, PermissionDenied, ProcessGone
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Protocol
 

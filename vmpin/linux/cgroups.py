@@ -49,11 +49,11 @@ from vmpin.core.ids import check_id
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the file names that differ between the two versions: (v1, v2).
 _CPUS = ("cpuset.cpus", "cpuset.cpus")

@@ -29,7 +29,7 @@ import time
 from vmpin.core.errors import SpecError, UnsafeFile
 from vmpin.wire.jsonio import loads
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any

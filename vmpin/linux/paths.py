@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Mapping, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 DEFAULTS: dict[str, str] = {
     "state_dir": "/run/vmpin",
@@ -66,10 +66,11 @@ class HostPaths(NamedTuple):
 
     @classmethod
     def from_env(
-        cls, overrides: Mapping[str, str | None] | None = None, env: Mapping[str, str] | None = None
+        cls, overrides: Mapping[str, str | None] | None, env: Mapping[str, str]
     ) -> HostPaths:
-        """Options given explicitly win over the environment, which wins over the defaults."""
-        env = os.environ if env is None else env
+        """Options given explicitly win over the environment, which wins over the defaults.
+        ``env`` is the one :meth:`vmpin.service.settings.Settings.from_env` read (the only
+        reader of vmpin's variables)."""
         values = {k: env.get(v) or DEFAULTS[k] for k, v in ENVVARS.items()}
         unknown = set(overrides or {}) - set(DEFAULTS)
         if unknown:

@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from vmpin.core.topology import Topology
     from vmpin.reconcile.observation import Observation
     from vmpin.runtimes.kubelet import Checkpoint
-    from vmpin.state.store import ContainerRec, PolicyRecord, Store
+    from vmpin.state.records import ContainerRec, PolicyRecord
+    from vmpin.state.store import Store
 
 #: a container's ``cpus_source`` when its CPU set is its pod's allocation
 SOURCE = "vmpin-alloc"
@@ -157,7 +158,7 @@ def _asking(store: Store) -> bool:
     keys the change log names (vmpin.state.changes): an event's pass on a node where no pod
     asks reads no policy record but its own sandbox's (issue 28: every record, every pass)."""
     from vmpin.state import changes
-    from vmpin.state.store import API_POLICY_META, POLICY_META, policy_record
+    from vmpin.state.records import API_POLICY_META, POLICY_META, policy_record
 
     def asks(raw: str | None, source: str) -> bool:
         return raw is not None and raw != "" and (

@@ -19,9 +19,10 @@ from __future__ import annotations
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.observation import FULL, ORIG_PREFIX, missing_key, orig_key
+from vmpin.reconcile.observation import FULL, VmmKey, stale_originals
 from vmpin.reconcile.plan import Adoption, NodePlan, SandboxPlan, ThreadPlan
-from vmpin.state.store import Store, ThreadRec
+from vmpin.state.records import ThreadRec
+from vmpin.state.store import Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     # functools.partial is this C type; functools itself is ~2.5 ms (vmpin.state.sqlite)
     from _functools import partial
 
-    from vmpin.core._lean import dataclass, field
+    from vmpin.lean.records import dataclass, field
     from vmpin.state.sqlite import sqlite3
 
 
@@ -165,8 +166,9 @@ class Applier:
                 for t in sp.threads
             ):
                 continue
+            vmm_key = VmmKey(sp.id, vmm.pid, vmm.start)
             records[sp.id] = [
-                (orig_key(sp.id, vmm.pid, vmm.start, t.tid), t.actual.to_list())
+                (vmm_key.orig(t.tid), t.actual.to_list())
                 for t in sp.threads
                 if t.actual is not None
             ]
@@ -215,7 +217,7 @@ class Applier:
             writes.append(partial(_adopt, store, a))
         for cid in plan.forget_containers:
             writes.append(partial(store.delete_container, cid))
-        live_vmms: set[str] = set()
+        live_vmms: list[VmmKey] = []
         publish: list[tuple[str, dict[str, Any] | None]] = []
         for sp in plan.sandboxes:
             if only is not None and sp.id not in only:
@@ -224,7 +226,7 @@ class Applier:
                 continue
             s = sp.obs
             if s.vmm is not None:
-                live_vmms.add(f"{ORIG_PREFIX}{sp.id}:{s.vmm.pid}:{s.vmm.start}:")
+                live_vmms.append(VmmKey(sp.id, s.vmm.pid, s.vmm.start))
             if not s.tracked or s.record is None or s.runtime == "libvirt":
                 continue
             if sp.vanished:
@@ -249,7 +251,7 @@ class Applier:
                     writes.append(
                         partial(
                             store.set_meta,
-                            missing_key(sp.id, vmm.pid, vmm.start),
+                            VmmKey(sp.id, vmm.pid, vmm.start).missing(),
                             ",".join(map(str, vmm.missing_vcpus)),
                         )
                     )
@@ -261,12 +263,8 @@ class Applier:
             elif self.publish and s.policy.guest == "off":
                 publish.append((sp.id, None))  # the pod turned guest pinning off: withdrawn
         # what vmpin recorded for VMMs that no longer run is of no use to anyone
-        # (a key is its VMM's prefix plus the tid: one set lookup each, not a scan of the VMMs)
-        stale = (
-            [k for k in plan.originals if k[: k.rfind(":") + 1] not in live_vmms]
-            if only is None
-            else []
-        )
+        # (an event's pass leaves them to the next full pass: it walks only what it applies)
+        stale = stale_originals(plan.originals, live_vmms) if only is None else []
         if stale:
             writes.append(partial(store.delete_meta, stale))
         if writes:

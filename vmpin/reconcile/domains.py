@@ -23,33 +23,28 @@ never imports libvirt.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import HostError, ProcessGone, VmpinError
+from vmpin.core.planner import Policy
 from vmpin.linux import procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.apply import Outcome
 from vmpin.reconcile.observation import ContainerObs, SandboxObs, ThreadObs, VmmObs
 from vmpin.runtimes.libvirtd import DEFAULT_URIS, wanted_uris
-from vmpin.state.store import ContainerRec, SandboxRec
+from vmpin.state.records import ContainerRec, SandboxRec
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (read commands)
 if TYPE_CHECKING:
-    import logging
-    from typing import Any
-
-    from vmpin.core.planner import Policy
     from vmpin.reconcile.plan import SandboxPlan
     from vmpin.runtimes import libvirt as lv
 
 
 
 def _log() -> logging.Logger:
-    """The libvirt logger; logging (~4 ms) is imported only when there is something to say."""
-    import logging
-
     return logging.getLogger("vmpin.libvirt")
 
 _warned: list[bool] = []
@@ -246,8 +241,6 @@ class LibvirtDomains:
 
 
 def _default_policy() -> Policy:
-    from vmpin.core.planner import Policy
-
     return Policy()
 
 

@@ -5,8 +5,8 @@ Frozen values, no I/O: a thread (:class:`ThreadObs`), a VMM with its threads
 (:class:`VmmObs`), a container with its cgroup (:class:`ContainerObs`), a sandbox
 (:class:`SandboxObs`), the node (:class:`Observation`), and how much of it a read view looks
 at (:class:`Scope`).  Beside them, what an observation is read *from* in the store: the meta
-keys of what vmpin recorded about a VMM's threads (written by :mod:`.apply`, read here), and
-the store's tables as one pass reads them (:class:`Recorded`).
+keys of what vmpin recorded about a VMM's threads (:class:`VmmKey`: written by :mod:`.apply`,
+read here), and the store's tables as one pass reads them (:class:`Recorded`).
 
 Extension point: a :class:`SandboxObs` carries its ``runtime`` ("kata", "runc"; a libvirt
 backend adds "libvirt" with its own VMM finder) and its own ``policy`` (the node's today;
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
     from dataclasses import dataclass, field
-    from typing import TypeVar
+    from typing import NamedTuple, TypeVar
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.core.planner import Policy
@@ -28,30 +28,71 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kataconfig import KataConfigs
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.allocations import Allocation
-    from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
+    from vmpin.state.records import ContainerRec, SandboxRec, ThreadRec
+    from vmpin.state.store import Store
 
     _T = TypeVar("_T")
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
-    from vmpin.core._lean import dataclass, field
+    from vmpin.lean.records import NamedTuple, dataclass, field
 
-#: the store's meta keys of what vmpin recorded about a VMM's threads (:mod:`.apply` writes
-#: them): each thread's affinity before vmpin's first pin, the vCPUs no layer found
+# -- the store's undo records' keys ------------------------------------------------------------
+# Before vmpin first pins a VMM's threads, apply records each thread's affinity (invariant 4:
+# what the sandbox gets back when vmpin lets go of it), and after classifying its threads the
+# vCPUs no layer found; both go in the store's ``meta`` table, keyed by the VMM process they
+# were read from -- (sandbox id, pid, start time), so a reused pid never inherits another
+# process's records:
+#
+#     orig-affinity:<sandbox>:<pid>:<start>:<tid>   -> the thread's affinity before (CPU list)
+#     missing-vcpus:<sandbox>:<pid>:<start>         -> vCPU indexes no layer named ("0,3")
+#
+# VmmKey makes them (apply writes, observe_vmm looks up) and stale_originals reads them back:
+# one home.  Sandbox ids never hold ":" (vmpin.core.ids): a key's last ":" ends its VMM's part.
 ORIG_PREFIX = "orig-affinity:"
 MISSING_PREFIX = "missing-vcpus:"
 
 
-def orig_key(sandbox_id: str, vmm_pid: int, vmm_start: int, tid: int) -> str:
-    """Store meta key of a thread's affinity before vmpin first pinned it (invariant 4)."""
-    return f"{orig_prefix(sandbox_id, vmm_pid, vmm_start)}{tid}"
+class VmmKey(NamedTuple):
+    """One VMM process as the store's undo records name it."""
+
+    sandbox: str
+    pid: int
+    start: int
+
+    def orig_prefix(self) -> str:
+        """The keys of this VMM's threads' original affinities, less the tid (a pass builds
+        it once per VMM and adds each tid)."""
+        return f"{ORIG_PREFIX}{self.sandbox}:{self.pid}:{self.start}:"
+
+    def orig(self, tid: int) -> str:
+        """The key of thread ``tid``'s affinity before vmpin first pinned it."""
+        return f"{self.orig_prefix()}{tid}"
+
+    def missing(self) -> str:
+        """The key of the vCPUs no layer named for this VMM."""
+        return f"{MISSING_PREFIX}{self.sandbox}:{self.pid}:{self.start}"
 
 
-def orig_prefix(sandbox_id: str, vmm_pid: int, vmm_start: int) -> str:
-    """:func:`orig_key` without the tid: the keys of one VMM's threads (built once per VMM)."""
-    return f"{ORIG_PREFIX}{sandbox_id}:{vmm_pid}:{vmm_start}:"
+def key_sandbox(key: str) -> str:
+    """The sandbox an ``orig-affinity:`` or ``missing-vcpus:`` key belongs to."""
+    return key.split(":", 2)[1]
 
 
-def missing_key(sandbox_id: str, pid: int, start: int) -> str:
-    return f"{MISSING_PREFIX}{sandbox_id}:{pid}:{start}"
+def sandbox_prefixes(sandbox_id: str) -> tuple[str, str]:
+    """The ``missing-vcpus:`` and ``orig-affinity:`` keys of every VMM of a sandbox, less
+    the VMM's part (a long-lived observer reads one sandbox's again: vmpin.reconcile.tables)."""
+    return f"{MISSING_PREFIX}{sandbox_id}:", f"{ORIG_PREFIX}{sandbox_id}:"
+
+
+def stale_originals(keys: Iterable[str], live: Iterable[VmmKey]) -> list[str]:
+    """The original-affinity keys among ``keys`` that belong to no VMM in ``live`` (what was
+    recorded for VMMs that no longer run).
+
+    A key is its VMM's prefix plus the tid, so each costs one cut at its last ``:`` and one
+    set lookup, not a decode: a pass over 2,000 sandboxes holds ~20,000 of them (decoding
+    each into a record was ~15x dearer).  A key that is not one of ours is stale too.
+    """
+    prefixes = {vmm.orig_prefix() for vmm in live}
+    return [k for k in keys if k[: k.rfind(":") + 1] not in prefixes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,11 +283,11 @@ class Recorded:
 
 
 def replace(t: _T, **kw: object) -> _T:
-    """``dataclasses.replace`` for these values (made by vmpin.core._lean off mypy's view)."""
+    """``dataclasses.replace`` for these values (made by vmpin.lean.records off mypy's view)."""
     if TYPE_CHECKING:
         from dataclasses import replace as made
     else:
-        from vmpin.core._lean import replace as made
+        from vmpin.lean.records import replace as made
 
     return made(t, **kw)  # type: ignore[type-var]
 
@@ -261,11 +302,12 @@ __all__ = [
     "SandboxObs",
     "Scope",
     "ThreadObs",
+    "VmmKey",
     "VmmObs",
     "claiming",
+    "key_sandbox",
     "leaves_alone",
-    "missing_key",
-    "orig_key",
-    "orig_prefix",
     "replace",
+    "sandbox_prefixes",
+    "stale_originals",
 ]

@@ -43,15 +43,13 @@ from vmpin.reconcile.observation import (
     ThreadObs,
     VmmObs,
     leaves_alone,
-    missing_key,
-    orig_key,
-    orig_prefix,
     replace,
 )
 from vmpin.reconcile.observe_sandbox import SandboxObserver, pid_alive
 from vmpin.reconcile.podpolicies import PodPolicies
 from vmpin.reconcile.tables import Tables
-from vmpin.state.store import SandboxRec, Store
+from vmpin.state.records import SandboxRec
+from vmpin.state.store import Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -60,7 +58,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
-    from vmpin.state.store import PolicyRecord
+    from vmpin.state.records import PolicyRecord
 
     #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
     _PolicyRecords = tuple[Mapping[str, PolicyRecord], Mapping[str, PolicyRecord]]
@@ -268,8 +266,5 @@ __all__ = [
     "ThreadObs",
     "VmmObs",
     "leaves_alone",
-    "missing_key",
-    "orig_key",
-    "orig_prefix",
     "pid_alive",
 ]

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observation import Recorded
     from vmpin.reconcile.podpolicies import PodPolicies
     from vmpin.runtimes.kubelet import Checkpoint
-    from vmpin.state.store import ContainerRec, SandboxRec
+    from vmpin.state.records import ContainerRec, SandboxRec
 
 
 def pid_alive(paths: HostPaths, pid: int | None, start: int | None) -> bool | None:

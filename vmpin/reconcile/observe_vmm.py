@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import os
 
-from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import parse_cpus
 from vmpin.core.errors import HostError, ProcessGone
 from vmpin.linux import procfs
 from vmpin.reconcile.observation import (
     FULL,
     Scope,
     ThreadObs,
+    VmmKey,
     VmmObs,
-    missing_key,
-    orig_prefix,
 )
-from vmpin.state.store import ThreadRec
+from vmpin.state.records import ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 
     from vmpin.linux.paths import HostPaths
     from vmpin.reconcile.observation import Recorded
-    from vmpin.state.store import SandboxRec
+    from vmpin.state.records import SandboxRec
 
 
 class VmmObserver:
@@ -79,13 +78,13 @@ class VmmObserver:
             return VmmObs(vmm.pid, vmm.start), False, []  # located, its threads not read
         originals = recorded.originals
         affinity = scope.affinity
-        at = orig_prefix(rec.id, vmm.pid, vmm.start)
+        at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
         remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         try:
             current = set(procfs.tids(self.paths.proc, vmm.pid))
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
-        missing_before = recorded.missing.get(missing_key(rec.id, vmm.pid, vmm.start))
+        missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
@@ -103,7 +102,7 @@ class VmmObserver:
                 return None, False, [f"VMM pid {rec.vmm_pid} exited during the pass"]
             if (vmm.pid, vmm.start) != was:
                 listed = None  # another process: its threads are listed anew
-            at = orig_prefix(rec.id, vmm.pid, vmm.start)
+            at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
             remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
         if recorded.vhost is None:
@@ -150,7 +149,7 @@ class VmmObserver:
             tids = procfs.tids(self.paths.proc, pid)
         except ProcessGone:
             return ()
-        at = orig_prefix(sid, pid, start)
+        at = VmmKey(sid, pid, start).orig_prefix()
         return tuple(
             self._thread(pid, at, ThreadRec(tid, "emulator", None, None, ""), originals, affinity)
             for tid in tids
@@ -179,7 +178,7 @@ class VmmObserver:
         affinity: bool = True,
     ) -> ThreadObs:
         """One thread of the VMM ``pid`` as it is now (``affinity`` False: its role only,
-        nothing read); ``orig_at``: :func:`orig_prefix` of the VMM."""
+        nothing read); ``orig_at``: the VMM's :meth:`VmmKey.orig_prefix`."""
         if not affinity:
             return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
         # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
@@ -187,7 +186,7 @@ class VmmObserver:
         # a thread created after vmpin's first pin inherited the pin: what the VMM had before
         # (its main thread's record) is what it is to get back
         orig_text = originals.get(f"{orig_at}{t.tid}") or originals.get(f"{orig_at}{pid}")
-        original = _parse(orig_text) if orig_text else None
+        original = parse_cpus(orig_text) if orig_text else None
         try:
             actual = procfs.affinity(self.paths.proc, owner, t.tid)
             # a labelled thread is reported by its label: its comm is not read
@@ -201,18 +200,6 @@ class VmmObserver:
         return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
 
 
-_PARSED: dict[str, CpuSet] = {}
-
-
-def _parse(text: str) -> CpuSet:
-    """CpuSet.parse, remembered: a node's recorded affinities are few distinct texts, and a
-    pass parses one per thread."""
-    cpus = _PARSED.get(text)
-    if cpus is None:
-        if len(_PARSED) > 4096:
-            _PARSED.clear()
-        cpus = _PARSED[text] = CpuSet.parse(text)
-    return cpus
 
 
 __all__ = ["VmmObserver"]

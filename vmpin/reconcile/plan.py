@@ -48,7 +48,7 @@ from vmpin.reconcile.observe import (
     leaves_alone,
 )
 from vmpin.runtimes.kubelet import is_infra
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from dataclasses import dataclass, field
     from typing import Any
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
-    from vmpin.core._lean import dataclass, field
+    from vmpin.lean.records import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -934,7 +934,7 @@ def _replace(p: SandboxPlan, **kw: object) -> SandboxPlan:
     if TYPE_CHECKING:
         from dataclasses import replace
     else:
-        from vmpin.core._lean import replace
+        from vmpin.lean.records import replace
 
     return replace(p, **kw)  # type: ignore[arg-type]
 

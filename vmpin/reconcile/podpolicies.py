@@ -1,7 +1,7 @@
 """Which policy each sandbox is planned with: its pod's, else the node's -- from the store only.
 
 A pod's policy annotations (the vocabulary: :mod:`vmpin.core.podpolicy`) come from two places,
-both recorded in the store with their source and time (:class:`vmpin.state.store.PolicyRecord`):
+both recorded in the store with their source and time (:class:`vmpin.state.records.PolicyRecord`):
 the OCI specs the hooks saw at create (per sandbox, source ``oci``), and the pod as the
 Kubernetes API shows it (per pod uid, source ``api``), which the agent records before each
 pass.  The API's wins: it is what the operator set last (an API record with no policy key
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from vmpin.core.planner import Policy
 from vmpin.core.podpolicy import policy_for
-from vmpin.state.store import PolicyRecord
+from vmpin.state.records import PolicyRecord
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
 

@@ -35,9 +35,10 @@ from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.report import SandboxReport, ThreadReport
 from vmpin.reconcile.settled import Settled
 from vmpin.state.locks import WAIT, NodeLock
-from vmpin.state.store import SandboxRec, Store
+from vmpin.state.records import SandboxRec
+from vmpin.state.store import Store
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Container

@@ -10,9 +10,9 @@ DESIGN.md's contract.
 from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
-from vmpin.state.store import ContainerRec
+from vmpin.state.records import ContainerRec
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from typing import Any
@@ -66,18 +66,20 @@ class ThreadReport:
         return self.actual != self.desired
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "tid": self.tid,
-            "role": self.role,
-            "index": self.index,
-            "name": self.name,
-            "desired": None if self.desired is None else self.desired.to_list(),
-            "actual": None if self.actual is None else self.actual.to_list(),
-            "layer": self.layer,
-            "container": self.container,
-            "action": self.action,
-            "error": self.error,
-        }
+        from vmpin.wire import views  # (here: the hooks, which load this module, print none)
+
+        return views.thread(
+            tid=self.tid,
+            role=self.role,  # type: ignore[arg-type]
+            index=self.index,
+            name=self.name,
+            desired=None if self.desired is None else self.desired.to_list(),
+            actual=None if self.actual is None else self.actual.to_list(),
+            layer=self.layer,
+            container=self.container,
+            action=self.action,
+            error=self.error,
+        )
 
 
 class SandboxReport:
@@ -112,16 +114,18 @@ class SandboxReport:
         p = self.policy
         if p is None:
             return None
-        return {
-            "vcpus": p.vcpus,
-            "helpers": p.helpers,
-            "housekeeping": p.housekeeping.to_list() or None,
-            "guest": p.guest,
-            "cpuset": p.cpuset or None,
-            "source": self.policy_source,
-            "recorded_at": self.policy_at,
-            "problems": self.policy_problems,
-        }
+        from vmpin.wire import views  # (here: the hooks, which load this module, print none)
+
+        return views.policy(
+            vcpus=p.vcpus,
+            helpers=p.helpers,
+            housekeeping=p.housekeeping.to_list() or None,
+            guest=p.guest,
+            cpuset=p.cpuset or None,
+            source=self.policy_source,  # type: ignore[arg-type]
+            recorded_at=self.policy_at,
+            problems=self.policy_problems,
+        )
 
     @property
     def changed(self) -> int:

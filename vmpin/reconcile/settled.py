@@ -13,7 +13,7 @@ not one the last passes applied without an error; the periodic pass applies ever
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Collection
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from vmpin.core.errors import StateError, VmpinError
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -93,7 +93,7 @@ class Summarizer:
                 ev = journal.read_event(state_dir, name)
             except (OSError, VmpinError):
                 continue  # never applied (ingest quarantines it): nothing to plan with
-            if ev.get("runtime") != "kata" and summary.event_needs_pass(s, ev):
+            if ev.runtime != "kata" and summary.event_needs_pass(s, ev):
                 return False  # (a Kata sandbox's hook re-plans the node itself)
         return True
 

@@ -17,24 +17,26 @@ plan is dropped: :meth:`vmpin.reconcile.reconciler.Reconciler.plan`).
 
 from __future__ import annotations
 
-from vmpin.reconcile.observation import MISSING_PREFIX, ORIG_PREFIX, Recorded
+from vmpin.reconcile.observation import (
+    MISSING_PREFIX,
+    ORIG_PREFIX,
+    Recorded,
+    key_sandbox,
+    sandbox_prefixes,
+)
 from vmpin.state import changes
-from vmpin.state.store import API_POLICY_META, POLICY_META, policy_record
+from vmpin.state.records import API_POLICY_META, POLICY_META, policy_record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vmpin.reconcile.observation import Scope
-    from vmpin.state.store import ContainerRec, PolicyRecord, SandboxRec, Store, ThreadRec
+    from vmpin.state.records import ContainerRec, PolicyRecord, SandboxRec, ThreadRec
+    from vmpin.state.store import Store
 
 
 #: the tables are read whole again once more than one sandbox in this many moved (a start-up
 #: pass's records, a tiny node)
 WHOLE = 4
-
-
-def _owner(key: str) -> str:
-    """The sandbox of an ``orig-affinity:`` or ``missing-vcpus:`` key (``PREFIX:SID:...``)."""
-    return key.split(":", 2)[1]
 
 
 class Tables:
@@ -70,7 +72,7 @@ class Tables:
             self._threads.setdefault(vmm[0], []).append(vmm)
         self._keys: dict[str, list[str]] = {}
         for name in (*self.missing, *self.originals):
-            self._keys.setdefault(_owner(name), []).append(name)
+            self._keys.setdefault(key_sandbox(name), []).append(name)
 
     def matches(self, store: Store, scope: Scope) -> bool:
         return self.store is store and self.scope_key == (scope.vmms, scope.affinity)
@@ -90,7 +92,7 @@ class Tables:
             elif key.startswith(POLICY_META):
                 sids.add(key[len(POLICY_META) :])
             elif key.startswith((ORIG_PREFIX, MISSING_PREFIX)):
-                sids.add(_owner(key))
+                sids.add(key_sandbox(key))
         if len(sids) > len(self.records) // WHOLE:
             return False  # (six statements a sandbox: past a few, one read of each table)
         moved = False
@@ -129,11 +131,12 @@ class Tables:
                 self.missing.pop(name, None)
                 self.originals.pop(name, None)
             keys: list[str] = []
-            for name, value in store.meta_under(f"{MISSING_PREFIX}{sid}:"):
+            missing, originals = sandbox_prefixes(sid)
+            for name, value in store.meta_under(missing):
                 self.missing[name] = value
                 keys.append(name)
             if affinity:
-                for name, value in store.meta_under(f"{ORIG_PREFIX}{sid}:"):
+                for name, value in store.meta_under(originals):
                     self.originals[name] = value
                     keys.append(name)
             if keys:

@@ -37,11 +37,11 @@ import os
 
 from vmpin.core.errors import VmpinError
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the TOML table and key Kata reads (virtcontainers ``runtime.EnableVCPUsPinning``)
 TABLE = "runtime"

@@ -51,11 +51,11 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, KubeError, PermissionDenied, SpecError
 from vmpin.linux.files import load_json, read_bytes
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, Mapping, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 STATIC = "static"
 

@@ -49,6 +49,7 @@ import os
 import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import libvirt
 import libvirt_qemu
@@ -58,12 +59,6 @@ from vmpin.core.errors import CpuSetError, HostError, LibvirtError, ProcessGone
 from vmpin.linux import cgroups, procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.threads import Classification, VmmThread
-
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
-if TYPE_CHECKING:
-    from typing import Any, NamedTuple
-else:
-    from vmpin.core._lean import NamedTuple
 
 DEFAULT_URI = "qemu:///system"
 #: the operator's (or ``vmpin update``'s) mask for a domain: ``<vmpin:mask cpus="LIST"/>``.

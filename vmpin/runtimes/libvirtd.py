@@ -9,10 +9,7 @@ module) and libvirt-python: on a node without libvirt, a read command loads none
 from __future__ import annotations
 
 import os
-
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (read commands)
-if TYPE_CHECKING:
-    from collections.abc import Iterable
+from collections.abc import Iterable
 
 DEFAULT_URIS = ("qemu:///system",)
 #: where qemu:///system answers (monolithic libvirtd, or modular virtqemud)

@@ -1,5 +1,6 @@
-"""The OCI runtime state (a hook's stdin), the bundle's config.json, and who a container is.
-
+"""The OCI runtime state (a hook's stdin), the bundle's config.json, who a container is, and
+the hook's event made of them (:func:`hook_event`: what only the moment of the hook can read,
+handed to vmpin.wire.hookevent and journaled by vmpin.state.journal).
 
 Read just deeply enough: ``linux.resources.cpu.{cpus,mems}`` and ``annotations``; the rest of
 a spec is not vmpin's business, so there is no model of it (and no pydantic: this module is on
@@ -35,26 +36,29 @@ import os
 
 from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, SpecError
+from vmpin.core.errors import CpuSetError, IdError, SpecError, VmpinError
 from vmpin.core.ids import check_id
 from vmpin.linux.files import check_text, load_json, read_bytes
+from vmpin.wire.hookevent import PID_MAX, HookEvent, Identity
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
-else:
-    from vmpin.core._lean import NamedTuple
 
-#: Linux's PID_MAX_LIMIT (include/linux/threads.h: 4 * 1024 * 1024 on 64-bit): no pid is larger.
-PID_MAX = 4 * 1024 * 1024
+    from vmpin.linux.paths import HostPaths
+else:
+    from vmpin.lean.records import NamedTuple
+
 #: the largest OCI state / config.json a hook accepts (Kata's, with every annotation, ~20 KiB).
 MAX_DOC = 1 << 20
 #: annotations vmpin keeps per container, and the longest value (kubelet caps the whole
 #: annotation map at 256 KiB).
 MAX_ANNOTATIONS = 512
 MAX_TEXT = 64 << 10
-
-STAGES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
+#: the stages whose bundle must be read (a later stage's container was recorded at create)
+CREATE_STAGES = ("prestart", "createRuntime", "createContainer")
+#: only these run in the host's pid namespace (createContainer sees the container's pid 1)
+HOST_PID_STAGES = ("prestart", "createRuntime", "poststart")
 
 
 class State(NamedTuple):
@@ -83,16 +87,6 @@ class Resources(NamedTuple):
         if not quota or not period or quota <= 0 or period <= 0 or quota % period:
             return None
         return quota // period
-
-
-class Identity(NamedTuple):
-    container_id: str
-    sandbox_id: str
-    is_sandbox: bool
-    pod_uid: str | None = None
-    pod_name: str | None = None
-    pod_namespace: str | None = None
-    name: str | None = None
 
 
 def _obj(value: Any, where: str) -> dict[str, Any]:
@@ -348,3 +342,104 @@ def identify(container_id: str, annotations: dict[str, str]) -> Identity:
         pod_namespace=_first(annotations, _POD_NS),
         name=_first(annotations, _CTR_NAME),
     )
+
+
+# -- a hook's event: what only the moment of the hook knows --------------------------------------
+def container_id_from_bundle(bundle: str) -> str | None:
+    """containerd: .../<ns>/<id>; CRI-O: .../overlay-containers/<id>/userdata."""
+    if not bundle:
+        return None
+    path = bundle.rstrip("/")
+    base = os.path.basename(path)
+    if base == "userdata":
+        base = os.path.basename(os.path.dirname(path))
+    try:
+        return check_id(base)
+    except IdError:
+        return None
+
+
+def identity(state: State, annotations: dict[str, str]) -> Identity:
+    """Who the hook's container is: :func:`identify`, but by the bundle when Kata's state id
+    is the sandbox's."""
+    ident = identify(state.id, annotations)
+    if not ident.is_sandbox and ident.sandbox_id == state.id:
+        # Kata's poststart/poststop: the id is the sandbox's; the bundle names the container.
+        cid = container_id_from_bundle(state.bundle)
+        if cid is None or cid == state.id:
+            raise SpecError(
+                f"state id {state.id!r} is the sandbox id and bundle {state.bundle!r} names no"
+                " container: cannot tell which container this is"
+            )
+        ident = identify(cid, annotations)
+    return ident
+
+
+def detect_runtime(paths: HostPaths, sandbox_id: str, hint_pid: int | None) -> str:
+    """Kata when the sandbox has a VM dir or the state pid is its QEMU; plain otherwise."""
+    if os.path.isdir(os.path.join(paths.vm_dir, sandbox_id)):
+        return "kata"
+    if hint_pid:
+        from vmpin.runtimes import vmm
+
+        if vmm.is_vmm_of(paths, hint_pid, sandbox_id):
+            return "kata"
+    return "runc"
+
+
+def _start_time(paths: HostPaths, pid: int) -> int | None:
+    from vmpin.linux import procfs
+
+    try:
+        return procfs.start_time(paths.proc, pid)
+    except VmpinError:
+        return None
+
+
+def hook_event(paths: HostPaths, stage: str, state: State | bytes) -> HookEvent:
+    """Everything about this hook call that must be read now (the bundle may be gone later,
+    the pid reused): the state (``bytes``: as the hook's stdin has it), the bundle's
+    config.json, the pid's start time, the runtime.  Raises on bad input; what could not be
+    stored is refused by :meth:`HookEvent.to_json`, i.e. when the journal writes it, before
+    anything else is written."""
+    if not isinstance(state, State):
+        state = parse_state(state, f"hook {stage}: state")
+    host_pid = state.pid if stage in HOST_PID_STAGES else None
+    pid_start = _start_time(paths, host_pid) if host_pid else None
+    annotations = dict(state.annotations)
+    cpus: CpuSet | None = None
+    mems: str | None = None
+    has_config = False
+    limit: int | None = None
+    if stage != "poststop":
+        if not state.bundle:
+            raise SpecError(f"hook {stage}: state has no bundle")
+        try:
+            config: Config | None = read_config(state.bundle)
+        except SpecError:
+            if stage in CREATE_STAGES:
+                raise
+            config = None  # a later stage of a container recorded at create: not needed
+        if config is not None:
+            annotations = {**config.annotations, **annotations}
+            cpus, mems = config.resources.cpus, config.resources.mems
+            has_config = True
+            limit = config.resources.whole_cpus
+    elif state.bundle:
+        # what a container gives up when it goes (its spec's CPUs, when its bundle is still
+        # there): whether a VM may have them to itself now (vmpin.state.summary)
+        try:
+            cpus = read_config(state.bundle).resources.cpus
+        except SpecError:
+            cpus = None
+    try:
+        ident: Identity | None = identity(state, annotations)
+    except VmpinError:
+        if stage in CREATE_STAGES:
+            raise
+        ident = None  # poststop/poststart: the store may know it by bundle
+    runtime = None if ident is None else detect_runtime(paths, ident.sandbox_id, host_pid)
+    return HookEvent(
+        stage, state.id, state.bundle, state.annotations, host_pid, pid_start, ident, cpus,
+        mems, runtime, has_config, limit,
+    )  # fmt: skip

@@ -61,12 +61,12 @@ from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
 from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the part of the layout below each sandbox's directory that Kata shares with the guest.
 KATA_SHARED_SUBDIR = "mounts"

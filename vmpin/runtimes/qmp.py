@@ -27,7 +27,7 @@ import time
 from vmpin.core.errors import QmpError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import _socket as socket
     from collections.abc import Mapping

@@ -68,7 +68,7 @@ from vmpin.linux import procfs
 from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any
 

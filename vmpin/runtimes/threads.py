@@ -82,7 +82,7 @@ from vmpin.linux import debugfs, procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.vmm import Vmm, iothread_ids
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
     from typing import NamedTuple, Protocol
@@ -104,7 +104,7 @@ if TYPE_CHECKING:
         @property
         def layer(self) -> str: ...
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator")

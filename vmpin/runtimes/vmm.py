@@ -27,12 +27,12 @@ from vmpin.linux import procfs
 from vmpin.linux.files import identity, read_bytes, remember
 from vmpin.linux.paths import HostPaths
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 
 #: QEMU's boolean spellings (qapi's parse_type_bool).

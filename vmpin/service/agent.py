@@ -69,10 +69,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import fcntl
 import logging
 import math
 import os
+import select
 import signal
 import socket
 import sqlite3
@@ -92,9 +94,10 @@ from vmpin.service.logs import HOST_FAULTS, Faults, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
 from vmpin.service.server import AgentRunning, ControlServer
-from vmpin.service.settings import POLICY_KEYS, Settings
+from vmpin.service.settings import POLICY_KEYS, Settings, kube_configured
 from vmpin.service.workers import SandboxStat
 from vmpin.state import journal
+from vmpin.state.locks import check_parent, open_lock_file
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
@@ -132,8 +135,6 @@ def check_seconds(name: str, value: float, *, low: float, high: float) -> float:
 def take_lock(state_dir: str) -> int:
     """One agent per state dir: an exclusive ``flock`` on ``agent.lock`` (released by the
     kernel even on kill -9) holding our pid; its fd."""
-    from vmpin.state.locks import check_parent, open_lock_file
-
     path = os.path.join(state_dir, "agent.lock")
     # owner-only, in a state dir no one else may write: whoever could open it could
     # keep every agent from starting (vmpin.state.locks)
@@ -342,8 +343,6 @@ class Agent:
 
     def run(self) -> int:
         """The main thread: periodic passes until stopped, then drain; the exit code."""
-        import select
-
         next_tick = time.monotonic() + self.interval
         while not self.stop_event.is_set():
             timeout = max(0.0, next_tick - time.monotonic())
@@ -541,7 +540,7 @@ def serve(
     ``holdoff`` (seconds; also ``VMPIN_HOLDOFF``) is the least time between two passes over
     one sandbox while events keep coming for it.
     """
-    setup_logging()
+    setup_logging(level=ctx_obj.settings.log_level)
     if holdoff is None:
         # VMPIN_HOLDOFF, read where every variable is read: Settings.from_env
         raw = ctx_obj.settings.holdoff if env is None else env.get("VMPIN_HOLDOFF", "")
@@ -585,8 +584,6 @@ def serve(
     # SIGUSR1 writes every thread's stack to stderr (the C module: no import cost, works even
     # while a thread holds the GIL): what an operator, or a test, asks of an agent that does
     # not stop or answer.
-    import faulthandler
-
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         agent.start()
@@ -622,8 +619,6 @@ def attach_kube(
     35 MB of RSS).
     It is an extra (``vmpin[kube]``): without it the agent runs as without an API, and says so.
     """
-    from vmpin.service.settings import kube_configured
-
     if not kube_configured(kubeconfig, env):  # asked before the client is imported (35 MB)
         log_event(logging.INFO, "no Kubernetes API configured: per-pod policy from OCI annotations"
              " only; no Events, no NodePinning report")
@@ -638,8 +633,6 @@ def attach_kube(
             error=str(err),
         )
         return
-    import socket
-
     node = node_name or env.get("NODE_NAME") or socket.gethostname()
     paths = agent.paths
 

@@ -26,7 +26,8 @@ from vmpin.service.logs import log, log_event
 from vmpin.service.metrics import Metrics, Snapshot
 from vmpin.service.queue import Work
 from vmpin.service.workers import FullPass, SandboxStat
-from vmpin.state.store import SandboxRec, Store
+from vmpin.state.records import SandboxRec
+from vmpin.state.store import Store
 
 if TYPE_CHECKING:
     from vmpin.reconcile.plan import NodePlan

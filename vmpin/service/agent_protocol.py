@@ -1,40 +1,31 @@
-"""The agent's control protocol: what a request line asks, and the blocking replies.
+"""The agent's side of the control protocol: what it does for each request, and the blocking
+replies.
 
-One JSON object per line, one reply line (the socket is :mod:`vmpin.service.server`'s, the
-client side :mod:`vmpin.service.control`)::
-
-    {"op":"dirty","sandboxes":[ids]}            -> {"ok":true,"queued":n}
-    {"op":"dirty","sandboxes":[ids],"wait":s}   -> {"ok":true,"queued":n,"done":bool}
-        (0 < s <= 60; "guest_map": "before" (default) or "after" the answer)
-    {"op":"status"[,"sandbox":id]}              -> health and counters (one sandbox's
-                                                   bookkeeping when asked)
-    {"op":"reconcile"}                          -> {"ok":true}: a full pass now
-
-:class:`ControlProtocol` reads a request and queues its work; :class:`Waiters` numbers the
+The requests and replies themselves (their JSON, checks and limits) are
+:mod:`vmpin.wire.control`'s, which the client side (:mod:`vmpin.service.control`) uses too;
+the socket is :mod:`vmpin.service.server`'s.  :class:`ControlProtocol` reads a request and
+queues its work; :class:`Waiters` numbers the
 node passes and answers each blocking ``dirty`` once a pass that started after it arrived has
 ended (with its guest maps published first, unless the caller said ``after``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from vmpin.core.errors import IdError
-from vmpin.core.ids import check_id
+from vmpin.core.errors import WireError
 from vmpin.service.agent_accounting import Accounting
 from vmpin.service.logs import Throttle, log_event
 from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
+from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, refused
+from vmpin.wire.control import request_from_json as read_request
 
-#: the longest a blocking ``dirty`` request may ask to wait (seconds)
-MAX_WAIT = 60.0
 #: the least time between two log lines about bad requests
 BAD_LOG_EVERY = 60.0
 
@@ -136,11 +127,7 @@ class Waiters:
         """Reply to one waiter (under ``_cond``): done when its pass ended well."""
         if waiter in self._waiters:
             self._waiters.remove(waiter)
-        waiter.reply = {
-            "ok": True,
-            "queued": waiter.queued,
-            "done": self._ok >= waiter.target,
-        }
+        waiter.reply = DirtyReply(waiter.queued, self._ok >= waiter.target).to_obj()
         if waiter.answer is not None:
             waiter.answer.send(waiter.reply)
 
@@ -227,51 +214,28 @@ class ControlProtocol:
         None when the reply went out on ``answer`` already (a blocking ``dirty``, answered by
         the planner: :meth:`notify_and_wait`)."""
         try:
-            msg = json.loads(line)
-        except ValueError:
-            return self._bad("request is not JSON")
-        if not isinstance(msg, dict):
-            return self._bad("request is not a JSON object")
-        op = msg.get("op")
-        if op == "dirty":
-            ids = msg.get("sandboxes")
-            if not isinstance(ids, list):
-                return self._bad("dirty: 'sandboxes' must be a list of ids")
-            try:
-                sids = [check_id(s, "sandbox id") for s in ids]
-            except IdError as err:
-                return self._bad(f"dirty: {err}")
-            if "wait" not in msg:
-                return {"ok": True, "queued": self.notify(sids)}
-            wait = msg["wait"]
-            if (
-                isinstance(wait, bool)
-                or not isinstance(wait, (int, float))
-                or not (math.isfinite(wait) and 0 < wait <= MAX_WAIT)
-            ):
-                return self._bad(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
-            guest_map = msg.get("guest_map", "before")
-            if guest_map not in ("before", "after"):
-                return self._bad("dirty: 'guest_map' must be \"before\" or \"after\" the answer")
-            maps_first = guest_map == "before"
+            msg = read_request(line)
+        except WireError as err:
+            return self._bad(str(err))
+        if isinstance(msg, Dirty):
+            if msg.wait is None:
+                return DirtyReply(self.notify(msg.sandboxes)).to_obj()
             if answer is None:
-                return self.notify_and_wait(sids, float(wait), maps_first=maps_first)
-            self.notify_and_wait(sids, float(wait), answer, maps_first=maps_first)
+                return self.notify_and_wait(msg.sandboxes, msg.wait, maps_first=msg.maps_first)
+            self.notify_and_wait(msg.sandboxes, msg.wait, answer, maps_first=msg.maps_first)
             return None
-        if op == "status":
-            sid = msg.get("sandbox")
-            return self.status(sid if isinstance(sid, str) else None)
-        if op == "reconcile":
-            self.request_pass()
-            return {"ok": True}
-        return self._bad(f"unknown op {op!r} (dirty, status, reconcile)")
+        if isinstance(msg, Status):
+            return self.status(msg.sandbox)
+        assert isinstance(msg, Reconcile)
+        self.request_pass()
+        return dict(OK)
 
     def _bad(self, error: str) -> dict[str, Any]:
         self.metrics.errors.labels("control").inc()
         unsaid = self._bad_said.due(("control", "bad request"))
         if unsaid is not None:
             log_event(logging.WARNING, "bad control request", error=error, unsaid=unsaid)
-        return {"ok": False, "error": error}
+        return refused(error)
 
     def notify(self, sandbox_ids: list[str], *, urgent: bool = False) -> int:
         """Mark sandboxes dirty (their new level is already in the store); how many queued.

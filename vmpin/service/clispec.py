@@ -1,24 +1,35 @@
-"""The command line's names, written once: every global option, and the hot commands' options.
+"""The command line, declared once: every command, its arguments, options and help; and the
+one parser that reads argv with it.
 
-Two readers, one table.  The typer app (:mod:`vmpin.cli`) declares its options from these
-entries (flags and help), and the fast route (:mod:`vmpin.service.commands`, reached from
-:mod:`vmpin.entry` without importing typer or pydantic) parses argv with them; so the two
-cannot disagree about a name, or about whether an option takes a value.
-``tests/service/test_cli.py`` checks that the typer app declares exactly these, and that both
-routes give the same stdout, stderr and exit code for the same argv.
+Two readers, one table.  :func:`parse` reads argv for every command that runs
+(:mod:`vmpin.entry` hands the result to :func:`vmpin.service.commands.run`), without
+importing typer: typer imports pydantic and builds a TypeAdapter per option on every run
+(~80 ms, against ~8 ms for a bare interpreter), most of what ``vmpin update`` or a read
+command would cost.  :mod:`vmpin.cli` builds the typer app from the same entries, for what
+:func:`parse` does not accept -- ``--help``, a typo, a missing argument -- which typer
+explains (its help and usage texts, exit 2), so help and parser cannot disagree about a name,
+a default or whether an option takes a value.
 
-No imports at all: :mod:`vmpin.entry` loads this for every command but the hooks (which
-parse their few host-root options themselves: ``vmpin.entry.GLOBAL_OPTIONS``, the entries
-marked ``path`` here; a test keeps the two equal).
+The global options (and click's grammar of one option) are :mod:`vmpin.wire.argv`'s: the
+hooks read them there without loading this table.
 """
 
 from __future__ import annotations
+
+import os
+
+from vmpin.wire.argv import GLOBALS, split_globals, take
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class Opt:
     """One option: its flags, the key its value is handed over under, and its help."""
 
-    __slots__ = ("convert", "default", "envvar", "flags", "help", "key", "path", "value")
+    __slots__ = ("convert", "default", "envvar", "flags", "help", "key", "metavar", "multiple",
+                 "required", "value")  # fmt: skip
 
     def __init__(
         self,
@@ -26,203 +37,294 @@ class Opt:
         key: str,
         help: str,
         value: bool = True,
-        path: bool = False,
         *,
         convert: type[float] | type[int] | None = None,
-        default: float | None = None,
+        default: float | str | None = None,
         envvar: str | None = None,
+        metavar: str | None = None,
+        multiple: bool = False,
+        required: bool = False,
     ) -> None:
         self.flags, self.key, self.help = flags, key, help
         #: takes a value (``--opt V`` / ``--opt=V``); False: a flag
         self.value = value
-        #: a host root of HostPaths (the hook takes these from its own argv too)
-        self.path = path
-        #: ``float`` or ``int``: the value's type (click converts with the same builtin; a
+        #: ``float`` or ``int``: the value's type (typer converts with the same builtin; a
         #: value it refuses goes to typer, which explains)
         self.convert = convert
-        #: the value when the option is not given (the typer app declares the same)
+        #: the value when the option is not given (None for a flag: False)
         self.default = default
-        #: the environment variable typer falls back to when the option is not given
+        #: the environment variable read when the option is not given (an empty one is none)
         self.envvar = envvar
+        self.metavar = metavar
+        #: may be given several times: the values as a list (None when never given)
+        self.multiple = multiple
+        self.required = required
 
 
 class Arg:
     """One positional argument: its metavar, the key it is handed over under, and its help."""
 
-    __slots__ = ("help", "key", "metavar")
+    __slots__ = ("help", "key", "metavar", "required")
 
-    def __init__(self, metavar: str, key: str, help: str) -> None:
-        self.metavar, self.key, self.help = metavar, key, help
+    def __init__(self, metavar: str, key: str, help: str, required: bool = True) -> None:
+        self.metavar, self.key, self.help, self.required = metavar, key, help, required
 
 
 class Command:
-    """A command the fast route runs: its positional arguments and its options."""
+    """A command: its help (typer's, as a docstring would give it), positional arguments and
+    options; ``loose``: unknown options are taken as arguments (the OCI hook's); ``own``: it
+    reads its own argv (the guest's commands, which vmpin.entry hands theirs: their options
+    here are what ``--help`` shows)."""
 
-    __slots__ = ("args", "options")
+    __slots__ = ("args", "help", "loose", "options", "own")
 
-    def __init__(self, args: tuple[Arg, ...], options: tuple[Opt, ...]) -> None:
-        self.args, self.options = args, options
+    def __init__(
+        self, help: str, args: tuple[Arg, ...] = (), options: tuple[Opt, ...] = (),
+        loose: bool = False, own: bool = False,
+    ) -> None:  # fmt: skip
+        self.help, self.args, self.options, self.loose = help, args, options, loose
+        self.own = own
 
 
-#: DESIGN.md's global options (each also an environment variable, read by Settings.from_env);
-#: keys are those of ``Settings.from_env``'s overrides.
-GLOBALS = (
-    Opt(("--state-dir",), "state_dir",
-        "Where vmpin keeps its SQLite state. [env: VMPIN_STATE_DIR]", path=True),
-    Opt(("--vm-dir",), "vm_dir",
-        "Kata's VM dir: <vm-dir>/<sandbox>/{pid,qmp.sock}. [env: VMPIN_VM_DIR]", path=True),
-    Opt(("--proc-root",), "proc", "procfs root. [env: VMPIN_PROC_ROOT]", path=True),
-    Opt(("--sysfs-root",), "sys", "sysfs root. [env: VMPIN_SYSFS_ROOT]", path=True),
-    Opt(("--cgroup-root",), "cgroup", "cgroup filesystem root. [env: VMPIN_CGROUP_ROOT]",
-        path=True),
-    Opt(("--runc-root",), "runc_root",
-        "runc's state roots (runc --root), ':'-separated; DIR/* = every directory in"
-        " DIR. Default /run/runc:/run/containerd/runc/* (containerd: one root per"
-        " namespace). [env: VMPIN_RUNC_ROOT]", path=True),
-    Opt(("--kubelet-state",), "kubelet_state",
-        "kubelet's cpu_manager_state (read only). [env: VMPIN_KUBELET_STATE]", path=True),
-    Opt(("--kubelet-config",), "kubelet_config",
-        "kubelet's configuration file (read only): its reserved CPUs and CPU manager policy"
-        " options, which vmpin's own allocation follows (docs/allocation.md). Default"
-        " /var/lib/kubelet/config.yaml. [env: VMPIN_KUBELET_CONFIG]", path=True),
-    Opt(("--publish-dir",), "publish_dir",
-        "[env: VMPIN_PUBLISH_DIR] Host dir shared with each guest, where guest maps are"
-        " published (<dir>/<sandbox>/mounts/vmpin/guest-map.json; may hold a {sandbox}"
-        " template).", path=True),
-    Opt(("--kata-config",), "kata_config",
-        "[env: VMPIN_KATA_CONFIG] Kata's configuration files, read for its own vCPU pinning"
-        " ([runtime] enable_vcpus_pinning): ':'-separated, 'A|B' = the first of A and B that"
-        " exists, '*' in a file name; 'none' (default: Kata's and kata-deploy's paths).",
-        path=True),
-    Opt(("--helper-policy",), "helpers",
-        "[env: VMPIN_HELPER_POLICY] Emulator/iothread/vhost placement: share (the sandbox"
-        " mask), isolate, none."),
-    Opt(("--housekeeping",), "housekeeping",
-        "CPU list for helper threads under 'isolate'. [env: VMPIN_HOUSEKEEPING]"),
-    Opt(("--vcpu-policy",), "vcpus", "auto (1:1 where correct) or float. [env: VMPIN_VCPU_POLICY]"),
-    Opt(("--guest-float",), "guest_float",
-        "[env: VMPIN_GUEST_FLOAT] Guest map under a floating plan: all vCPUs, or a"
-        " proportional share."),
-    Opt(("--libvirt",), "libvirt",
-        "[env: VMPIN_LIBVIRT] libvirt connections whose domains are sandboxes:"
-        " comma-separated URIs, 'kubevirt' for every virt-launcher's daemon, 'none'"
-        " (default qemu:///system when its daemon runs; docs/libvirt.md)."),
+APP_HELP = (
+    "Pin Kata sandboxes' QEMU threads and plain containers to the CPUs kubelet gave them.\n\n"
+    "Global options must come before the command, e.g. `vmpin --state-dir /tmp/s containers`."
 )
-G = {o.key: o for o in GLOBALS}
+VERSION_HELP = "Print the version and exit."
+GUEST_HELP = "Guest side: run inside the VM from Kata's guest_hook_path."
 
 JSON = Opt(("--json",), "as_json", "Print JSON for scripts instead of a table.", value=False)
-CPUSET_CPUS = Opt(("--cpuset-cpus",), "cpuset_cpus",
-                  "New CPU list, e.g. 0-3,8 (as runc update).")
-RESOURCES = Opt(("-r", "--resources"), "resources",
-                "OCI LinuxResources JSON file, or - for stdin (as runc update -r).")
 KUBECONFIG = Opt(("--kubeconfig",), "kubeconfig",
                  "kubeconfig for the Kubernetes API (default: in-cluster, $KUBECONFIG).",
                  envvar="VMPIN_KUBECONFIG")
-#: ``serve``'s options (issue 14: typer and pydantic are ~7 MB of the agent's RSS)
-INTERVAL = Opt(("--interval",), "interval", "Seconds between full repair passes.",
-               convert=float, default=5.0)
-WORKERS = Opt(("--workers",), "workers",
-              "Kept for compatibility (1-64): passes are node-wide, one planner.",
-              convert=int, default=2)
-METRICS_PORT = Opt(("--metrics-port",), "metrics_port",
-                   "Prometheus metrics port (0 = off).", convert=int, default=9464)
-METRICS_ADDRESS = Opt(("--metrics-address",), "metrics_address",
-                      "Address the metrics port binds: 127.0.0.1 (the default) keeps it on the"
-                      " node; the node's IP (or 0.0.0.0) lets a cluster Prometheus scrape it.",
-                      envvar="VMPIN_METRICS_ADDRESS")
-NODE_NAME = Opt(("--node-name",), "node_name",
-                "This node's name in the API (default: hostname).", envvar="NODE_NAME")
-ONCE = Opt(("--once",), "once", "Run one repair pass and exit.", value=False)
 CONTAINER = Arg("CONTAINER", "container", "Container id.")
 SANDBOX = Arg("SANDBOX", "sandbox", "Sandbox id.")
 
-#: the commands vmpin.entry runs without typer (issue 14: update and the read commands;
-#: issue 28: reconcile --once, as lean as update).
-FAST = {
-    "update": Command((CONTAINER,), (CPUSET_CPUS, RESOURCES, JSON)),
-    "reconcile": Command((), (ONCE, JSON)),
-    "containers": Command((), (JSON,)),
-    "sandboxes": Command((), (JSON,)),
-    "show": Command((SANDBOX,), (JSON,)),
-    "audit": Command((), (JSON,)),
-    "serve": Command((), (INTERVAL, WORKERS, METRICS_PORT, METRICS_ADDRESS, KUBECONFIG,
-                          NODE_NAME)),
+#: every command, in the order ``vmpin --help`` lists them; ``guest X`` is X of the guest group
+COMMANDS = {
+    "hook": Command(
+        "OCI hook: read the OCI state on stdin, record/forget the container, re-pin its"
+        " sandbox.\n\nFail-open by default: a problem prints one line on stderr and exits 0.",
+        (Arg("STAGE", "stage", "prestart, createRuntime, createContainer, startContainer,"
+             " poststart or poststop."),),
+        (Opt(("--strict",), "strict",
+             "Fail the container start on any problem (default: fail open).", value=False),),
+        loose=True,
+    ),
+    "update": Command(
+        "Record a container's new CPU set (CRI UpdateContainerResources) and re-pin its"
+        " sandbox.",
+        (CONTAINER,),
+        (Opt(("--cpuset-cpus",), "cpuset_cpus", "New CPU list, e.g. 0-3,8 (as runc update)."),
+         Opt(("-r", "--resources"), "resources",
+             "OCI LinuxResources JSON file, or - for stdin (as runc update -r)."),
+         JSON),
+    ),
+    "containers": Command(
+        "List tracked containers with their CPU sets (fresh from runc and kubelet).", (), (JSON,)
+    ),
+    "sandboxes": Command(
+        "List tracked sandboxes: runtime, VMM pid, mask (union of container CPU sets).", (),
+        (JSON,),
+    ),
+    "show": Command(
+        "One sandbox: its threads with role, desired and actual affinity, and its guest map.",
+        (SANDBOX,), (JSON,),
+    ),
+    "guest-map": Command(
+        "A container's host CPUs and the guest vCPUs they are under the current plan.",
+        (CONTAINER,), (JSON,),
+    ),
+    "topology": Command("The host's CPU topology and the order 1:1 plans follow.", (), (JSON,)),
+    "audit": Command(
+        "The node-wide invariant: every VMM thread and runc container against the node plan\n"
+        "(drift, double-pin, foreign-on-exclusive, conflict, stale-pin, error); exit 1 on any.",
+        (), (JSON,),
+    ),
+    "demo": Command(
+        "Show what vmpin does, on this machine, in under a minute: start a throwaway VM the"
+        " way\nKata starts QEMU and a runc container, run vmpin's hooks for them, print each"
+        " thread's\naffinity before and after, move the container's CPUs as kubelet would and"
+        " show the\nre-pin, run the audit, then remove everything it made (also on Ctrl-C). "
+        " Needs root,\nqemu-system-x86, runc and busybox-static.  The node's own state is never"
+        " touched."
+    ),
+    "explain": Command(
+        "Who is on a CPU and why (kubelet's claim, each sandbox's mask and the containers that\n"
+        "made it, every thread planned or running there and the rule that put it there); or"
+        " what a\npod or container gets, and why.  Nothing is written.",
+        (Arg("CPU|CONTAINER|POD", "what", "A CPU number; else a container id; else a pod (uid,"
+             " name, namespace/name) or sandbox id."),),
+        (JSON,),
+    ),
+    "reconcile": Command(
+        "Repair drift: re-pin whatever differs from the plan, touch nothing already right.", (),
+        (Opt(("--once",), "once", "Run one repair pass and exit.", value=False), JSON),
+    ),
+    "schema": Command(
+        "The JSON Schema of each --json output (keys scripts may rely on; extra keys may come).",
+        (Arg("COMMAND", "command", "A command with --json output (default: all).",
+             required=False),),
+    ),
+    "serve": Command(
+        "Run the node agent: control socket, coalesced event handling, periodic repair.\n\n"
+        "With Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG) it also"
+        " watches\nthis node's pods for per-pod policy, records Events and writes the"
+        " NodePinning report.",
+        (),
+        (Opt(("--interval",), "interval", "Seconds between full repair passes.", convert=float,
+             default=5.0),
+         Opt(("--workers",), "workers",
+             "Kept for compatibility (1-64): passes are node-wide, one planner.", convert=int,
+             default=2),
+         Opt(("--metrics-port",), "metrics_port", "Prometheus metrics port (0 = off).",
+             convert=int, default=9464),
+         Opt(("--metrics-address",), "metrics_address",
+             "Address the metrics port binds: 127.0.0.1 (the default) keeps it on the node; the"
+             " node's IP (or 0.0.0.0) lets a cluster Prometheus scrape it.",
+             envvar="VMPIN_METRICS_ADDRESS"),
+         KUBECONFIG,
+         Opt(("--node-name",), "node_name", "This node's name in the API (default: hostname).",
+             envvar="NODE_NAME")),
+    ),
+    "cluster": Command(
+        "Every node's pinning report through the Kubernetes API; exit 1 unless all are clean.",
+        (), (KUBECONFIG, JSON),
+    ),
+    "status": Command(
+        "The agent's health; exit 0 when it answers on its control socket, 1 when not.", (),
+        (JSON,),
+    ),
+    "doctor": Command(
+        "Check the state dir; move a corrupt store aside and rebuild it from the host.", (),
+        (Opt(("--dry-run",), "dry_run", "Only check; move and rebuild nothing.", value=False),),
+    ),
+    "install": Command(
+        "Put vmpin's hook on a node (kata-deploy style): one self-contained hook file for the\n"
+        "host's python3, hooks.d files for CRI-O/podman, base specs and config.toml lines for\n"
+        "containerd, and a manifest of all of it (docs/hooks.md, \"Installing on a node\").",
+        (),
+        (Opt(("--root",), "root",
+             "The node's root as this process sees it: / on the node, /host in an init"
+             " container that has the node's / mounted there.", required=True),
+         Opt(("--prefix",), "prefix", "Where vmpin's own files go (a host path).",
+             default="/opt/vmpin"),
+         Opt(("--runtime",), "runtime",
+             "Comma-separated engines to hook: containerd (base specs, config.toml), crio and"
+             " podman (hooks.d).", default="containerd,crio,podman"),
+         Opt(("--env",), "env",
+             "The hook's environment beyond PATH, e.g. VMPIN_HELPER_POLICY=isolate (the"
+             " agent's values: both plan). Repeat for more.", metavar="NAME=VALUE",
+             multiple=True),
+         Opt(("--hooks-dir",), "hooks_dir",
+             "hooks.d directory for CRI-O and podman (a host path; CRI-O's default hooks_dir,"
+             " which podman reads too).", default="/usr/share/containers/oci/hooks.d"),
+         Opt(("--containerd-config",), "containerd_config", "containerd's config (a host path).",
+             default="/etc/containerd/config.toml"),
+         Opt(("--python",), "python",
+             "How to run the host's python3, which compiles the hook's bytecode (default:"
+             " python3 on the hooks' PATH, under chroot ROOT unless ROOT is /); 'none': this"
+             " Python's bytecode only."),
+         Opt(("--ctr",), "ctr",
+             "How to run the host's ctr, whose `ctr oci spec` starts the base specs (default:"
+             " ctr on the hooks' PATH, under chroot ROOT unless ROOT is /); 'none': the"
+             " packaged default spec.")),
+    ),
+    "uninstall": Command(
+        "Remove what `vmpin install` wrote under ROOT and put back every file it replaced, as\n"
+        "its manifest records (an error when there is none).",
+        (),
+        (Opt(("--root",), "root", "The node's root, as for install.", required=True),
+         Opt(("--prefix",), "prefix", "The prefix install was given.", default="/opt/vmpin")),
+    ),
+    "guest hook": Command(
+        "Inside the guest: pin the starting container to its mapped vCPUs (fail-open).\n\n"
+        "Options (--strict, --verbose, --widen-parents, --wait, --map): `vmpin guest hook -h`;\n"
+        "the channel is described in docs/guest.md.",
+        (Arg("STAGE", "stage", "prestart, poststart or poststop."),),
+        own=True,
+    ),
+    "guest follow": Command(
+        "Inside the guest: re-pin recorded containers when the host republishes their vCPUs.\n\n"
+        "Reached here only for --help (vmpin.entry runs it without typer); all options\n"
+        "(--strict, --verbose, --map, --state, ...): `vmpin guest follow -h`; docs/guest.md.",
+        (),
+        (Opt(("--once",), "once", "One pass, then exit.", value=False),
+         Opt(("--interval",), "interval", "Seconds between looks at the map.", convert=float,
+             default=2.0)),
+        own=True,
+    ),
 }
 
-
-def _take(
-    argv: list[str], i: int, table: dict[str, Opt]
-) -> tuple[Opt, str | bool | float, int] | None:
-    """The option at ``argv[i]``, its value and the next index; None when not plainly one."""
-    name, eq, value = argv[i].partition("=")
-    opt = table.get(name)
-    if opt is None:
-        return None
-    if not opt.value:
-        return None if eq else (opt, True, i + 1)
-    if eq:
-        nxt = i + 1
-    elif i + 1 >= len(argv) or (argv[i + 1].startswith("-") and argv[i + 1] != "-"):
-        return None  # click would take it as the value anyway; let it say so
-    else:
-        value, nxt = argv[i + 1], i + 2
-    if opt.convert is not None:
-        try:
-            return opt, opt.convert(value), nxt
-        except ValueError:
-            return None
-    return opt, value, nxt
+#: the options before the command: the global ones, and ``--version``
+GROUP_FLAGS = {**dict.fromkeys(GLOBALS, True), "--version": False}
 
 
-def _flags(opts: tuple[Opt, ...]) -> dict[str, Opt]:
-    return {flag: o for o in opts for flag in o.flags}
-
-
-def split_globals(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
-    """Take the leading global options off ``argv``: ({key: value}, the rest); None when an
-    option leads that is not one, or repeats."""
-    table = _flags(GLOBALS)
-    given: dict[str, str] = {}
-    i = 0
-    while i < len(argv) and argv[i].startswith("-"):
-        took = _take(argv, i, table)
-        if took is None or took[0].key in given:
-            return None
-        opt, value, i = took
-        given[opt.key] = str(value)
-    return given, argv[i:]
-
-
-def parse(
-    argv: list[str],
-) -> tuple[dict[str, str], str, dict[str, str | bool | float | None]] | None:
-    """``argv`` as the fast route runs it: (global options, command, its values); None when
-    it is anything else -- another command, --help, an unknown or repeated option, a missing
-    or extra argument -- which then goes to typer, the one that explains usage."""
-    split = split_globals(argv)
-    if split is None or not split[1] or split[1][0] not in FAST:
+def parse(argv: list[str]) -> tuple[dict[str, str], str, dict[str, Any]] | None:
+    """``argv`` as it runs: (the global options given, by key; the command, a key of
+    :data:`COMMANDS` or ``--version``; its values, by key, defaults filled in); None when
+    typer must explain it -- ``--help``, no command, an unknown or misused option, a missing
+    or extra argument, a value its type refuses -- and for the guest's commands, which read
+    their own argv."""
+    split = split_globals(argv, GROUP_FLAGS)
+    if split is None:
         return None
     given, rest = split
-    name, spec = rest[0], FAST[rest[0]]
-    table = _flags(spec.options)
-    values: dict[str, str | bool | float | None] = {
-        o.key: o.default if o.value else False for o in spec.options
-    }
-    seen: set[str] = set()
-    positional: list[str] = []
-    i = 1
-    while i < len(rest):
-        if rest[i].startswith("-") and rest[i] != "-":
-            took = _take(rest, i, table)
-            if took is None or took[0].key in seen:
-                return None
-            opt, value, i = took
-            seen.add(opt.key)
-            values[opt.key] = value
-        else:
-            positional.append(rest[i])
-            i += 1
-    if len(positional) != len(spec.args):
+    if "--version" in given:  # (eager, as typer's: whatever follows)
+        return {}, "--version", {}
+    name = " ".join(rest[:2]) if rest[:1] == ["guest"] else " ".join(rest[:1])
+    spec = COMMANDS.get(name)
+    values = None if spec is None or spec.own else _values(spec, rest[name.count(" ") + 1:])
+    if values is None:
         return None
-    values.update((a.key, v) for a, v in zip(spec.args, positional, strict=True))
-    return given, name, values
+    return {GLOBALS[flag][0]: str(value) for flag, value in given.items()}, name, values
+
+
+def _values(spec: Command, words: list[str]) -> dict[str, Any] | None:
+    """A command's words as click reads them (options anywhere, ``--`` ends them, the last
+    of a repeated option wins), by key; None as for :func:`parse`."""
+    flags = {flag: o.value for o in spec.options for flag in o.flags}
+    options = {flag: o for o in spec.options for flag in o.flags}
+    values: dict[str, Any] = {}
+    positional: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            positional += words[i + 1:]
+            break
+        if word[:1] != "-" or word == "-":
+            positional.append(word)
+            i += 1
+            continue
+        if word in ("-h", "--help"):
+            return None
+        took = take(words, i, flags)
+        if took is None:
+            if not spec.loose:
+                return None
+            positional.append(word)
+            i += 1
+            continue
+        flag, value, i = took
+        o = options[flag]
+        if o.multiple:
+            values.setdefault(o.key, []).append(value)
+        else:
+            values[o.key] = True if value is None else value
+    if not sum(a.required for a in spec.args) <= len(positional) <= len(spec.args):
+        return None
+    for n, a in enumerate(spec.args):
+        values[a.key] = positional[n] if n < len(positional) else None
+    for o in spec.options:
+        if o.key not in values:
+            if o.required:
+                return None
+            from_env = os.environ.get(o.envvar) if o.envvar else None
+            values[o.key] = from_env or (o.default if o.value else False)
+        if o.convert is not None:
+            try:
+                values[o.key] = o.convert(values[o.key])
+            except ValueError:
+                return None
+    return values

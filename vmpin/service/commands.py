@@ -1,17 +1,15 @@
-"""The hot commands' bodies -- ``update``, ``containers``, ``sandboxes``, ``show``, ``audit``,
-``serve`` --
-and the one place a command's error becomes a message and an exit code.
+"""Every command's body, and :func:`run`: the one way a command runs, and the one place its
+errors become a message and an exit code.
 
-Free of typer and pydantic, so that two routes run the same code (issue 14): the typer app
-(:mod:`vmpin.cli`, whose commands call these and whose ``--help`` explains them), and the
-fast route :func:`fast`, which :mod:`vmpin.entry` takes when argv is plainly one of these
-commands (parsed with :mod:`vmpin.service.clispec`, the table the typer app is declared
-from).  Each body prints and returns its exit code; output, error lines and exit codes are
-therefore the same whichever route ran it (``tests/service/test_cli.py`` compares them).
+Argv is read by :func:`vmpin.service.clispec.parse` (or, for what it refuses, by the typer
+app, which explains it), and ``run`` hands the values to the command's body under the
+option's key: each body prints and returns its exit code.  Free of typer and pydantic at
+import (issue 14: a read command or ``update`` would pay ~80 ms for them); a body imports
+what only it needs.
 
-``--json`` views are checked against their pydantic models (:mod:`vmpin.reconcile.views`)
-only when ``VMPIN_CHECK_VIEWS`` is set -- the tests set it for every vmpin they start --
-because importing pydantic would cost a read command four bare interpreters.
+``--json`` views are checked against their pydantic models (:mod:`vmpin.wire.viewschema`) only
+when ``VMPIN_CHECK_VIEWS`` is set -- the tests set it for every vmpin they start -- because
+importing pydantic would cost a read command four bare interpreters.
 """
 
 from __future__ import annotations
@@ -24,11 +22,12 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
+from vmpin.state.reader import Reader
 from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
-from vmpin.state.store import ContainerRec, Store
-from vmpin.wire import jsonio
+from vmpin.state.store import Store
+from vmpin.wire import jsonio, views
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
 
 #: set (to anything but "" or "0") to validate every --json view against its model first
-CHECK_VIEWS = "VMPIN_CHECK_VIEWS"
 
 
 class Ctx:
@@ -73,7 +71,7 @@ class Ctx:
         """The store for commands that write (update, reconcile, serve): created if missing."""
         return Store(self.paths.state_dir)
 
-    def reader(self) -> Store:
+    def reader(self) -> Reader:
         """The store for read-only commands: never written.
 
         The node's state dir (the default one, or any that exists) holding nothing yet is a
@@ -115,7 +113,7 @@ class Ctx:
 
     def reconciler(
         self,
-        store: Store | None = None,
+        store: Reader | None = None,
         *,
         ingest_first: bool = True,
         hold_maps: bool = False,
@@ -142,10 +140,10 @@ def echo(line: str = "") -> None:
     print(line)
 
 
-def emit(data: Any, view: str) -> None:
+def emit(c: Ctx, data: Any, view: str) -> None:
     """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS)."""
-    if os.environ.get(CHECK_VIEWS, "") not in ("", "0"):
-        from vmpin.reconcile.views import check
+    if c.settings.check_views:
+        from vmpin.wire.viewschema import check
 
         check(view, data)
     echo(jsonio.dumps(data, indent=2))
@@ -157,22 +155,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for r in cells:
         echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
-
-
-def container_json(c: ContainerRec, runtime: str | None) -> dict[str, Any]:
-    return {
-        "id": c.id,
-        "sandbox": c.sandbox_id,
-        "name": c.name,
-        "cpus": cpus(c.cpus),
-        "runtime": runtime,
-        "is_sandbox": c.is_sandbox,
-        "pod_uid": c.pod_uid,
-        "pod_name": c.pod_name,
-        "pod_namespace": c.pod_namespace,
-        "cpus_source": c.cpus_source,
-        "pid": c.pid,
-    }
 
 
 # -- update ---------------------------------------------------------------------------------
@@ -189,7 +171,7 @@ def update(
     domain = _update_domain(c, container, cpuset_cpus, resources, deadline)
     if domain is not None:
         if as_json:
-            emit(domain, "update")
+            emit(c, domain, "update")
         else:
             echo(f"{domain['id']}: cpus {domain['cpus'] or '-'} (libvirt domain metadata)")
         return 0
@@ -202,7 +184,7 @@ def update(
         deadline=deadline,
     )
     if as_json:
-        emit(result, "update")
+        emit(c, result, "update")
     else:
         echo(
             f"{result['id']}: cpus {result['cpus'] or '-'} "
@@ -235,11 +217,11 @@ def _update_domain(
     errors = [e for r in reports for e in r.errors]
     if errors:
         raise StateError(f"domain {d.name}: {errors[0]}")
-    return {"id": d.name, "sandbox": d.uuid, "cpus": cpus(new), "applied_by": "libvirt"}
+    return views.update(id=d.name, sandbox=d.uuid, cpus=cpus(new), applied_by="libvirt")
 
 
 # -- read commands: observe and plan, nothing written ---------------------------------------
-def node_plan(c: Ctx, store: Store, scope: Scope | None = None) -> NodePlan:
+def node_plan(c: Ctx, store: Reader, scope: Scope | None = None) -> NodePlan:
     """The node as the host shows it now (pure: observe and plan, nothing written), within
     ``scope``: what the view prints, read fresh, and nothing it does not (observe.Scope)."""
     plan: NodePlan = c.reconciler(store).plan(scope=scope)
@@ -281,13 +263,15 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
         fresh = {c.rec.id: c.rec for c in sp.containers}
         for c in sp.obs.containers:
             rec = fresh.get(c.rec.id, c.rec)
-            row = container_json(rec, sp.runtime)
-            row["stored_cpus"] = cpus(c.rec.cpus)
             # (a pod's allocation is the plan's, not news from the host: issue 30)
             differs = rec.cpus != c.rec.cpus and rec.cpus_source != "vmpin-alloc"
-            row["host_differs"] = differs or c.rec.id in gone
-            row["gone"] = c.rec.id in gone
-            rows.append(row)
+            rows.append(views.container(
+                id=rec.id, sandbox=rec.sandbox_id, name=rec.name, cpus=cpus(rec.cpus),
+                runtime=sp.runtime, is_sandbox=rec.is_sandbox, pod_uid=rec.pod_uid,
+                pod_name=rec.pod_name, pod_namespace=rec.pod_namespace,
+                cpus_source=rec.cpus_source, pid=rec.pid, stored_cpus=cpus(c.rec.cpus),
+                host_differs=differs or c.rec.id in gone, gone=c.rec.id in gone,
+            ))  # fmt: skip
     return rows
 
 
@@ -298,20 +282,20 @@ def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
     with c.store() as store:
         reports = c.reconciler(store).reconcile(apply=True)
     out: list[dict[str, Any]] = [
-        {
-            "id": r.id,
-            "runtime": r.runtime,
-            "mode": r.mode,
-            "mask": r.mask.to_list(),
-            "repaired": r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
-            "vanished": r.vanished,
-            "errors": r.errors,
-            "threads": [t.to_json() for t in r.threads if t.action != "ok"],
-        }
+        views.reconcile_item(
+            id=r.id,
+            runtime=r.runtime,
+            mode=r.mode,
+            mask=r.mask.to_list(),
+            repaired=r.changed + sum(1 for d in r.cgroup_drift if d.get("repaired")),
+            vanished=r.vanished,
+            errors=r.errors,
+            threads=[t.to_json() for t in r.threads if t.action != "ok"],
+        )
         for r in reports
     ]
     if as_json:
-        emit(out, "reconcile")
+        emit(c, out, "reconcile")
     else:
         for o in out:
             state = "vanished" if o["vanished"] else f"{o['repaired']} repaired"
@@ -325,7 +309,7 @@ def containers(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         rows = fresh_containers(node_plan(c, store, view_scope("containers")))
     if as_json:
-        emit(rows, "containers")
+        emit(c, rows, "containers")
         return 0
     table(
         ["id", "sandbox", "name", "cpus", "runtime", "source"],
@@ -361,31 +345,31 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
         vmm = sp.obs.vmm
         mask = _mask(sp)
         out.append(
-            {
-                "id": s.id,
-                "runtime": sp.runtime,
-                "vmm_pid": vmm.pid if vmm is not None else None,
-                "mask": sp.mask.to_list() if sp.runtime == "kata" and sp.plan else mask,
-                "containers": [
-                    {
-                        "id": k.rec.id,
-                        "name": k.rec.name,
-                        "cpus": cpus(k.rec.cpus),
-                        "is_sandbox": k.rec.is_sandbox,
-                    }
+            views.sandbox(
+                id=s.id,
+                runtime=sp.runtime,
+                vmm_pid=vmm.pid if vmm is not None else None,
+                mask=sp.mask.to_list() if sp.runtime == "kata" and sp.plan else mask,
+                containers=[
+                    views.sandbox_container(
+                        id=k.rec.id,
+                        name=k.rec.name,
+                        cpus=cpus(k.rec.cpus),
+                        is_sandbox=k.rec.is_sandbox,
+                    )
                     for k in sp.containers
                 ],
-                "pod_uid": s.pod_uid,
-                "pod_name": s.pod_name,
-                "pod_namespace": s.pod_namespace,
-                "dirty": s.dirty,
-                "mode": sp.mode,
-                "stored_mask": stored.to_list(),
-                "host_differs": mask != stored.to_list()
+                pod_uid=s.pod_uid,
+                pod_name=s.pod_name,
+                pod_namespace=s.pod_namespace,
+                dirty=s.dirty,
+                mode=sp.mode,
+                stored_mask=stored.to_list(),
+                host_differs=mask != stored.to_list()
                 or sp.vanished
                 or (vmm.pid if vmm else None) != (s.vmm_pid if s.vmm_start is not None else None),
-                "vanished": sp.vanished,
-            }
+                vanished=sp.vanished,
+            )
         )
     return out
 
@@ -394,7 +378,7 @@ def sandboxes(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
     if as_json:
-        emit(out, "sandboxes")
+        emit(c, out, "sandboxes")
         return 0
     table(
         ["id", "runtime", "vmm_pid", "mask", "containers"],
@@ -415,24 +399,24 @@ def sandboxes(c: Ctx, as_json: bool) -> int:
 
 
 def show_json(r: SandboxReport) -> dict[str, Any]:
-    return {
-        "id": r.id,
-        "runtime": r.runtime,
-        "vmm_pid": r.vmm_pid,
-        "mask": r.mask.to_list(),
-        "mode": r.mode,
-        "reason": r.reason,
-        "layers": r.layers,
-        "threads": [t.to_json() for t in r.threads],
-        "guest_map": r.guest_map,
-        "policy": r.policy_json(),
-        "containers": [{"id": k.id, "name": k.name, "cpus": cpus(k.cpus)} for k in r.containers],
-        "notes": r.notes,
-        "errors": r.errors,
-    }
+    return views.show(
+        id=r.id,
+        runtime=r.runtime,
+        vmm_pid=r.vmm_pid,
+        mask=r.mask.to_list(),
+        mode=r.mode,
+        reason=r.reason,
+        layers=r.layers,
+        threads=[t.to_json() for t in r.threads],
+        guest_map=r.guest_map,
+        policy=r.policy_json(),
+        containers=[{"id": k.id, "name": k.name, "cpus": cpus(k.cpus)} for k in r.containers],
+        notes=r.notes,
+        errors=r.errors,
+    )
 
 
-def domain_report(c: Ctx, store: Store, key: str) -> SandboxReport | None:
+def domain_report(c: Ctx, store: Reader, key: str) -> SandboxReport | None:
     """The report of the libvirt domain named or identified by ``key`` (nothing applied)."""
     domains = c.domains()
     found = domains.find(key) if domains is not None else None
@@ -466,7 +450,7 @@ _POLICY_SOURCES = {
 def show(c: Ctx, sandbox: str, as_json: bool) -> int:
     r = _one(c, sandbox)
     if as_json:
-        emit(show_json(r), "show")
+        emit(c, show_json(r), "show")
         return 0
     echo(
         f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
@@ -508,7 +492,7 @@ def audit(c: Ctx, as_json: bool) -> int:
     with c.reader() as store:
         result = c.reconciler(store).audit(view_scope("audit"))
     if as_json:
-        emit(result, "audit")
+        emit(c, result, "audit")
     else:
         for v in result["violations"]:
             echo(
@@ -536,71 +520,308 @@ def serve(
     node_name: str | None,
     metrics_address: str | None = None,
 ) -> int:
-    """Run the node agent (:func:`vmpin.service.agent.serve`) until SIGTERM / SIGINT.
-
-    On the fast route too (issue 14): typer and pydantic are ~7 MB of the agent's RSS, kept
-    for its whole life, for parsing five options once."""
+    """Run the node agent (:func:`vmpin.service.agent.serve`) until SIGTERM / SIGINT."""
     from vmpin.service.agent import serve as serve_agent
-    from vmpin.service.clispec import KUBECONFIG, METRICS_ADDRESS, NODE_NAME
 
     c.one_shot = False  # a libvirt daemon that starts later is the agent's to handle
-    env = os.environ
-    # what typer reads from the environment for an option not given (an empty one is none)
-    kubeconfig = kubeconfig or env.get(KUBECONFIG.envvar or "") or None
-    node_name = node_name or env.get(NODE_NAME.envvar or "") or None
-    address = metrics_address or env.get(METRICS_ADDRESS.envvar or "") or "127.0.0.1"
     code: int = serve_agent(c, interval=interval, workers=workers, metrics_port=metrics_port,
-                            metrics_address=address, kubeconfig=kubeconfig,
-                            node_name=node_name)  # fmt: skip
+                            metrics_address=metrics_address or "127.0.0.1",
+                            kubeconfig=kubeconfig, node_name=node_name)  # fmt: skip
     return code
 
 
-# -- the two routes -------------------------------------------------------------------------
-def guard(args: list[str], call: Callable[[], int]) -> int:
-    """Run a command; the one place its errors become a message and an exit code.
+# -- the other commands -----------------------------------------------------------------------
+def hook(c: Ctx, stage: str, strict: bool) -> int:
+    """``vmpin hook`` behind a global option that is no host root (``vmpin.entry`` runs the
+    usual hook itself, leaner): the policy given here goes to the hook as an option."""
+    from vmpin.service.hook import main as hook_main
 
-    A VmpinError -- bad input or state -- becomes one line on stderr and the error's code
-    (2); a database failure under a command, one line naming the store, and 2.
-    """
-    try:
-        return call()
-    except VmpinError as e:
-        print(f"vmpin: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except sqlite3.Error as e:  # the database failed under a command: one line, no traceback
-        from vmpin.service.clispec import split_globals
-        from vmpin.state.store import state_error
-
-        # the store the command used: the global option when given, else as Settings says
-        split = split_globals(args)
-        given = {"state_dir": split[0].get("state_dir")} if split is not None else {}
-        state_dir = Settings.from_env(given).paths.state_dir
-        print(f"vmpin: error: {state_error(os.path.join(state_dir, 'state.db'), e)}",
-              file=sys.stderr)
-        return 2
+    code: int = hook_main(c.hook_options(), [stage] + (["--strict"] if strict else []))
+    return code
 
 
-def dispatch(c: Ctx, name: str, values: dict[str, Any]) -> int:
-    """Run the body of command ``name`` (a key of clispec.FAST) with its parsed values."""
-    return BODIES[name](c, **values)
+def guest_map(c: Ctx, container: str, as_json: bool) -> int:
+    with c.reader() as store:
+        k = store.container(container)
+        if k is None:
+            domain = domain_report(c, store, container)
+            if domain is not None and domain.guest_map is not None:
+                (entry,) = domain.guest_map["containers"].values()
+                _print_guest_map(c, entry, as_json)
+                return 0
+            raise StateError(f"unknown container {container!r} (see `vmpin containers`)")
+        sb = store.sandbox(k.sandbox_id)
+        if sb is None:
+            raise StateError(f"container {container!r}: sandbox {k.sandbox_id!r} is not tracked")
+        r = c.reconciler(store).reconcile_sandbox(sb, apply=False)
+    entry = (r.guest_map or {}).get("containers", {}).get(container)
+    if entry is None:
+        entry = views.guest_map(
+            container=container,
+            sandbox=k.sandbox_id,
+            host_cpus=cpus(k.cpus),
+            guest_cpus=None,
+            exact=False,
+            mode=r.mode,
+            reason="no guest map: "
+            + ("a plain container runs in no VM" if r.runtime != "kata" else "no VMM/plan yet"),
+        )
+    _print_guest_map(c, entry, as_json)
+    return 0
 
 
-#: the body of each command of clispec.FAST (the typer app's commands call the same)
+def _print_guest_map(c: Ctx, out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        emit(c, out, "guest-map")
+    else:
+        echo(
+            f"{out['container']} (sandbox {out['sandbox']}): host CPUs "
+            f"{out['host_cpus'] or '-'} -> guest vCPUs {out['guest_cpus'] or '-'}"
+            f"{'' if out['exact'] else '  [' + out['reason'] + ']'}"
+        )
+
+
+def topology(c: Ctx, as_json: bool) -> int:
+    from vmpin.linux.sysfs import read_topology
+
+    data = read_topology(c.paths.sys).to_json()
+    if as_json:
+        emit(c, data, "topology")
+        return 0
+    echo(
+        f"online {data['online']}  offline {data['offline'] or '-'}  "
+        f"isolated {data['isolated'] or '-'}"
+    )
+    echo(
+        f"sockets {data['sockets']}  numa nodes {data['numa_nodes']}  cores "
+        f"{data['cores']}  threads/core {data['threads_per_core']}  "
+        f"L3 groups {data['l3_groups']}"
+    )
+    echo(f"order  {','.join(map(str, data['order']))}")
+    table(
+        ["cpu", "core", "socket", "numa", "l3", "siblings"],
+        [
+            [k["cpu"], k["core"], k["socket"], k["numa"], k["l3"], k["siblings"]]
+            for k in data["cpus"]
+        ],
+    )
+    return 0
+
+
+def demo(c: Ctx) -> int:
+    from vmpin.service.demo import main as run_demo
+
+    code: int = run_demo()
+    return code
+
+
+def explain(c: Ctx, what: str, as_json: bool) -> int:
+    from vmpin.reconcile.explain import explain as explain_what
+
+    with c.reader() as store:
+        reconciler = c.reconciler(store)
+        out = explain_what(reconciler.plan(), reconciler.topology, what)
+    if as_json:
+        emit(c, out, "explain")
+    else:
+        _print_explained(out)
+    return 0
+
+
+def _print_explained(out: dict[str, Any]) -> None:
+    if "cpu" in out:
+        c = out["cpu"]
+        flags = [] if c["online"] else ["offline"]
+        flags += ["isolated"] if c["isolated"] else []
+        echo(f"CPU {c['cpu']}  socket {c['socket']}  core {c['core']}  siblings {c['siblings']}"
+             + (f"  ({', '.join(flags)})" if flags else ""))  # fmt: skip
+        echo(f"kubelet: {c['kubelet']['rule']}")
+        if not c["claimants"]:
+            echo("no sandbox, container or thread vmpin knows of is on it")
+        for x in c["claimants"]:
+            who = x["sandbox"] if x["kind"] == "sandbox" else f"{x['sandbox']} tid {x['tid']}"
+            echo(f"  {x['kind']:<8} {who}: {x['rule']}")
+        return
+    if "container" in out:
+        c = out["container"]
+        echo(f"container {c['container']} ({c['name'] or '-'}) in sandbox {c['sandbox']}"
+             f" [{c['runtime']}]: CPUs {c['cpus'] or '-'}")  # fmt: skip
+        echo(f"  why: {c['rule']}")
+        echo(f"  kubelet says {c['kubelet'] or '-'}, runc {c['runc'] or '-'},"
+             f" cgroup {c['cgroup'] or '-'}, guest vCPUs {c['guest_cpus'] or '-'}")  # fmt: skip
+        return
+    p = out["pod"]
+    pod = p["pod"]
+    echo(f"pod {pod['namespace'] or '-'}/{pod['name'] or '-'} (uid {pod['uid'] or '-'}):"
+         f" sandbox {p['sandbox']} [{p['runtime']}], mask {p['mask'] or '-'}")  # fmt: skip
+    echo(f"  plan {p['mode']}: {p['reason']}")
+    pol = p["policy"]
+    echo(f"  policy vcpus {pol['vcpus']}, helpers {pol['helpers']} (from {pol['source']})")
+    for c in p["containers"]:
+        echo(f"  container {c['name'] or c['id']}: {c['cpus'] or '-'}  ({c['rule']})")
+    for t in p["threads"]:
+        echo(f"  tid {t['tid']} {t['role']}: {t['desired'] or '-'} (now {t['actual'] or '-'})"
+             f"  {t['rule']}")  # fmt: skip
+
+
+def schema(c: Ctx, command: str | None) -> int:
+    import json
+
+    from vmpin.wire.views import VIEWS
+    from vmpin.wire.viewschema import schema as view_schema
+
+    if command is None:
+        data: Any = {name: view_schema(name) for name in VIEWS}
+    elif command not in VIEWS:
+        raise SpecError(f"no --json view for {command!r} (one of: {', '.join(VIEWS)})")
+    else:
+        data = view_schema(command)
+    echo(json.dumps(data, indent=2, sort_keys=False))
+    return 0
+
+
+def cluster(c: Ctx, kubeconfig: str | None, as_json: bool) -> int:
+    from vmpin.core.clusterview import cluster_rows
+    from vmpin.core.errors import KubeError
+    from vmpin.runtimes import kubeapi
+
+    api = kubeapi.connect(kubeconfig)
+    if api is None:
+        raise KubeError("no Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG)")
+    rows = cluster_rows(kubeapi.list_reports(api), time.time())
+    if as_json:
+        emit(c, rows, "cluster")
+    else:
+        table(
+            ["NODE", "STATE", "SANDBOXES", "VIOLATIONS", "CONFLICTS", "EXCLUSIVE", "HEARTBEAT"],
+            [[r["node"], r["state"], r["sandboxes"], r["violations"], r["conflicts"],
+              r["exclusive_cpus"],
+              None if r["heartbeat_age"] is None else f"{r['heartbeat_age']:.0f}s ago"]
+             for r in rows],
+        )  # fmt: skip
+        for r in rows:
+            for conflict in r["conflict_list"]:
+                echo(f"{r['node']}: conflict: {conflict}")
+    return 0 if all(r["state"] == "clean" for r in rows) else 1
+
+
+def status(c: Ctx, as_json: bool) -> int:
+    from vmpin.service.control import request
+    from vmpin.state import journal
+
+    reply = request(c.paths, {"op": "status"}, timeout=2.0)
+    out = reply or views.status(
+        ok=False,
+        error=f"no agent answering on {c.paths.control_socket}",
+        journal_pending=journal.backlog(c.paths.state_dir),
+        journal_bad=journal.quarantined(c.paths.state_dir),
+    )
+    if as_json:
+        emit(c, out, "status")
+    elif reply:
+        echo(" ".join(f"{k}={v}" for k, v in reply.items()))
+    else:
+        echo(out["error"])
+        echo(f"journal_pending={out['journal_pending']} journal_bad={out['journal_bad']}")
+    return 0 if reply and reply.get("ok") else 1
+
+
+def doctor(c: Ctx, dry_run: bool) -> int:
+    from vmpin.service.doctor import doctor as run_doctor
+
+    ok, lines = run_doctor(c.paths, repair=not dry_run)
+    for line in lines:
+        echo(line)
+    return 0 if ok else 1
+
+
+def _command(value: str | None) -> list[str] | None:
+    """A command line option: None = the default, "none" = [] (do not run one)."""
+    import shlex
+
+    if value is None:
+        return None
+    return [] if value.strip() == "none" else shlex.split(value)
+
+
+def _print_report(report: Any) -> int:
+    for line in report.lines:
+        echo(line)
+    sys.stdout.flush()  # (before the warnings, as the lines came first)
+    for line in report.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    return 0
+
+
+def install(
+    c: Ctx, root: str, prefix: str, runtime: str, env: list[str] | None, hooks_dir: str,
+    containerd_config: str, python: str | None, ctr: str | None,
+) -> int:  # fmt: skip
+    from vmpin.service.install import Options
+    from vmpin.service.install import install as run_install
+
+    opts = Options(
+        prefix=prefix,
+        runtimes=tuple(r.strip() for r in runtime.split(",") if r.strip()),
+        env=tuple(env or ()),
+        hooks_dir=hooks_dir,
+        containerd_config=containerd_config,
+        python=_command(python),
+        ctr=_command(ctr),
+    )
+    return _print_report(run_install(root, opts))
+
+
+def uninstall(c: Ctx, root: str, prefix: str) -> int:
+    from vmpin.service.install import uninstall as run_uninstall
+
+    return _print_report(run_uninstall(root, prefix))
+
+
+#: each command's body, by its name in vmpin.service.clispec.COMMANDS (the guest's own
+#: commands but: vmpin.entry runs them, vmpin.guest's)
 BODIES: dict[str, Callable[..., int]] = {
-    "update": update, "reconcile": reconcile, "containers": containers,
-    "sandboxes": sandboxes, "show": show, "audit": audit, "serve": serve,
-}
+    "hook": hook, "update": update, "containers": containers, "sandboxes": sandboxes,
+    "show": show, "guest-map": guest_map, "topology": topology, "audit": audit, "demo": demo,
+    "explain": explain, "reconcile": reconcile, "schema": schema, "serve": serve,
+    "cluster": cluster, "status": status, "doctor": doctor, "install": install,
+    "uninstall": uninstall,
+}  # fmt: skip
 
 
-def fast(args: list[str], given: dict[str, str], name: str, values: dict[str, Any]) -> int:
-    """The fast route: argv already parsed by clispec.parse; what typer's standalone mode
-    would do with an interrupt (exit 130) or a closed stdout (exit 1), done here too."""
+# -- running one ------------------------------------------------------------------------------
+def run(given: dict[str, str], name: str, values: dict[str, Any]) -> int:
+    """Run command ``name`` (a key of :data:`BODIES`, or ``--version``) with the global
+    options ``given`` and its values, as parsed; its exit code.
+
+    The one place a command's errors become a message and a code: a VmpinError -- bad input
+    or state -- is one line on stderr and the error's code (2); a database failure under a
+    command, one line naming the store, and 2; an interrupt, 130; a reader that went away
+    (a closed pipe), 1 and nothing more said.
+    """
+    if name == "--version":
+        from vmpin import __version__
+
+        echo(f"vmpin {__version__}")
+        return 0
     try:
-        return guard(args, lambda: dispatch(Ctx.from_options(dict(given)), name, values))
+        try:
+            return BODIES[name](Ctx.from_options(dict(given)), **values)
+        except VmpinError as e:
+            print(f"vmpin: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except sqlite3.Error as e:  # the database failed under a command: one line
+            from vmpin.state.schema import state_error
+
+            # the store the command used: the global option when given, else as Settings says
+            state_dir = Settings.from_env({"state_dir": given.get("state_dir")}).paths.state_dir
+            print(f"vmpin: error: {state_error(os.path.join(state_dir, 'state.db'), e)}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # as click does: nothing more to say, and no second error when Python flushes stdout
+        # nothing more to say, and no second error when Python flushes stdout at exit
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1

@@ -1,20 +1,21 @@
 """The agent's control socket, client side: how hooks and ``vmpin update`` hand work over.
 
-One JSON object per line, one reply line.  Requests: ``{"op": "dirty", "sandboxes": [...]}``
-(mark sandboxes dirty; the agent plans them, coalesced) and ``{"op": "status"}``.  The socket
-lives in the state dir with mode 0600: only root may ask the agent to act.
+One request line, one reply line, as :mod:`vmpin.wire.control` writes and reads them (the
+agent's side uses it too).  :func:`notify` marks sandboxes dirty (the agent plans them,
+coalesced); ``vmpin status`` asks for ``status``.  The socket lives in the state dir with mode
+0600: only root may ask the agent to act.
 
-``{"op": "dirty", "sandboxes": [...], "wait": SECONDS}`` is the blocking form (hooks and
-``vmpin update``: the invariant must hold when they return).  The agent replies only once a
-node-wide pass that *started after the request arrived* has finished (it saw the caller's
-journaled or stored write) -- ``{"ok": true, "queued": n, "done": true}`` -- or, when that
-takes longer than SECONDS, ``{"ok": true, "queued": n, "done": false}``; the caller then does
-the work itself.  No polling of the store: the reply is the signal.
+``notify(..., wait=SECONDS)`` is the blocking form (hooks and ``vmpin update``: the invariant
+must hold when they return).  The agent replies only once a node-wide pass that *started
+after the request arrived* has finished (it saw the caller's journaled or stored write) --
+``done: true`` -- or, when that takes longer than SECONDS, ``done: false``; the caller then
+does the work itself.  No polling of the store: the reply is the signal.
 
 The client never waits long: the whole exchange (connect, request, answer) ends within
 ``timeout`` (``wait`` for the blocking form), after which the caller does the work itself,
 so a stopped agent slows a container start by at most that (vmpin.service.budget), and a
-dead one by nothing (the socket file is checked before ``socket`` is even imported).  A
+dead one by nothing (the socket file is checked before ``socket``, or the protocol's module,
+is even imported: a plain container's hook on a node without an agent loads neither).  A
 stopped agent's socket still accepts (the kernel queues the connection), so it is the
 answer that is waited for, never longer than that.
 """
@@ -25,12 +26,13 @@ import os
 import time
 
 from vmpin.linux.paths import HostPaths
-from vmpin.wire.jsonio import dumps, loads
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
     from typing import Any
+
+    from vmpin.wire.control import Request
 
 
 #: how long a full backlog is waited out (seconds; at most the request's timeout)
@@ -63,21 +65,31 @@ def _connect(sock: Any, path: str, patience: float) -> None:
         pause = min(pause * 2, 0.05)
 
 
+def _agent_socket(paths: HostPaths) -> str | None:
+    """The agent's socket, None when there is no socket file (no agent: nothing to ask)."""
+    path = paths.control_socket
+    return path if os.path.exists(path) else None
+
+
 def _send(
     paths: HostPaths,
-    message: dict[str, Any],
+    message: Request | Mapping[str, Any],
     timeout: float,
     answer: bool,
     meanwhile: Callable[[], object] | None = None,
 ) -> bytes | None:
-    """Send one request line; None when no agent took it, else its answer (b"" without
+    """Send one request line (``message``: a request of vmpin.wire.control, or any object:
+    tests send what they like); None when no agent took it, else its answer (b"" without
     ``answer``, or when the agent closed without one).  ``meanwhile`` runs once the agent
     has the request, before its answer is read (what raises there is the caller's: only a
     failed exchange means no agent).  The exchange ends within ``timeout`` seconds in all
     (an answer not complete by then: no agent)."""
-    path = paths.control_socket
-    if not os.path.exists(path):
+    path = _agent_socket(paths)
+    if path is None:
         return None
+    from vmpin.wire.control import request_to_json
+
+    line = request_to_json(message)
     deadline = time.monotonic() + timeout
     # _socket, not socket: socket.py imports enum, selectors and functools (~2 ms of a hook)
     # for features a one-line exchange does not use.  _socket's sockets are close-on-exec.
@@ -92,7 +104,7 @@ def _send(
         try:
             sock.settimeout(timeout)
             _connect(sock, path, min(timeout, CONNECT_PATIENCE))
-            sock.sendall(dumps(message).encode() + b"\n")
+            sock.sendall(line)
         except OSError:
             return None
         if meanwhile is not None:
@@ -116,7 +128,7 @@ def _send(
 
 def request(
     paths: HostPaths,
-    message: dict[str, Any],
+    message: Request | Mapping[str, Any],
     timeout: float = 1.0,
     meanwhile: Callable[[], object] | None = None,
 ) -> dict[str, Any] | None:
@@ -125,14 +137,12 @@ def request(
     buf = _send(paths, message, timeout, answer=True, meanwhile=meanwhile)
     if not buf:
         return None
-    try:
-        reply = loads(buf)
-    except ValueError:
-        return None
-    return reply if isinstance(reply, dict) else None
+    from vmpin.wire.control import reply_from_json
+
+    return reply_from_json(buf)
 
 
-def post(paths: HostPaths, message: dict[str, Any], timeout: float = 1.0) -> bool:
+def post(paths: HostPaths, message: Request | Mapping[str, Any], timeout: float = 1.0) -> bool:
     """Send one request and do not wait for the reply: True when an agent's socket took it.
 
     For a plain container's hook, whose event is journaled already and applied by whoever
@@ -150,6 +160,8 @@ def notify(
     wait: float | None = None,
     meanwhile: Callable[[], object] | None = None,
     maps_first: bool = True,
+    *,
+    answered: bool = True,
 ) -> bool:
     """Mark sandboxes dirty in the running agent; False when there is none to tell.
 
@@ -157,13 +169,17 @@ def notify(
     give up after ``wait`` seconds from now, connecting included (False: the caller
     reconciles in-process); ``meanwhile`` runs while the agent's pass does (``vmpin update``
     syncs its write then).  Without ``maps_first`` the answer may come before the pass's
-    guest maps are published (for a caller that waits only on the host's pins).
+    guest maps are published (for a caller that waits only on the host's pins).  Without
+    ``answered`` (and ``wait``) the request is only :func:`post`-ed: True once a socket took it.
     """
+    if _agent_socket(paths) is None:
+        return False  # (before the protocol's module is imported: see the docstring)
+    from vmpin.wire.control import Dirty, DirtyReply
+
     if wait is None:
-        reply = request(paths, {"op": "dirty", "sandboxes": sandbox_ids}, timeout)
-        return bool(reply and reply.get("ok"))
-    message: dict[str, Any] = {"op": "dirty", "sandboxes": sandbox_ids, "wait": wait}
-    if not maps_first:
-        message["guest_map"] = "after"
-    reply = request(paths, message, wait, meanwhile)
-    return bool(reply and reply.get("ok") and reply.get("done"))
+        message = Dirty(sandbox_ids)
+        if not answered:
+            return post(paths, message, timeout)
+        return DirtyReply.from_obj(request(paths, message, timeout)) is not None
+    got = DirtyReply.from_obj(request(paths, Dirty(sandbox_ids, wait, maps_first), wait, meanwhile))
+    return bool(got and got.done)

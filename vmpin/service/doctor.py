@@ -31,9 +31,12 @@ from typing import Any
 
 from vmpin.core.errors import VmpinError
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import State
+from vmpin.runtimes import runcstate, vmm
+from vmpin.runtimes.kataconfig import read
+from vmpin.runtimes.oci import State, hook_event
 from vmpin.state import journal
-from vmpin.state.store import SandboxRec, Store
+from vmpin.state.records import SandboxRec
+from vmpin.state.store import Store
 
 #: below this much free space in the state dir, hooks' events may not be recorded.
 MIN_FREE = 4 << 20
@@ -80,8 +83,6 @@ def _runc_bundle(state: dict[str, Any]) -> str | None:
 
 def rebuild(paths: HostPaths, store: Store) -> list[str]:
     """Record what the host says is running; one line per container or sandbox recovered."""
-    from vmpin.runtimes import runcstate, vmm
-
     out: list[str] = []
     ids: list[str] = []
     # runc_root is a search list ("/run/runc:/run/containerd/runc/*"): each root it names
@@ -98,7 +99,7 @@ def rebuild(paths: HostPaths, store: Store) -> list[str]:
             bundle = _runc_bundle(state) if state else None
             if state is None or pid is None or not bundle:
                 continue
-            event = journal.build(paths, "createRuntime", State(cid, "running", pid, bundle, {}))
+            event = hook_event(paths, "createRuntime", State(cid, "running", pid, bundle, {}))
             journal.append(paths.state_dir, event)
             out.append(f"container {cid}: recovered from runc state (bundle {bundle})")
         except VmpinError as err:
@@ -122,8 +123,6 @@ def rebuild(paths: HostPaths, store: Store) -> list[str]:
 
 def kata_lines(paths: HostPaths) -> list[str]:
     """Kata's configuration files and their ``enable_vcpus_pinning``, read afresh."""
-    from vmpin.runtimes.kataconfig import read
-
     return read(paths.kata_config).lines(paths.kata_config)
 
 

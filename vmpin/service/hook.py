@@ -1,8 +1,9 @@
 """``vmpin hook STAGE``: the OCI hook, on the hot path of every container start.
 
 What it does: parse the state on stdin and the bundle's config.json, read what only this
-moment knows (the pid's start time, which runtime runs the sandbox), and journal that as one
-event (vmpin.state.journal) -- the store applies it exactly once.  Then bring the sandbox into line:
+moment knows (the pid's start time, which runtime runs the sandbox: vmpin.runtimes.oci), and
+journal that as one event (vmpin.wire.hookevent, vmpin.state.journal) -- the store applies it
+exactly once.  Then bring the sandbox into line:
 
 - a Kata sandbox (its QEMU floats until pinned): apply the journal now, and hand the sandbox
   to the running agent, or reconcile it here when no agent answers in time;
@@ -30,7 +31,7 @@ in the journal for the next writer (:func:`reconcile_here`).
 
 Fail-open: a container must never fail to start because of vmpin, so any problem prints one
 line to stderr and exits 0; ``--strict`` makes it exit 1 (the runtime then fails the start).
-What is refused: input that could not be stored (vmpin.state.journal.build: pids beyond
+What is refused: input that could not be stored (vmpin.runtimes.oci.hook_event: pids beyond
 PID_MAX, text that is not UTF-8, oversized documents, symlinked/FIFO/device config.json) and
 an event that could not be written completely (full or read-only state dir): then nothing
 is journaled, and the line says so.
@@ -60,19 +61,19 @@ import time
 from vmpin.core.errors import SpecError, VmpinError
 from vmpin.linux.files import listing
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import STAGES, parse_state
+from vmpin.runtimes.oci import hook_event
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
 from vmpin.state.allocations import asks_exclusive
 from vmpin.state.allocations import present as allocations_present
-from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog, build
+from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog
 from vmpin.state.journal import sync as journal_sync
+from vmpin.wire.hookevent import STAGES
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
-    from typing import Any
-
     from vmpin.state.store import Store
+    from vmpin.wire.hookevent import HookEvent
 
 USAGE = "usage: vmpin hook [--strict] STAGE   (STAGE: " + ", ".join(STAGES) + "; state on stdin)"
 
@@ -127,17 +128,16 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     :data:`BUDGET` seconds from here (vmpin.service.budget).
     """
     deadline = time.monotonic() + BUDGET
-    state = parse_state(data, f"hook {stage}: state")
-    event = build(paths, stage, state)
-    ident = event["ident"]
-    sandbox = ident["sandbox_id"] if ident else None
+    event = hook_event(paths, stage, data)
+    ident = event.ident
+    sandbox = ident.sandbox_id if ident else None
     name: str | None = None
     replan = (
-        event["runtime"] == "kata"
+        event.runtime == "kata"
         or (sandbox is None and stage == "poststop")
         # vmpin allocates exclusive CPUs here (issue 30): the pool moves with every pod
         or allocations_present(paths.state_dir)
-        or asks_exclusive(event["annotations"])
+        or asks_exclusive(event.annotations)
     )
     if not replan:
         vms = listing(paths.vm_dir)
@@ -181,10 +181,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     if name is None:
         append(paths.state_dir, event)
     if sandbox is not None:
-        from vmpin.service.control import post
+        from vmpin.service.control import notify
 
         # without waiting for the answer; a no-op without a socket file (_socket unimported)
-        post(paths, {"op": "dirty", "sandboxes": [sandbox]})
+        notify(paths, [sandbox], answered=False)
     if backlog(paths.state_dir) > INGEST_THRESHOLD:
         # No one has applied the journal for a while (no agent, no CLI): keep it bounded
         # here, in batches within a time budget, so no later hook inherits a huge backlog.
@@ -198,7 +198,7 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     return sandbox
 
 
-def _beside_vms(paths: HostPaths, event: dict[str, Any], vms: list[str]) -> tuple[bool, str | None]:
+def _beside_vms(paths: HostPaths, event: HookEvent, vms: list[str]) -> tuple[bool, str | None]:
     """A plain container's event while VMs run: (whether the node must be re-planned, the
     journal name when the event was journaled here).
 

@@ -30,7 +30,7 @@ from vmpin.reconcile.allocations import REFUSED
 from vmpin.reconcile.reconciler import SandboxReport
 from vmpin.runtimes import kubeapi
 from vmpin.runtimes.kubeapi import EventRecorder, NodeReport, Pod, PodRef, PodWatch, Publisher
-from vmpin.state.store import SandboxRec
+from vmpin.state.records import SandboxRec
 
 log = logging.getLogger("vmpin.kube")
 

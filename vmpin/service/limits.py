@@ -34,8 +34,11 @@ periodic pass's ``os.listdir`` failed with EMFILE and the agent aborted.  Now bo
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
+import resource
+import select
 import socket
 import threading
 import time
@@ -96,8 +99,6 @@ def raise_nofile() -> tuple[int, int, int]:
     give, makes a child that closes every possible fd before exec (an old libc's
     ``closefrom``) spin for seconds.
     """
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
     if soft == resource.RLIM_INFINITY or soft >= want:
@@ -116,8 +117,6 @@ def start_thread(target: Callable[..., object], name: str, *args: object) -> thr
     try:
         thread.start()
     except RuntimeError as err:
-        import errno
-
         raise OSError(errno.EAGAIN, f"cannot start a thread: {err}") from err
     return thread
 
@@ -155,8 +154,6 @@ def read_request(conn: socket.socket, ends: tuple[bytes, ...], limit: int, secon
     Python timeout set, any recv on it -- :func:`arrived`'s peek from the thread that
     decides an eviction -- would first wait for data, up to that timeout.
     """
-    import select
-
     deadline = time.monotonic() + seconds
     buf = bytearray()
     longest = max(len(e) for e in ends)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
 from datetime import datetime, timezone
 from typing import Any
+
+from vmpin.core.errors import StateError
 
 log = logging.getLogger("vmpin.service.agent")
 
@@ -45,10 +46,8 @@ def setup_logging(stream: Any = None, level: str | None = None) -> None:
     root = logging.getLogger("vmpin")
     root.handlers[:] = [handler]
     root.propagate = False
-    name = (level or os.environ.get("VMPIN_LOG_LEVEL") or "INFO").upper()
+    name = (level or "INFO").upper()
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        from vmpin.core.errors import StateError
-
         raise StateError(f"VMPIN_LOG_LEVEL={name!r}: expected DEBUG, INFO, WARNING or ERROR")
     root.setLevel(name)
 

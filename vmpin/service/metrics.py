@@ -71,6 +71,7 @@ import math
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from vmpin import __version__
@@ -579,8 +580,6 @@ def respond(
     body = registry.exposition()
     headers = [("Content-Type", CONTENT_TYPE)]
     if any(t.split(";")[0].strip().lower() == "gzip" for t in accept_encoding.split(",")):
-        import zlib
-
         packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip member
         body = packer.compress(body) + packer.flush()
         headers.append(("Content-Encoding", "gzip"))

@@ -4,14 +4,13 @@ It owns the socket's life (bind without a window where others may connect, refus
 answering agent's socket, unlink only our own inode) and the connections, bounded as
 :mod:`vmpin.service.limits` says (a cap, with the oldest slow sender evicted for a new
 connection; the request line within 2 s of the accept, the reply within 2 s); the requests
-are the agent's (``handle``), the wire format is :mod:`vmpin.service.control`'s.
+are the agent's (``handle``), the wire format is :mod:`vmpin.wire.control`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import socket
@@ -23,6 +22,7 @@ from typing import Any
 
 from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
+from vmpin.service.control import request
 from vmpin.service.limits import (
     ACCEPT_BACKOFF,
     CONTROL_CAP,
@@ -35,12 +35,12 @@ from vmpin.service.limits import (
     read_request,
 )
 from vmpin.service.logs import log_event
+from vmpin.wire.control import MAX_REQUEST, refused, reply_to_json
 
 #: connection threads waiting in ``accept`` when the agent is quiet (ControlServer._acceptor)
 SPARE_THREADS = 2
 #: the most connection threads kept waiting after a burst
 IDLE_THREADS = 8
-MAX_REQUEST = 1 << 20
 
 
 class AgentRunning(StateError):
@@ -70,7 +70,7 @@ class Reply:
         try:
             # a client that sent its line waits for this one: its receive buffer is empty
             # (the socket's timeout is CONTROL_WRITE_TIMEOUT: one deadline for the sendall)
-            self._conn.sendall(json.dumps(reply).encode() + b"\n")
+            self._conn.sendall(reply_to_json(reply))
         except TimeoutError:
             if self._slots is not None:
                 self._slots.drop("timeout")
@@ -134,8 +134,6 @@ class ControlServer:
             raise OSError(errno.EAGAIN, f"cannot start a thread: {err}") from err
 
     def open(self) -> None:
-        from vmpin.service.control import request
-
         path = self.paths.control_socket
         if os.path.lexists(path):
             # We hold the lock, so an answering agent would be a foreign one (another state
@@ -268,7 +266,7 @@ class ControlServer:
                 reply = self.handle(line.split(b"\n", 1)[0], answer)
             except Exception as err:  # one request must not end its connection thread
                 self.fault("control request", err)
-                reply = {"ok": False, "error": f"internal error: {err}"}
+                reply = refused(f"internal error: {err}")
             if reply is not None:  # (None: ``answer`` has been sent, or never will be)
                 answer.send(reply)
         except OSError as err:

@@ -8,7 +8,7 @@ the read-only views and the agent then build their :class:`Reconciler` with
 :func:`build_reconciler`, so that they all plan alike (issue 9: ``update`` without the agent
 used to plan with the default policy).
 
-Lean on purpose (the hook imports it): a NamedTuple from ``vmpin.core._lean``, and the
+Lean on purpose (the hook imports it): a NamedTuple from ``vmpin.lean.records``, and the
 planner's Policy is only built when a pass needs it.
 """
 
@@ -20,7 +20,7 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.linux.paths import ENVVARS as PATH_ENVVARS
 from vmpin.linux.paths import HostPaths
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.reconciler import Reconciler
     from vmpin.reconcile.sources import DomainSource
+    from vmpin.state.reader import Reader
     from vmpin.state.store import Store
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 ENV = {
     "helpers": "VMPIN_HELPER_POLICY",
@@ -64,6 +65,11 @@ class Settings(NamedTuple):
     #: the POLICY_KEYS this process was given (an option or a VMPIN_* variable): the others
     #: follow the node policy the agent recorded (:meth:`over_recorded`)
     given: tuple[str, ...] = ()
+    #: the agent's log level (``VMPIN_LOG_LEVEL``; "" = INFO)
+    log_level: str = ""
+    #: ``--json`` output is checked against its view's schema first (``VMPIN_CHECK_VIEWS``,
+    #: which the tests set for every vmpin they start)
+    check_views: bool = False
 
     @classmethod
     def from_env(
@@ -96,9 +102,11 @@ class Settings(NamedTuple):
             holdoff=pick("holdoff", ""),
             libvirt=pick("libvirt", DEFAULT_LIBVIRT),
             given=tuple(k for k in POLICY_KEYS if given.get(k) is not None or env.get(ENV[k])),
+            log_level=env.get("VMPIN_LOG_LEVEL", ""),
+            check_views=env.get("VMPIN_CHECK_VIEWS", "") not in ("", "0"),
         )
 
-    def over_recorded(self, store: Store) -> Settings:
+    def over_recorded(self, store: Reader) -> Settings:
         """These settings, with each policy key this process was not given taken from the
         node policy the agent recorded (:meth:`record`).
 
@@ -153,19 +161,11 @@ class Settings(NamedTuple):
         uris = [u.strip() for u in self.libvirt.split(",") if u.strip()]
         return [] if uris == ["none"] else uris
 
-    def as_env(self) -> dict[str, str]:
-        """The policy as environment variables, for hooks a CLI command runs in-process."""
-        return {
-            ENV["helpers"]: self.helpers,
-            ENV["housekeeping"]: self.housekeeping,
-            ENV["vcpus"]: self.vcpus,
-            ENV["guest_float"]: self.guest_float,
-        }
 
 
 def build_reconciler(
     settings: Settings,
-    store: Store | None = None,
+    store: Reader | None = None,
     *,
     affinity: AffinityBackend | None = None,
     qmp_timeout: float = 0.3,
@@ -194,7 +194,10 @@ def build_reconciler(
         settings = settings.over_recorded(store)
     return Reconciler(
         settings.paths,
-        store,
+        # A read-only view's Reader plans here too (Store.open_readonly): the reconciler
+        # writes only to a store that is not readonly, or applies (never for a view).  It
+        # is typed for the full Store until it holds its Reader and its Writer apart.
+        store,  # type: ignore[arg-type]
         policy=settings.policy,
         affinity=affinity,
         float_policy=settings.float_policy(),

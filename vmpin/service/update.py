@@ -26,9 +26,11 @@ from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
-from vmpin.state.store import ContainerRec, Store
+from vmpin.state.records import ContainerRec
+from vmpin.state.store import Store
+from vmpin.wire import views
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,12 +92,12 @@ def update_container(
         if rec is None:
             raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
         if cpus is None:
-            return {
-                "id": rec.id,
-                "sandbox": rec.sandbox_id,
-                "cpus": None if rec.cpus is None else rec.cpus.to_list(),
-                "applied_by": "nothing to do: no cpu.cpus given",
-            }
+            return views.update(
+                id=rec.id,
+                sandbox=rec.sandbox_id,
+                cpus=None if rec.cpus is None else rec.cpus.to_list(),
+                applied_by="nothing to do: no cpu.cpus given",
+            )
         if not cpus:
             raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
         from vmpin.linux.sysfs import read_topology
@@ -162,9 +164,9 @@ def _repin(
             reports = rec_.reconcile([rec.sandbox_id])
         errors = [e for r in reports for e in r.errors]
         applied = "re-pinned" if not errors else "errors: " + "; ".join(errors)
-    return {
-        "id": rec.id,
-        "sandbox": rec.sandbox_id,
-        "cpus": None if rec.cpus is None else rec.cpus.to_list(),
-        "applied_by": applied,
-    }
+    return views.update(
+        id=rec.id,
+        sandbox=rec.sandbox_id,
+        cpus=None if rec.cpus is None else rec.cpus.to_list(),
+        applied_by=applied,
+    )

@@ -24,15 +24,15 @@ import os
 
 from vmpin.core.cpuset import CpuSet
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
     from collections.abc import Mapping
     from typing import NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
-#: the tables (vmpin.state.store appends them to its schema; version 3)
+#: the tables (vmpin.state.schema appends them to its schema; version 3)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS allocations (
     sandbox_id TEXT PRIMARY KEY,

@@ -22,7 +22,7 @@ they are created one by one (:func:`create`), not from the store's split schema 
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
 

@@ -1,18 +1,19 @@
-"""Hook events: built in the hook, journaled as files, applied to the store exactly once.
+"""The journal: hook events as files, in front of the store, each applied exactly once.
 
 Why a journal in front of SQLite: the hook delays every container start, and on this kind of
 node importing ``sqlite3`` alone costs a third of a bare interpreter's start, and opening
 the database, with its durable commits, more (the hook's budget is 1.5x a bare interpreter;
 it reads and writes JSON through :mod:`vmpin.wire.jsonio`, without ``json`` and ``re``).  So
-the hook does everything that needs the
-*moment* -- read the bundle (it may be gone later), read the pid's start time (the pid may be
-reused later), detect the runtime, validate -- and appends the result as one small JSON file
-(every write checked, fsync, rename, fsync the directory: all or nothing).  Whoever opens the
-store next (the agent, the CLI, a Kata hook without an agent) applies pending events in order
-(:meth:`vmpin.state.store.Store.ingest`), inside a
-transaction that also records each event's name, so an event is applied exactly once even
-when two processes ingest at once. This module owns the event's format and the journal's
-files; it never imports the store.
+the hook does everything that needs the *moment* -- read the bundle (it may be gone later),
+read the pid's start time (the pid may be reused later), detect the runtime, validate: all of
+it :func:`vmpin.runtimes.oci.hook_event` -- and appends the result, a
+:class:`vmpin.wire.hookevent.HookEvent`, as one small JSON file (every write checked, fsync,
+rename, fsync the directory: all or nothing).  Whoever opens the store next (the agent, the
+CLI, a Kata hook without an agent) applies pending events in order
+(:meth:`vmpin.state.store.Store.ingest`), inside a transaction that also records each
+event's name, so an event is applied exactly once even when two processes ingest at once.
+This module owns the journal's files (the event's format is vmpin.wire.hookevent's); it
+never imports the store.
 
 For a plain runc container nothing is lost by applying later: at create runc has already
 written the spec's cpuset into the container's cgroup, which is exactly vmpin's plan for it,
@@ -20,9 +21,9 @@ and a plain container's poststop changes no other container's placement.  A Kata
 different (its QEMU floats until pinned): its hooks wait for the agent's pass (which ingests),
 or ingest and reconcile in-process when no agent answers.
 
-Hostile input stops here, not in the store: :func:`build` refuses what could not be stored
-(a pid beyond ``PID_MAX``, text that is not valid UTF-8, oversized documents: see
-vmpin.runtimes.oci), :func:`check_event` re-checks every file at ingest (a journal file is a
+Hostile input stops here, not in the store: the hook refuses what could not be stored (a pid
+beyond ``PID_MAX``, text that is not valid UTF-8, oversized documents: vmpin.runtimes.oci,
+vmpin.wire.hookevent), :func:`read_event` re-checks every file at ingest (a journal file is a
 file: anyone with access to the state dir may have put it there), and what still cannot be
 applied is quarantined under ``journal/bad/`` by the store, never retried and never fatal.
 
@@ -31,32 +32,17 @@ The backlog stays small without an agent: a plain container's hook that finds mo
 :data:`INGEST_BUDGET` seconds), so the journal holds at most about that many events plus
 what concurrent hooks are writing; the agent, the CLI and Kata hooks apply it too.
 """
-
 from __future__ import annotations
 
 import os
 import time
 
-from vmpin.core.errors import IdError, SpecError, StateError, VmpinError
-from vmpin.core.ids import check_id
-from vmpin.linux.files import fsync_path, load_json, read_bytes, stale_stamp
-from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import PID_MAX, STAGES, Identity, State, identify, read_config
-from vmpin.wire.jsonio import dumps
+from vmpin.core.errors import StateError
+from vmpin.linux.files import fsync_path, read_bytes, stale_stamp
+from vmpin.wire.hookevent import MAX_EVENT, HookEvent, from_json
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
-if TYPE_CHECKING:
-    from typing import Any
-
-
-CREATE_STAGES = ("prestart", "createRuntime", "createContainer")
-#: only these run in the host's pid namespace (createContainer sees the container's pid 1)
-HOST_PID_STAGES = ("prestart", "createRuntime", "poststart")
 JOURNAL = "journal"
 BAD = "bad"
-VERSION = 1
-#: the largest event file written or applied (a Kata event with every annotation: ~20 KiB).
-MAX_EVENT = 256 << 10
 #: a plain hook applies the journal itself past this many pending events (see the docstring).
 INGEST_THRESHOLD = 256
 #: seconds a hook may spend applying the journal (containerd's default hook timeout is far
@@ -65,186 +51,6 @@ INGEST_BUDGET = 2.0
 #: a ``.tmp`` file older than this was left by a killed hook (a live one writes in ~1 ms and
 #: no hook outlives its runtime's timeout); the next ingest removes it.
 TMP_MAX_AGE = 60.0
-#: the largest int SQLite stores (a start time in clock ticks is far below it).
-_INT64 = (1 << 63) - 1
-
-
-def container_id_from_bundle(bundle: str) -> str | None:
-    """containerd: .../<ns>/<id>; CRI-O: .../overlay-containers/<id>/userdata."""
-    if not bundle:
-        return None
-    path = bundle.rstrip("/")
-    base = os.path.basename(path)
-    if base == "userdata":
-        base = os.path.basename(os.path.dirname(path))
-    try:
-        return check_id(base)
-    except IdError:
-        return None
-
-
-def identity(state: State, annotations: dict[str, str]) -> Identity:
-    ident = identify(state.id, annotations)
-    if not ident.is_sandbox and ident.sandbox_id == state.id:
-        # Kata's poststart/poststop: the id is the sandbox's; the bundle names the container.
-        cid = container_id_from_bundle(state.bundle)
-        if cid is None or cid == state.id:
-            raise SpecError(
-                f"state id {state.id!r} is the sandbox id and bundle {state.bundle!r} names no"
-                " container: cannot tell which container this is"
-            )
-        ident = identify(cid, annotations)
-    return ident
-
-
-def detect_runtime(paths: HostPaths, sandbox_id: str, hint_pid: int | None) -> str:
-    """Kata when the sandbox has a VM dir or the state pid is its QEMU; plain otherwise."""
-    if os.path.isdir(os.path.join(paths.vm_dir, sandbox_id)):
-        return "kata"
-    if hint_pid:
-        from vmpin.runtimes import vmm
-
-        if vmm.is_vmm_of(paths, hint_pid, sandbox_id):
-            return "kata"
-    return "runc"
-
-
-def _start_time(paths: HostPaths, pid: int) -> int | None:
-    from vmpin.linux import procfs
-
-    try:
-        return procfs.start_time(paths.proc, pid)
-    except VmpinError:
-        return None
-
-
-def build(paths: HostPaths, stage: str, state: State) -> dict[str, Any]:
-    """Everything about this hook call that must be read now; raises on bad input."""
-    host_pid = state.pid if stage in HOST_PID_STAGES else None
-    event: dict[str, Any] = {
-        "v": VERSION,
-        "stage": stage,
-        "id": state.id,
-        "bundle": state.bundle,
-        "annotations": state.annotations,
-        "host_pid": host_pid,
-        "pid_start": _start_time(paths, host_pid) if host_pid else None,
-        "ident": None,
-        "cpus": None,
-        "mems": None,
-        "runtime": None,
-    }
-    annotations = dict(state.annotations)
-    if stage != "poststop":
-        if not state.bundle:
-            raise SpecError(f"hook {stage}: state has no bundle")
-        try:
-            config = read_config(state.bundle)
-        except SpecError:
-            if stage in CREATE_STAGES:
-                raise
-            config = None  # a later stage of a container recorded at create: not needed
-        if config is not None:
-            annotations = {**config.annotations, **annotations}
-            cpus = config.resources.cpus
-            event["cpus"] = None if cpus is None else cpus.to_list()
-            event["mems"] = config.resources.mems
-            event["has_config"] = True
-            limit = config.resources.whole_cpus
-            if limit is not None:  # (only then: an event without a limit is as it was)
-                event["cpu_limit"] = limit
-    elif state.bundle:
-        # what a container gives up when it goes (its spec's CPUs, when its bundle is still
-        # there): whether a VM may have them to itself now (vmpin.state.summary)
-        try:
-            cpus = read_config(state.bundle).resources.cpus
-        except SpecError:
-            cpus = None
-        event["cpus"] = None if cpus is None else cpus.to_list()
-    try:
-        ident = identity(state, annotations)
-    except VmpinError:
-        if stage in CREATE_STAGES:
-            raise
-        ident = None  # poststop/poststart: the store may know it by bundle
-    if ident is not None:
-        event["ident"] = ident._asdict()
-        event["runtime"] = detect_runtime(paths, ident.sandbox_id, host_pid)
-    encode(event)  # refuse now what could not be written or applied later
-    return event
-
-
-def encode(event: dict[str, Any]) -> bytes:
-    """The event as journal bytes; SpecError when it is not storable (bad text, too big)."""
-    try:
-        data = dumps(event, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    except (UnicodeEncodeError, ValueError, TypeError) as err:
-        raise SpecError(f"hook event for {event.get('id')!r} cannot be stored: {err}") from None
-    if len(data) > MAX_EVENT:
-        raise SpecError(f"hook event for {event.get('id')!r}: {len(data)} bytes, over {MAX_EVENT}")
-    return data
-
-
-def _opt(ev: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> None:
-    value = ev.get(key)
-    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise SpecError(f"field {key!r}: {value!r} is not a {kind}")
-
-
-def check_event(ev: Any) -> dict[str, Any]:
-    """A journal file's event, checked field by field before the store applies it.
-
-    Everything :func:`build` guarantees is checked again (the file may not come from a hook):
-    SpecError names the first field that is wrong.
-    """
-    if not isinstance(ev, dict):
-        raise SpecError(f"not an event object: {type(ev).__name__}")
-    if ev.get("v") != VERSION:
-        raise SpecError(f"event version {ev.get('v')!r}, expected {VERSION}")
-    if ev.get("stage") not in STAGES:
-        raise SpecError(f"unknown stage {ev.get('stage')!r}")
-    check_id(ev.get("id"), "field 'id'")  # type: ignore[arg-type]
-    for key in ("bundle", "mems", "runtime"):
-        _opt(ev, key, str)
-    if ev.get("runtime") not in (None, "kata", "runc"):
-        raise SpecError(f"field 'runtime': {ev.get('runtime')!r}")
-    _opt(ev, "cpus", str)
-    if ev.get("cpus") is not None:
-        from vmpin.core.cpuset import CpuSet
-        from vmpin.core.errors import CpuSetError
-
-        try:
-            CpuSet.parse(ev["cpus"])
-        except CpuSetError as err:
-            raise SpecError(f"field 'cpus': {err}") from None
-    pid = ev.get("host_pid")
-    _opt(ev, "host_pid", int)
-    if pid is not None and not 0 < pid <= PID_MAX:
-        raise SpecError(f"field 'host_pid': {pid!r} is not a process id")
-    _opt(ev, "pid_start", int)
-    _opt(ev, "cpu_limit", int)
-    if ev.get("cpu_limit") is not None and not 0 < ev["cpu_limit"] <= 1 << 32:
-        raise SpecError(f"field 'cpu_limit': {ev['cpu_limit']!r} out of range")
-    if ev.get("pid_start") is not None and not 0 <= ev["pid_start"] <= _INT64:
-        raise SpecError(f"field 'pid_start': {ev['pid_start']!r} out of range")
-    ann = ev.get("annotations")
-    if not isinstance(ann, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in ann.items()
-    ):
-        raise SpecError("field 'annotations': not a map of strings")
-    ident = ev.get("ident")
-    if ident is not None:
-        if not isinstance(ident, dict) or set(ident) != set(Identity._fields):
-            raise SpecError(f"field 'ident': {ident!r}")
-        check_id(ident["container_id"], "ident container id")
-        check_id(ident["sandbox_id"], "ident sandbox id")
-        if not isinstance(ident["is_sandbox"], bool):
-            raise SpecError("field 'ident.is_sandbox': not a boolean")
-        for key in ("pod_uid", "pod_name", "pod_namespace", "name"):
-            if ident[key] is not None and not isinstance(ident[key], str):
-                raise SpecError(f"field 'ident.{key}': not a string")
-    encode(ev)  # every text encodes as UTF-8, the whole fits the limit
-    return ev
 
 
 # -- the journal -------------------------------------------------------------------------------
@@ -252,7 +58,7 @@ def journal_dir(state_dir: str) -> str:
     return os.path.join(state_dir, JOURNAL)
 
 
-def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> str:
+def append(state_dir: str, event: HookEvent, *, durable: bool = True) -> str:
     """Write one event file, complete or not at all; its name sorts in the order events happened.
 
     Every write is checked (a nearly full filesystem gives short writes), the file is fsynced
@@ -268,7 +74,7 @@ def append(state_dir: str, event: dict[str, Any], *, durable: bool = True) -> st
     or cut short, which ingest quarantines and never applies.  Nothing was promised then:
     the hook had not returned.
     """
-    data = encode(event)
+    data = event.to_json()
     d = journal_dir(state_dir)
     # CLOCK_MONOTONIC is system-wide: names from different hook processes sort by time.
     name = f"{time.monotonic_ns():020d}-{os.getpid()}.json"
@@ -378,14 +184,14 @@ def quarantined(state_dir: str) -> int:
         return 0
 
 
-def read_event(state_dir: str, name: str) -> dict[str, Any]:
-    """The event in the journal file ``name``, checked (:func:`check_event`).
+def read_event(state_dir: str, name: str) -> HookEvent:
+    """The event in the journal file ``name``, checked (:func:`vmpin.wire.hookevent.from_obj`).
 
     FileNotFoundError when another process applied and removed it; OSError or VmpinError
     (naming the entry) when it cannot be read or is not a valid event."""
     raw = read_bytes(os.path.join(journal_dir(state_dir), name), limit=MAX_EVENT,
                      what="journal entry")  # fmt: skip
-    return check_event(load_json(raw, f"journal entry {name}"))
+    return from_json(raw, f"journal entry {name}")
 
 
 def backlog(state_dir: str) -> int:

@@ -53,12 +53,13 @@ from vmpin.core.errors import CpuSetError
 from vmpin.linux.files import identity, save_cache
 from vmpin.runtimes.kubelet import is_infra
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-    from typing import Any, NamedTuple
+    from typing import NamedTuple
+
+    from vmpin.wire.hookevent import HookEvent
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 FILE = "node-summary"
 HEADER = "vmpin node summary 1"
@@ -242,21 +243,17 @@ def _gives_up(s: Summary, cpus: CpuSet) -> str | None:
     return None
 
 
-def event_needs_pass(s: Summary, ev: Mapping[str, Any]) -> str | None:
+def event_needs_pass(s: Summary, ev: HookEvent) -> str | None:
     """Why the plain container's journaled event ``ev`` (vmpin.state.journal) could change a
     VM's plan, or None when it cannot.  A Kata sandbox's event always could: its own hook
     re-plans the node, whatever this says."""
-    if ev.get("runtime") == "kata":
+    if ev.runtime == "kata":
         return "a Kata sandbox's event"
-    ident = ev.get("ident")
+    ident = ev.ident
     if not ident:
         return "a container the hook could not name"
-    cpus = ev.get("cpus")
-    try:
-        parsed = CpuSet.parse(cpus) if cpus is not None else None
-    except CpuSetError:
-        return f"CPU set {cpus!r} unreadable"
-    if ev.get("stage") == "poststop":
+    parsed = ev.cpus
+    if ev.stage == "poststop":
         # (its spec's CPUs, when its bundle was still there: else any CPU it may have held)
         if parsed is None:
             try:
@@ -264,7 +261,7 @@ def event_needs_pass(s: Summary, ev: Mapping[str, Any]) -> str | None:
             except CpuSetError:
                 return "the online CPU list is unreadable"
         return _gives_up(s, parsed)
-    infra = is_infra(bool(ident.get("is_sandbox")), ident.get("pod_uid"), ident.get("name"))
+    infra = is_infra(ident.is_sandbox, ident.pod_uid, ident.name)
     return needs_pass(s, parsed, infra)
 
 

@@ -28,12 +28,12 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, WireError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any, NamedTuple
 else:
-    from vmpin.core._lean import NamedTuple
+    from vmpin.lean.records import NamedTuple
 
 #: the published map's format version (docs/guest.md).
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ limit handles it).  Hostile input costs an import of :mod:`json`; well-formed in
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from typing import Any

@@ -41,7 +41,7 @@ import os
 import stat
 import sys
 
-TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.core._lean)
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any

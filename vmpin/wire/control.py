@@ -1,0 +1,171 @@
+"""The agent's control protocol: the requests and replies on its socket, one home for both sides.
+
+The client (:mod:`vmpin.service.control`: hooks, ``vmpin update``, ``vmpin status``) writes
+requests and reads replies with this module; the agent (:mod:`vmpin.service.agent_protocol`,
+on :mod:`vmpin.service.server`'s socket) reads requests and writes replies with it, so the two
+cannot drift.  One JSON object per line each way, version :data:`VERSION`::
+
+    {"op":"dirty","sandboxes":[ids]}            -> {"ok":true,"queued":n}
+    {"op":"dirty","sandboxes":[ids],"wait":s}   -> {"ok":true,"queued":n,"done":bool}
+        (0 < s <= MAX_WAIT; "guest_map": "before" (default) or "after" the answer)
+    {"op":"status"[,"sandbox":id]}              -> health and counters (one sandbox's
+                                                   bookkeeping when asked; the agent's own
+                                                   object, ``vmpin status`` prints it)
+    {"op":"reconcile"}                          -> {"ok":true}: a full pass now
+    anything else                               -> {"ok":false,"error":TEXT}
+
+The version is not on the wire: version 1 is everything a vmpin since the agent existed sends
+and understands; a change that an older peer would misread takes a new socket name instead,
+so an old hook meeting a new agent gets no agent, never a wrong answer.  Limits: a request
+line of at most :data:`MAX_REQUEST` bytes, a blocking wait of at most :data:`MAX_WAIT` s.
+
+Lean (the Kata hook speaks it): stdlib and vmpin.core only, no ``typing`` at run time.
+"""
+
+from __future__ import annotations
+
+from vmpin.core.errors import IdError, WireError
+from vmpin.core.ids import check_id
+from vmpin.wire.jsonio import dumps, loads
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any, NamedTuple, TypeAlias
+else:
+    from vmpin.lean.records import NamedTuple
+
+#: the protocol's version (not sent: see the module docstring)
+VERSION = 1
+#: the longest request line the agent reads
+MAX_REQUEST = 1 << 20
+#: the longest a blocking ``dirty`` request may ask to wait (seconds)
+MAX_WAIT = 60.0
+OPS = ("dirty", "status", "reconcile")
+
+
+class Dirty(NamedTuple):
+    """Mark sandboxes dirty (their new level is in the store or the journal already).
+
+    ``wait``: block until a node pass that started after the request has ended (None: reply
+    at once); ``maps_first``: that pass publishes its guest maps before the answer."""
+
+    sandboxes: list[str]
+    wait: float | None = None
+    maps_first: bool = True
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"op": "dirty", "sandboxes": self.sandboxes}
+        if self.wait is not None:
+            obj["wait"] = self.wait
+            if not self.maps_first:
+                obj["guest_map"] = "after"
+        return obj
+
+
+class Status(NamedTuple):
+    """The agent's health and counters; one sandbox's bookkeeping with ``sandbox``."""
+
+    sandbox: str | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"op": "status"}
+        if self.sandbox is not None:
+            obj["sandbox"] = self.sandbox
+        return obj
+
+
+class Reconcile(NamedTuple):
+    """A full pass now."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"op": "reconcile"}
+
+
+if TYPE_CHECKING:
+    Request: TypeAlias = Dirty | Status | Reconcile
+
+
+class DirtyReply(NamedTuple):
+    """The agent's answer to :class:`Dirty`: how many sandboxes it queued, and for a blocking
+    request whether a pass that saw it has ended well (``done``; None: not blocking)."""
+
+    queued: int
+    done: bool | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"ok": True, "queued": self.queued}
+        if self.done is not None:
+            obj["done"] = self.done
+        return obj
+
+    @classmethod
+    def from_obj(cls, reply: Mapping[str, Any] | None) -> DirtyReply | None:
+        """The answer in a reply; None when the agent did not take the request."""
+        if not reply or not reply.get("ok"):
+            return None
+        return cls(reply.get("queued", 0), bool(reply["done"]) if "done" in reply else None)
+
+
+OK: dict[str, Any] = {"ok": True}
+
+
+def refused(error: str) -> dict[str, Any]:
+    """The reply to a request the agent did not understand (``error`` says why)."""
+    return {"ok": False, "error": error}
+
+
+def request_to_json(message: Request | Mapping[str, Any]) -> bytes:
+    """A request line (``message`` a request, or a raw object: tests and probes send any)."""
+    if isinstance(message, (Dirty, Status, Reconcile)):
+        message = message.to_obj()
+    return dumps(message).encode() + b"\n"
+
+
+def request_from_json(line: bytes | str) -> Request:
+    """The request in one line; WireError saying what is wrong (the agent's reply)."""
+    try:
+        msg = loads(line)
+    except ValueError:
+        raise WireError("request is not JSON") from None
+    if not isinstance(msg, dict):
+        raise WireError("request is not a JSON object")
+    op = msg.get("op")
+    if op == "dirty":
+        ids = msg.get("sandboxes")
+        if not isinstance(ids, list):
+            raise WireError("dirty: 'sandboxes' must be a list of ids")
+        try:
+            sids = [check_id(s, "sandbox id") for s in ids]
+        except IdError as err:
+            raise WireError(f"dirty: {err}") from None
+        if "wait" not in msg:
+            return Dirty(sids)
+        wait = msg["wait"]
+        # (NaN and infinity fail the range: JSON's NaN and Infinity are read as floats)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= MAX_WAIT:
+            raise WireError(f"dirty: 'wait' must be a number of seconds in (0, {MAX_WAIT:g}]")
+        guest_map = msg.get("guest_map", "before")
+        if guest_map not in ("before", "after"):
+            raise WireError("dirty: 'guest_map' must be \"before\" or \"after\" the answer")
+        return Dirty(sids, float(wait), guest_map == "before")
+    if op == "status":
+        sid = msg.get("sandbox")
+        return Status(sid if isinstance(sid, str) else None)
+    if op == "reconcile":
+        return Reconcile()
+    raise WireError(f"unknown op {op!r} ({', '.join(OPS)})")
+
+
+def reply_to_json(reply: Mapping[str, Any]) -> bytes:
+    """A reply line."""
+    return dumps(reply).encode() + b"\n"
+
+
+def reply_from_json(data: bytes) -> dict[str, Any] | None:
+    """The reply in ``data`` (one line); None when it is not a JSON object."""
+    try:
+        reply = loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return reply if isinstance(reply, dict) else None
