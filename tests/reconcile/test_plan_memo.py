@@ -19,7 +19,7 @@ from tests.reconcile.test_plan import cs, kata, runc, static, topo, vmm_threads
 from vmpin.core.planner import Policy
 from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import Observation, SandboxObs
-from vmpin.reconcile.plan import PlanMemo, plan_node
+from vmpin.reconcile.plan import PlanMemo, SummaryCounts, plan_node, summarize
 
 CPUS = ["2", "3", "2-3", "4-5", "4-7", "6", "8-11", "2,4"]
 POLICIES = [Policy(), Policy(helpers="isolate", housekeeping=cs("3,6,8-9"))]
@@ -40,6 +40,7 @@ def test_a_memo_plans_what_a_fresh_plan_plans(seed: int) -> None:
     node.update({f"r{i}": runc(f"r{i}", rng.choice(CPUS), "0-15", 5000 + i) for i in range(4)})
     checkpoint = None
     memo = PlanMemo()
+    counts = SummaryCounts()  # (the node summary's, as the agent's Summarizer keeps them)
     for step in range(60):
         sid = rng.choice(sorted(node))
         s = node[sid]
@@ -63,4 +64,7 @@ def test_a_memo_plans_what_a_fresh_plan_plans(seed: int) -> None:
             checkpoint = rng.choice((None, static("0-15"), static("0-3,8-15")))
         obs = Observation(tuple(node[k] for k in sorted(node)), checkpoint)
         fresh = plan_node(obs, machine)
-        assert plan_node(obs, machine, memo=memo) == fresh, (seed, step)
+        planned = plan_node(obs, machine, memo=memo)
+        assert planned == fresh, (seed, step)
+        counts.update(planned)
+        assert counts.summary(planned, [], "", "") == summarize(fresh, [], "", ""), (seed, step)

@@ -25,35 +25,30 @@ from vmpin.core.errors import StateError, VmpinError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths
-    from vmpin.reconcile.plan import NodePlan, SandboxPlan
+    from vmpin.reconcile.plan import NodePlan, SummaryCounts
     from vmpin.state.store import Store
     from vmpin.state.summary import Summary
 
     #: what a summary is made with: the VM dir's entries, the checkpoint's identity, the
     #: online list
     Inputs = tuple[list[str], str, str]
-    #: what of a plan its summary is made of: the sandbox plans, their masks, the pool
-    _Parts = tuple[tuple[SandboxPlan, ...], Mapping[str, CpuSet], CpuSet | None]
 
 
 class Summarizer:
     """One reconciler's node summary; remembers what it last wrote (an idle pass does not
     write it again)."""
 
-    __slots__ = ("_made", "_memo", "paths", "store")
+    __slots__ = ("_counts", "_memo", "paths", "store")
 
     def __init__(self, paths: HostPaths, store: Store) -> None:
         self.paths = paths
         self.store = store
         #: the summary last written here (its text and file identity)
         self._memo: tuple[str, tuple[int, int, int, int, int]] | None = None
-        #: the last summary made here, with what of the plan (its sandbox plans, their masks,
-        #: the pool) and the inputs it was made from
-        self._made: tuple[_Parts, Inputs, Summary] | None = None
+        #: the counts of the last summary made here (SummaryCounts)
+        self._counts: SummaryCounts | None = None
 
     def inputs(self) -> Inputs:
         """What a summary is made with, read before the node is observed: the VM dir's
@@ -98,19 +93,15 @@ class Summarizer:
         return True
 
     def _summary(self, plan: NodePlan, inputs: Inputs) -> Summary:
-        """:func:`~vmpin.reconcile.plan.summarize` of ``plan``, or the last one made when
-        ``plan`` is made of the very sandbox plans and masks of the last, under the same
-        inputs (an event's pass that moved nothing a summary says: issue 28)."""
-        from vmpin.reconcile.plan import summarize
+        """:func:`~vmpin.reconcile.plan.summarize` of ``plan``, its counts moved by the
+        sandbox plans that are not the very ones of the last summary made here (an event's
+        pass: a few; issue 28)."""
+        from vmpin.reconcile.plan import SummaryCounts
 
-        made = self._made
-        parts = (plan.sandboxes, plan.masks, plan.shared_pool)
-        if made is not None and made[1] == inputs and _same(made[0], parts):
-            s = made[2]
-        else:
-            s = summarize(plan, *inputs)
-        self._made = (parts, inputs, s)
-        return s
+        if self._counts is None:
+            self._counts = SummaryCounts()
+        self._counts.update(plan)
+        return self._counts.summary(plan, *inputs)
 
     def forget(self) -> None:
         """Remove the summary: every plain hook beside a VM re-plans until a pass writes one."""
@@ -131,17 +122,6 @@ class Summarizer:
         if summary.stale(s, *self.inputs()) is not None:
             return False
         return not summary.change_needs_pass(s, old, new, infra)
-
-
-def _same(old: _Parts, new: _Parts) -> bool:
-    """Whether what a summary is made of in ``new`` is the very objects of ``old``: each
-    sandbox's plan and mask, and the pool."""
-    (plans, was, pool), (now_plans, now, now_pool) = old, new
-    if len(plans) != len(now_plans) or pool != now_pool:
-        return False
-    return all(
-        a is b and was.get(a.id) is now.get(a.id) for a, b in zip(plans, now_plans, strict=True)
-    )
 
 
 __all__ = ["Summarizer"]
