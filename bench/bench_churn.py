@@ -20,6 +20,13 @@ updates (a random container of a random sandbox gets "0", "1" or "0-1"), 20 % re
 (delete a sandbox: poststop hooks, VMM killed; create a new one in its place).  One
 operation at a time per sandbox, so "the last update" of a container is well defined.
 
+Beside the round trips (wall time: the machine's load moves them), the agent's own figures,
+scraped from its metrics: ``event_pass_cpu_mean_ms`` (``vmpin_event_pass_cpu_seconds``: the
+planner thread's CPU time per node pass run for events alone -- load does not move it),
+``node_passes_per_event`` and ``plans_per_event``.  An event's pass whose work grows with
+the node shows in the first at once (issue 28: the round trips had grown ~4x unnoticed);
+``bench/bench_event_pass.py`` measures that pass at 60 / 500 / 2,000 sandboxes.
+
 At the end the bench waits until the agent is idle and checks: ``vmpin audit`` exits 0;
 the store holds exactly the live containers, each with the CPU set it was last given (zero
 lost events); every thread of every VMM is inside its sandbox's mask; no sandbox is dirty;
@@ -278,7 +285,7 @@ def scrape(port: int) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for line in body.splitlines():
-        if line.startswith("vmpin_") and not line.startswith("vmpin_pin_latency_seconds_bucket"):
+        if line.startswith("vmpin_") and "_bucket{" not in line:
             name, _, value = line.rpartition(" ")
             if "_bucket" not in name:
                 out[name] = float(value)
@@ -381,6 +388,8 @@ def main() -> int:
             return after.get(name, 0.0) - before.get(name, 0.0)
 
         lat_n = delta("vmpin_pin_latency_seconds_count")
+        ev_n = delta("vmpin_event_pass_cpu_seconds_count")
+        events = delta("vmpin_events_total")
         result = {
             "benchmark": "churn",
             "sandboxes": args.sandboxes,
@@ -397,6 +406,21 @@ def main() -> int:
                 "coalesced": delta("vmpin_events_coalesced_total"),
                 "plans_event": delta('vmpin_plans_total{cause="event"}'),
                 "plans_periodic": delta('vmpin_plans_total{cause="periodic"}'),
+                # what each event costs the agent, in CPU (not wall: the load of the machine
+                # does not move it) and in node passes: the figures that would have shown
+                # issue 28's regression (a pass whose work grew with the node)
+                "event_pass_cpu_mean_ms": round(
+                    1000 * delta("vmpin_event_pass_cpu_seconds_sum") / ev_n, 2
+                )
+                if ev_n
+                else None,
+                "event_passes": ev_n,
+                "node_passes_per_event": round(delta("vmpin_node_passes_total") / events, 3)
+                if events
+                else None,
+                "plans_per_event": round(delta('vmpin_plans_total{cause="event"}') / events, 3)
+                if events
+                else None,
                 "pin_latency_mean_ms": round(
                     1000 * delta("vmpin_pin_latency_seconds_sum") / lat_n, 2
                 )

@@ -610,14 +610,23 @@ def test_debugfs_ns_not_spawned_when_the_syscall_files_suffice(
     idle_vm: IdleVm, paths: HostPaths, mocker: MockerFixture
 ) -> None:
     """Every vCPU asleep in KVM_RUN (the idle VM): one look at the syscall files names them
-    all, and no child is spawned (it costs ~10 ms: bench/bench_debugfs.py)."""
+    all, and no child is spawned (it costs ~10 ms: bench/bench_debugfs.py).
+
+    An idle guest still wakes now and then (a timer), and on a loaded host a vCPU can be
+    caught running at every retry; then the fallback is right to spawn.  So each
+    classification that the syscall files alone answered must have spawned nothing, and most
+    of them must be such (the idle VM's vCPUs sleep nearly all the time)."""
     q, cpus, *_ = idle_vm
     spawn = mocker.spy(os, "posix_spawn")
-    for _ in range(5):
+    by_syscalls = 0
+    for _ in range(10):
+        before = spawn.call_count
         c = classify(paths, vmm_of(paths, q), None)
         assert c.vcpus() == cpus
-        assert {c.by_tid()[tid].layer for tid in cpus.values()} == {"kvm-syscall"}
-    assert spawn.call_count == 0
+        if {c.by_tid()[tid].layer for tid in cpus.values()} == {"kvm-syscall"}:
+            by_syscalls += 1
+            assert spawn.call_count == before
+    assert by_syscalls >= 5
 
 
 def _fake_unshare(bin_dir: Path, body: str) -> None:

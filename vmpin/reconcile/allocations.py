@@ -108,10 +108,7 @@ def settle(
         return False
     if getattr(store, _SETTLED, None) == store.version():
         return False  # nothing moved since this store's last settle: nothing to decide
-    oci, api = store.policy_records()
-    asks = any(
-        exclusive_request(r.annotations) is not None for r in (*oci.values(), *api.values())
-    )
+    asks = _asking(store)
     held = any(a.sandbox_id != NODE_ROW for a in table.read(store.db))
     if not asks and not held and not table.present(store.state_dir):
         setattr(store, _SETTLED, store.version())
@@ -145,11 +142,57 @@ def settle(
 
 
 #: the attribute a store carries its version after its last settle in (an idle agent
-#: settles nothing), and its allocations as last read with that version (:func:`recorded`):
-#: kept on the store itself, so that no other store (a later one at the same address) is
-#: ever answered from them
+#: settles nothing), its allocations as last read with that version (:func:`recorded`), and
+#: who asks (:func:`_asking`): kept on the store itself, so that no other store (a later
+#: one at the same address) is ever answered from them
 _SETTLED = "_vmpin_allocations_settled"
 _READ = "_vmpin_allocations_read"
+_ASKS = "_vmpin_allocations_asks"
+
+
+def _asking(store: Store) -> bool:
+    """Whether any pod's policy record asks vmpin for exclusive CPUs.
+
+    Kept per store between passes, as (the change log's seq, the sandboxes whose OCI record
+    asks, the pods whose API record asks), and brought up to date from the records whose
+    keys the change log names (vmpin.state.changes): an event's pass on a node where no pod
+    asks reads no policy record but its own sandbox's (issue 28: every record, every pass)."""
+    from vmpin.state import changes
+    from vmpin.state.records import API_POLICY_META, POLICY_META, policy_record
+
+    def asks(raw: str | None, source: str) -> bool:
+        return raw is not None and raw != "" and (
+            exclusive_request(policy_record(raw, source).annotations) is not None
+        )
+
+    memo: tuple[int, set[str], set[str]] | None = getattr(store, _ASKS, None)
+    delta = changes.since(store.db, memo[0]) if memo is not None else None
+    if memo is None or delta is None:
+        seq = changes.top(store.db)
+        oci, api = store.policy_records()
+        memo = (
+            seq,
+            {sid for sid, r in oci.items() if exclusive_request(r.annotations) is not None},
+            {uid for uid, r in api.items() if exclusive_request(r.annotations) is not None},
+        )
+    else:
+        _, by_sandbox, by_pod = memo
+        if any(key.startswith(API_POLICY_META) for key in delta.keys):
+            by_pod = {
+                key.removeprefix(API_POLICY_META)
+                for key, raw in store.meta_under(API_POLICY_META)
+                if asks(raw, "api")
+            }
+        for key in delta.keys:
+            if key.startswith(POLICY_META):
+                sid = key.removeprefix(POLICY_META)
+                if asks(store.meta(key), "oci"):
+                    by_sandbox.add(sid)
+                else:
+                    by_sandbox.discard(sid)
+        memo = (delta.top, by_sandbox, by_pod)
+    setattr(store, _ASKS, memo)
+    return bool(memo[1] or memo[2])
 
 
 def decide(

@@ -220,6 +220,10 @@ class Applier:
         live_vmms: list[VmmKey] = []
         publish: list[tuple[str, dict[str, Any] | None]] = []
         for sp in plan.sandboxes:
+            if only is not None and sp.id not in only:
+                # (applied as it is by an earlier pass, its records written then: an event's
+                # pass, .settled; what it recorded of VMMs gone, the next full pass forgets)
+                continue
             s = sp.obs
             if s.vmm is not None:
                 live_vmms.append(VmmKey(sp.id, s.vmm.pid, s.vmm.start))
@@ -259,7 +263,8 @@ class Applier:
             elif self.publish and s.policy.guest == "off":
                 publish.append((sp.id, None))  # the pod turned guest pinning off: withdrawn
         # what vmpin recorded for VMMs that no longer run is of no use to anyone
-        stale = stale_originals(plan.originals, live_vmms)
+        # (an event's pass leaves them to the next full pass: it walks only what it applies)
+        stale = stale_originals(plan.originals, live_vmms) if only is None else []
         if stale:
             writes.append(partial(store.delete_meta, stale))
         if writes:

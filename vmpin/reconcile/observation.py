@@ -72,6 +72,17 @@ class VmmKey(NamedTuple):
         return f"{MISSING_PREFIX}{self.sandbox}:{self.pid}:{self.start}"
 
 
+def key_sandbox(key: str) -> str:
+    """The sandbox an ``orig-affinity:`` or ``missing-vcpus:`` key belongs to."""
+    return key.split(":", 2)[1]
+
+
+def sandbox_prefixes(sandbox_id: str) -> tuple[str, str]:
+    """The ``missing-vcpus:`` and ``orig-affinity:`` keys of every VMM of a sandbox, less
+    the VMM's part (a long-lived observer reads one sandbox's again: vmpin.reconcile.tables)."""
+    return f"{MISSING_PREFIX}{sandbox_id}:", f"{ORIG_PREFIX}{sandbox_id}:"
+
+
 def stale_originals(keys: Iterable[str], live: Iterable[VmmKey]) -> list[str]:
     """The original-affinity keys among ``keys`` that belong to no VMM in ``live`` (what was
     recorded for VMMs that no longer run).
@@ -294,7 +305,9 @@ __all__ = [
     "VmmKey",
     "VmmObs",
     "claiming",
+    "key_sandbox",
     "leaves_alone",
     "replace",
+    "sandbox_prefixes",
     "stale_originals",
 ]

@@ -47,12 +47,13 @@ from vmpin.reconcile.observation import (
 )
 from vmpin.reconcile.observe_sandbox import SandboxObserver, pid_alive
 from vmpin.reconcile.podpolicies import PodPolicies
+from vmpin.reconcile.tables import Tables
 from vmpin.state.records import SandboxRec
 from vmpin.state.store import Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Container, Mapping
+    from collections.abc import Collection, Container, Mapping
 
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
@@ -85,17 +86,8 @@ class Observer:
         self._kata_reader: KataConfigReader | None = None
         #: the last full observation's sandboxes by id (see observe)
         self._last: dict[str, SandboxObs] = {}
-        #: (store, its version and the scope's reads, what was read): see _read_store
-        self._store_memo: (
-            tuple[
-                Store,
-                tuple[tuple[int, int], bool, bool],
-                Recorded,
-                list[SandboxRec],
-                _PolicyRecords,
-            ]
-            | None
-        ) = None
+        #: the store's tables as the last pass read them (see _read_store)
+        self._tables: Tables | None = None
 
     @property
     def policy(self) -> Policy:
@@ -145,7 +137,7 @@ class Observer:
         pass without ``fresh`` (the agent's periodic one)."""
         checkpoint, cp_error = self.checkpoint()
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
-        recorded, records, (oci, api) = self._read_store(store, scope, fresh is not None)
+        recorded, records, (oci, api), moved = self._read_store(store, scope, fresh is not None)
         originals = recorded.originals
         sandboxes = self.sandboxes
         policies = PodPolicies(sandboxes.policy, oci, api)
@@ -157,6 +149,13 @@ class Observer:
         for rec in records:
             seen.add(rec.id)
             reuse = fresh is not None and rec.id not in fresh
+            if reuse and moved is not None and rec.id not in moved:
+                # not one of its records has been written since the last pass read them
+                # (the store's change log, .tables): that pass's observation stands as it is
+                before = last.get(rec.id)
+                if before is not None and not before.errors:
+                    out.append(before)
+                    continue
             out.append(
                 sandboxes.tracked(
                     recorded, policies, rec, checkpoint, scope, last.get(rec.id), reuse
@@ -232,31 +231,26 @@ class Observer:
 
     def _read_store(
         self, store: Store, scope: Scope, keep_last: bool = False
-    ) -> tuple[Recorded, list[SandboxRec], _PolicyRecords]:
-        """The store's tables a pass reads, read again only when the store has changed
-        (:meth:`Store.version`; an idle node's passes find it unchanged).  What is returned
-        is only read, never changed, by the pass (the VMM-thread scan of ``vhost`` is the
-        pass's own: a fresh :class:`Recorded` each time)."""
-        key = (store.version(), scope.vmms, scope.affinity)
-        memo = self._store_memo
-        if memo is None or memo[0] is not store or memo[1] != key:
-            # The old tables go before the new are read; and so does the last observation:
+    ) -> tuple[Recorded, list[SandboxRec], _PolicyRecords, Collection[str] | None]:
+        """The store's tables a pass reads: as the last pass read them while the store has
+        not moved (:meth:`Store.version`; an idle node's passes find it unchanged), else
+        brought up to date through the store's change log, a sandbox at a time
+        (:mod:`.tables`), or read whole.  What is returned is only read, never changed, by
+        the pass; and the sandboxes whose records may have moved since the last call (None:
+        any of them)."""
+        version = store.version()
+        tables = self._tables
+        if tables is not None and tables.matches(store, scope) and tables.version == version:
+            return (*tables.current(), ())
+        if not keep_last:
             # with the store moved the node is planned anew anyway, and building a node's
-            # observation while the last one is kept was the agent's RSS peak.
-            memo = self._store_memo = None
-            if not keep_last:
-                self._last = {}
-            memo = (
-                store,
-                key,
-                Recorded.read(store, scope),
-                store.sandboxes(),
-                store.policy_records(),
-            )
-            self._store_memo = memo
-        _, _, rec, sandboxes, policies = memo
-        fresh = Recorded(rec.containers, rec.threads, rec.missing, rec.originals)
-        return fresh, sandboxes, policies
+            # observation while the last one is kept was the agent's RSS peak
+            self._last = {}
+        if tables is None or not tables.matches(store, scope) or not tables.follow(version):
+            # (the old tables go before the new are read)
+            self._tables = None
+            self._tables = tables = Tables(store, scope)
+        return (*tables.current(), tables.moved)
 
 
 __all__ = [

@@ -36,7 +36,8 @@ from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.reconcile.allocations import SOURCE as ALLOC
-from vmpin.reconcile.allocations import overlay
+from vmpin.reconcile.allocations import Overlay, overlay
+from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import (
     FULL,
     ContainerObs,
@@ -288,12 +289,117 @@ def _pod(s: SandboxObs) -> str:
     return f"sandbox:{s.id}"
 
 
+class _Records:
+    """What one sandbox's records come to in a plan (:func:`_records`), and its footprint
+    (:func:`_footprint`) with what that was made from: kept between calls in ``memo``."""
+
+    __slots__ = (
+        "adoptions", "alloc", "cplans", "footprint", "forget", "obs", "pod", "recs", "taken",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        obs: SandboxObs,
+        alloc: CpuSet | None,
+        taken: tuple[object, ...],
+        recs: list[ContainerRec],
+        cplans: list[ContainerPlan],
+        adoptions: list[Adoption],
+        forget: list[str],
+    ) -> None:
+        self.obs, self.alloc, self.taken = obs, alloc, taken
+        self.recs, self.cplans, self.adoptions, self.forget = recs, cplans, adoptions, forget
+        #: the pod it belongs to (:func:`_pod`)
+        self.pod = _pod(obs)
+        #: (this, the CPUs kept off, the node's inputs, mask, Kata's cpuset, kept off, fp)
+        self.footprint: tuple[Any, ...] | None = None
+
+
+class _Kept:
+    """A sandbox's plan in ``memo`` with what it was planned from."""
+
+    __slots__ = ("inputs", "plan", "records")
+
+    def __init__(self, inputs: tuple[object, ...], plan: SandboxPlan, records: _Records) -> None:
+        self.inputs, self.plan, self.records = inputs, plan, records
+
+    @property
+    def footprint(self) -> tuple[Any, ...] | None:
+        return self.records.footprint
+
+
+def _moved_books(before: SandboxObs, s: SandboxObs) -> bool:
+    """Whether ``s`` is ``before`` with its record's bookkeeping moved alone (generation,
+    done generation, time): the last pass marked it done.  Its plan is the same: the next
+    event's pass would plan and apply it again for nothing (issue 28)."""
+    was, rec = before.record, s.record
+    if was is None or rec is None or was is rec:
+        return False
+    books = was._replace(gen=rec.gen, done_gen=rec.done_gen, updated_at=rec.updated_at)
+    return books == rec and replace(before, record=rec) == s
+
+
+def _records(
+    s: SandboxObs,
+    alloc: Overlay,
+    pool: CpuSet | None,
+    mine: CpuSet | None,
+    taken: tuple[object, ...],
+) -> _Records:
+    """Each container's record with its sources' news adopted and its pod's allocation, and
+    what it is to run on; the containers that are gone."""
+    recs: list[ContainerRec] = []
+    cps: list[ContainerPlan] = []
+    adoptions: list[Adoption] = []
+    forget: list[str] = []
+    for c in s.containers:
+        rec, adopted = refresh(c, s.runtime)
+        adoptions.extend(adopted)
+        if rec is None:
+            forget.append(c.rec.id)
+            continue
+        rec = alloc.container(s.id, rec)
+        recs.append(rec)
+        cpus = _own_cpus(rec)
+        desired = cpus if cpus is not None else pool
+        cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else cpus, c))
+    return _Records(s, mine, taken, recs, cps, adoptions, forget)
+
+
+def _footprint(
+    s: SandboxObs, first: _Records, off: CpuSet, pool: CpuSet | None, online: CpuSet
+) -> tuple[CpuSet, CpuSet, CpuSet | None, CpuSet]:
+    """A sandbox's mask, its mask before ``off`` (the CPUs kept free for Crane's exclusive
+    pods) was taken out, what was taken out (None: nothing), and its footprint: where its
+    threads may run once the plan is applied."""
+    mask = whole = _mask(first.recs)
+    kept = None
+    if s.runtime != "runc" and mask & off and mask - off:
+        kept = mask & off
+        mask = mask - off
+    if s.runtime == "runc":
+        cplans = first.cplans
+        runs = any(c.obs.tasks for c in cplans)
+        fp = CpuSet.union_all(
+            (c.desired if c.desired is not None else online) for c in cplans if c.obs.tasks
+        )
+        return mask, whole, kept, fp if runs else EMPTY
+    if s.vmm is None:
+        return mask, whole, kept, EMPTY  # nothing runs
+    if not s.tracked and s.vmm.threads:
+        return mask, whole, kept, _left_alone(s, online)  # not vmpin's: where its threads run
+    fp = mask or pool or online
+    fp = (fp - off) or fp
+    held = _left_alone(s, online)
+    return mask, whole, kept, fp | held if held else fp
+
+
 def plan_node(
     obs: Observation,
     topology: Topology,
     *,
     float_policy: str = "all",
-    memo: dict[str, tuple[tuple[object, ...], SandboxPlan]] | None = None,
+    memo: dict[str, _Kept] | None = None,
 ) -> NodePlan:
     """Plan every sandbox and runc container of the node from one observation.
 
@@ -311,24 +417,25 @@ def plan_node(
     forget: list[str] = []
     live: dict[str, list[ContainerRec]] = {}
     cplans: dict[str, list[ContainerPlan]] = {}
+    last = memo if memo is not None else {}
+    # (what a sandbox's records come to depends on it and the allocations alone: a sandbox
+    # given as the very observation of the last call, under the same allocations, comes to
+    # what it came to then -- most of an event's pass, issue 28)
+    taken = (alloc.taken, alloc.pool, pool)
+    firsts: dict[str, _Records] = {}
     for s in obs.sandboxes:
-        recs: list[ContainerRec] = []
-        cps: list[ContainerPlan] = []
-        for c in s.containers:
-            rec, adopted = refresh(c, s.runtime)
-            adoptions.extend(adopted)
-            if rec is None:
-                forget.append(c.rec.id)
-                continue
-            rec = alloc.container(s.id, rec)
-            recs.append(rec)
-            cpus = _own_cpus(rec)
-            desired = cpus if cpus is not None else pool
-            cps.append(ContainerPlan(rec, desired if s.runtime == "runc" else cpus, c))
-        live[s.id], cplans[s.id] = recs, cps
+        before = last.get(s.id)
+        mine = alloc.by_sandbox.get(s.id)
+        got = before.records if before is not None else None
+        if got is None or got.obs is not s or got.alloc != mine or got.taken != taken:
+            got = _records(s, alloc, pool, mine, taken)
+        firsts[s.id] = got
+        adoptions.extend(got.adoptions)
+        forget.extend(got.forget)
+        live[s.id], cplans[s.id] = got.recs, got.cplans
 
     # Footprints: where each sandbox's threads may run once this plan is applied.
-    pods = {s.id: _pod(s) for s in obs.sandboxes}
+    pods = {s.id: firsts[s.id].pod for s in obs.sandboxes}
     masks: dict[str, CpuSet] = {}
     footprint: dict[str, CpuSet] = {}
     # Crane's cpu-manager "exclusive" (vmpin.core.podpolicy): other sandboxes' threads are
@@ -343,32 +450,23 @@ def plan_node(
     # Kata's cpuset, over which it pins vCPUs itself when a configuration says so: the union
     # of the containers' CPU sets, as vmpin's mask before anything is kept off it
     kata_pins: dict[str, CpuSet] = {}
+    kata_pinning = obs.kata_pinning
+    node = (kata_pinning, pool, online)
     for s in obs.sandboxes:
-        mask = _mask(live[s.id])
-        if s.runtime == "kata" and obs.kata_pinning:
-            kata_pins[s.id] = mask
-        off = crane_others.without(s.id)
-        if s.runtime != "runc" and mask & off and mask - off:
-            kept_off[s.id] = mask & off
-            mask = mask - off
+        first = firsts[s.id]
+        off = crane_others.without(s.id) if crane else EMPTY
+        was = last.get(s.id)
+        fp_memo = was.footprint if was is not None else None
+        if fp_memo is None or fp_memo[0] is not first or fp_memo[1] != off or fp_memo[2] != node:
+            fp_memo = (first, off, node, *_footprint(s, first, off, pool, online))
+        _, _, _, mask, pinned_by_kata, off_mask, fp = fp_memo
+        first.footprint = fp_memo
+        if kata_pinning and s.runtime == "kata":
+            kata_pins[s.id] = pinned_by_kata
+        if off_mask is not None:
+            kept_off[s.id] = off_mask
         masks[s.id] = mask
-        if s.runtime == "runc":
-            runs = any(c.obs.tasks for c in cplans[s.id])
-            fp = CpuSet.union_all(
-                (c.desired if c.desired is not None else online)
-                for c in cplans[s.id]
-                if c.obs.tasks
-            )
-            footprint[s.id] = fp if runs else EMPTY
-        elif s.vmm is None:
-            footprint[s.id] = EMPTY  # nothing runs
-        elif not s.tracked and s.vmm.threads:
-            footprint[s.id] = _left_alone(s, online)  # not vmpin's: where its threads run
-        else:
-            fp = mask or pool or online
-            fp = (fp - off) or fp
-            held = _left_alone(s, online)
-            footprint[s.id] = fp | held if held else fp
+        footprint[s.id] = fp
 
     exclusive, conflicts = _claims(obs, live, pods, pool)
     for cpu, sid in alloc.owner.items():  # a CPU vmpin allocated is its pod's alone
@@ -377,17 +475,52 @@ def plan_node(
     plans: list[SandboxPlan] = []
     # Every "all the others" set below is derived from per-CPU counts made once, so the
     # node is planned in time linear in its sandboxes (a union over the others per sandbox
-    # was quadratic: 2,000 sandboxes took seconds).
-    others_fp = _Others(footprint)
-    alone = _Others(masks).alone - (pool or EMPTY)  # CPUs in exactly one sandbox's mask
+    # was quadratic: 2,000 sandboxes took seconds); a long-lived caller's counts are kept
+    # and moved by the sandboxes whose footprint or mask moved (PlanMemo).
+    prior = None
+    if isinstance(memo, PlanMemo):
+        # (its counts are moved below: a call that fails on the way leaves none behind)
+        prior, memo.node = memo.node, None
+    others_fp, fp_moved = _counted(footprint, prior.footprints if prior is not None else None)
+    by_mask, _ = _counted(masks, prior.masks if prior is not None else None)
+    alone = by_mask.alone - (pool or EMPTY)  # CPUs in exactly one sandbox's mask
+    # The node as the last call saw it, but for the CPUs ``fp_moved`` (an event's pass): a
+    # sandbox whose observation, mask, footprint and Kata cpuset are the very ones it was
+    # planned with, and whose footprint holds none of those CPUs, has the inputs it was
+    # planned with (its others' footprints and exclusive CPUs): its plan stands unasked.
+    node_key = (
+        topology, float_policy, obs.scope, pool, alloc.reserved, alloc.uncore,
+        bool(conflicts), bool(exclusive),
+    )  # fmt: skip
+    steady = (
+        prior is not None and fp_moved is not None and not conflicts and not exclusive
+        and prior.key == node_key and prior.total == others_fp.total and prior.alone == alone
+    )  # fmt: skip
+    moved_cpus = CpuSet(fp_moved or ())
     excl_all = CpuSet(exclusive)
     excl_own: dict[str, set[int]] = {}
     for cpu, cl in exclusive.items():
         excl_own.setdefault(cl.pod, set()).add(cpu)
     foreign_by_pod: dict[str, CpuSet] = {}
-    last = memo if memo is not None else {}
-    kept: dict[str, tuple[tuple[object, ...], SandboxPlan]] = {}
+    kept: dict[str, _Kept] = {}
     for s in obs.sandboxes:
+        before = last.get(s.id)
+        if (
+            steady
+            and before is not None
+            and before.plan.obs is s
+            and before.inputs[3] is masks[s.id]
+            and before.inputs[4] is footprint[s.id]
+            and before.inputs[9] is kata_pins.get(s.id)
+            and footprint[s.id].isdisjoint(moved_cpus)
+        ):
+            plans.append(before.plan)
+            if memo is not None:
+                first = firsts[s.id]
+                kept[s.id] = (
+                    before if before.records is first else _Kept(before.inputs, before.plan, first)
+                )
+            continue
         others = others_fp.without(s.id)
         own = masks[s.id]
         others_excl = alone - own if alone & own else alone
@@ -400,9 +533,10 @@ def plan_node(
             topology, float_policy, obs.scope, masks[s.id], footprint[s.id], others, excl, pool,
             s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
         )  # fmt: skip
-        before = last.get(s.id)
-        if before is not None and before[1].obs is s and before[0] == inputs:
-            sp = before[1]
+        if before is not None and before.plan.obs is s and before.inputs == inputs:
+            sp = before.plan
+        elif before is not None and before.inputs == inputs and _moved_books(before.plan.obs, s):
+            sp = _replace(before.plan, obs=s)  # (its threads, containers and map: the same)
         else:
             sp = _plan_sandbox(
                 s, topology, masks[s.id], live[s.id], cplans[s.id], footprint[s.id], others,
@@ -410,11 +544,13 @@ def plan_node(
                 alloc.reserved, alloc.uncore,
             )  # fmt: skip
         if memo is not None:
-            kept[s.id] = (inputs, sp)
+            kept[s.id] = _Kept(inputs, sp, firsts[s.id])
         plans.append(sp)
     if memo is not None:
         memo.clear()
         memo.update(kept)
+        if isinstance(memo, PlanMemo):
+            memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
     plans = [
         _replace(
             p,
@@ -452,33 +588,98 @@ def summarize(plan: NodePlan, vms: list[str], checkpoint: str, online: str) -> S
     against (vmpin.state.summary); ``vms``, ``checkpoint``, ``online``: the VM dir's entries,
     kubelet's checkpoint identity and the online list as the pass found them before it
     observed the node."""
-    holders: dict[int, int] = {}
-    for sp in plan.sandboxes:
-        for cpu in sp.footprint:
-            holders[cpu] = holders.get(cpu, 0) + 1
-    in_masks: dict[int, int] = {}
-    for cpus in plan.masks.values():
-        for cpu in cpus:
-            in_masks[cpu] = in_masks.get(cpu, 0) + 1
-    vm_plans = [sp for sp in plan.sandboxes if sp.runtime != "runc" and sp.plan is not None]
-    return Summary(
-        tuple(vms),
-        checkpoint,
-        online.strip(),
-        plan.shared_pool,
-        CpuSet(cpu for sp in vm_plans for cpu in sp.footprint if holders[cpu] == 1),
-        CpuSet(cpu for sp in vm_plans for cpu in sp.footprint if holders[cpu] == 2),
-        CpuSet.union_all(
-            plan.masks.get(sp.id, sp.mask) for sp in plan.sandboxes if sp.runtime != "runc"
-        ),
-        CpuSet.union_all(  # (the configured set, and where helpers went: kubelet's reserved
-            # CPUs under its strict-cpu-reservation)
-            sp.obs.policy.housekeeping | _helper_cpus(sp)
-            for sp in vm_plans
-            if sp.obs.policy.helpers == "isolate"
-        ),
-        CpuSet(cpu for cpu, n in in_masks.items() if n > 1),
-    )
+    counts = SummaryCounts()
+    counts.update(plan)
+    return counts.summary(plan, vms, checkpoint, online)
+
+
+class SummaryCounts:
+    """The per-CPU counts a node summary is made of, each sandbox plan's share kept, so that
+    a long-lived caller (vmpin.reconcile.summarizer) moves them by the plans that moved
+    rather than counting the node again (issue 28).
+
+    Per CPU: the footprints holding it, the VM plans' footprints holding it, the masks, the
+    VMs' masks, and the isolating VMs' housekeeping and helper CPUs.  ``private`` is then a
+    CPU one footprint holds and that one a VM's; ``contended``, two, one of them a VM's."""
+
+    __slots__ = ("_parts", "claimed", "holders", "isolate", "masks", "vms")
+
+    def __init__(self) -> None:
+        self._parts: dict[str, tuple[SandboxPlan, CpuSet | None, tuple[CpuSet, ...]]] = {}
+        self.holders: dict[int, int] = {}
+        self.vms: dict[int, int] = {}
+        self.masks: dict[int, int] = {}
+        self.claimed: dict[int, int] = {}
+        self.isolate: dict[int, int] = {}
+
+    def _clear(self) -> None:
+        self._parts.clear()
+        for counts in (self.holders, self.vms, self.masks, self.claimed, self.isolate):
+            counts.clear()
+
+    def update(self, plan: NodePlan) -> None:
+        """The counts of ``plan``: each sandbox plan (and mask) that is not the very one of
+        the last update moves them."""
+        parts, masks = self._parts, plan.masks
+        for sp in plan.sandboxes:
+            mask = masks.get(sp.id)
+            old = parts.get(sp.id)
+            if old is not None and old[0] is sp and old[1] is mask:
+                continue
+            if old is not None:
+                self._move(old[2], -1)
+            share = self._share(sp, mask)
+            self._move(share, 1)
+            parts[sp.id] = (sp, mask, share)
+        if len(parts) != len(plan.sandboxes):
+            ids = {sp.id for sp in plan.sandboxes}
+            for sid in [sid for sid in parts if sid not in ids]:  # (gone from the node)
+                self._move(parts.pop(sid)[2], -1)
+            if len(parts) != len(plan.sandboxes):  # (an id twice: counted as a list)
+                self._clear()
+                for sp in plan.sandboxes:
+                    self._move(self._share(sp, masks.get(sp.id)), 1)
+
+    @staticmethod
+    def _share(sp: SandboxPlan, mask: CpuSet | None) -> tuple[CpuSet, ...]:
+        """One sandbox plan's share: its footprint, as a VM's, its mask, as a VM's, and its
+        housekeeping and helper CPUs when it isolates its helpers."""
+        vm = sp.runtime != "runc" and sp.plan is not None
+        isolates = vm and sp.obs.policy.helpers == "isolate"
+        return (
+            sp.footprint,
+            sp.footprint if vm else EMPTY,
+            mask if mask is not None else EMPTY,
+            (mask if mask is not None else sp.mask) if sp.runtime != "runc" else EMPTY,
+            # (the configured set, and where helpers went: kubelet's reserved CPUs under its
+            # strict-cpu-reservation)
+            sp.obs.policy.housekeeping | _helper_cpus(sp) if isolates else EMPTY,
+        )
+
+    def _move(self, share: tuple[CpuSet, ...], by: int) -> None:
+        for counts, cpus in zip(
+            (self.holders, self.vms, self.masks, self.claimed, self.isolate), share, strict=True
+        ):
+            for cpu in cpus:
+                n = counts.get(cpu, 0) + by
+                if n:
+                    counts[cpu] = n
+                else:
+                    del counts[cpu]
+
+    def summary(self, plan: NodePlan, vms: list[str], checkpoint: str, online: str) -> Summary:
+        holders = self.holders
+        return Summary(
+            tuple(vms),
+            checkpoint,
+            online.strip(),
+            plan.shared_pool,
+            CpuSet(cpu for cpu in self.vms if holders[cpu] == 1),
+            CpuSet(cpu for cpu in self.vms if holders[cpu] == 2),
+            CpuSet(self.claimed),
+            CpuSet(self.isolate),
+            CpuSet(cpu for cpu, n in self.masks.items() if n > 1),
+        )
 
 
 def _helper_cpus(sp: SandboxPlan) -> CpuSet:
@@ -499,13 +700,16 @@ class _Others:
 
     __slots__ = ("_count", "_sets", "total")
 
-    def __init__(self, sets: Mapping[str, CpuSet]) -> None:
+    def __init__(self, sets: Mapping[str, CpuSet], counts: dict[int, int] | None = None) -> None:
+        """``counts``: how many of ``sets`` hold each CPU, when the caller knows (_counted)."""
         self._sets = sets
-        self._count: dict[int, int] = {}
-        for cpus in sets.values():
-            for cpu in cpus:
-                self._count[cpu] = self._count.get(cpu, 0) + 1
-        self.total = CpuSet(self._count)
+        if counts is None:
+            counts = {}
+            for cpus in sets.values():
+                for cpu in cpus:
+                    counts[cpu] = counts.get(cpu, 0) + 1
+        self._count = counts
+        self.total = CpuSet(counts)
 
     @property
     def alone(self) -> CpuSet:
@@ -518,6 +722,65 @@ class _Others:
             return self.total
         only_own = [cpu for cpu in own if self._count[cpu] == 1]
         return self.total - CpuSet(only_own) if only_own else self.total
+
+
+def _counted(
+    sets: dict[str, CpuSet], before: _Others | None
+) -> tuple[_Others, set[int] | None]:
+    """:class:`_Others` of ``sets``, from ``before``'s counts moved by the sets that are not
+    the very objects they were (``before`` is spent); and the CPUs where "some set holds it"
+    or "exactly one set holds it" may have changed -- all that :meth:`_Others.without` and
+    :attr:`_Others.alone` depend on (None: counted anew)."""
+    if before is None:
+        return _Others(sets), None
+    old, counts = before._sets, before._count
+    was: dict[int, int] = {}  # (each touched CPU's count before)
+
+    def move(cpus: CpuSet, by: int) -> None:
+        for cpu in cpus:
+            n = counts.get(cpu, 0)
+            was.setdefault(cpu, n)
+            counts[cpu] = n + by
+
+    for sid, cpus in sets.items():
+        then = old.get(sid)
+        if then is not cpus:
+            if then is not None:
+                move(then, -1)
+            move(cpus, 1)
+    if len(old) + sum(1 for sid in sets if sid not in old) != len(sets):
+        for sid in old.keys() - sets.keys():  # (gone from the node)
+            move(old[sid], -1)
+    moved = set()
+    for cpu, n in was.items():
+        now = counts[cpu]
+        if now == 0:
+            del counts[cpu]
+        if (n == 1) != (now == 1) or (n == 0) != (now == 0):
+            moved.add(cpu)
+    return _Others(sets, counts), moved
+
+
+class _NodeMemo:
+    """What a plan's node-wide inputs were (:class:`PlanMemo`)."""
+
+    __slots__ = ("alone", "footprints", "key", "masks", "total")
+
+    def __init__(self, key: tuple[object, ...], footprints: _Others, masks: _Others, alone: CpuSet):
+        self.key, self.footprints, self.masks, self.alone = key, footprints, masks, alone
+        self.total = footprints.total
+
+
+class PlanMemo(dict[str, _Kept]):
+    """A long-lived caller's memo for :func:`plan_node`: each sandbox's plan with what it was
+    planned from, and (``node``) the node-wide counts of the last call, which the next one
+    moves by what moved instead of counting the node again (issue 28)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node: _NodeMemo | None = None
 
 
 def _claims(

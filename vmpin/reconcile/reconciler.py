@@ -33,6 +33,7 @@ from vmpin.core.errors import StateError
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.report import SandboxReport, ThreadReport
+from vmpin.reconcile.settled import Settled
 from vmpin.state.locks import WAIT, NodeLock
 from vmpin.state.records import SandboxRec
 from vmpin.state.store import Store
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.observe import Observation, Observer, Scope
-    from vmpin.reconcile.plan import NodePlan, SandboxPlan
+    from vmpin.reconcile.plan import NodePlan, PlanMemo
     from vmpin.reconcile.sources import DomainSource
     from vmpin.reconcile.summarizer import Summarizer
 
@@ -121,7 +122,7 @@ class Reconciler:
         #: publish (:meth:`publish_maps`) once it has answered whoever waits on the pins
         self.maps_later: list[tuple[str, dict[str, Any] | None]] | None = None
         #: each sandbox's last plan with what it was planned from (plan_node's ``memo``)
-        self._sandbox_plans: dict[str, tuple[tuple[object, ...], SandboxPlan]] = {}
+        self._sandbox_plans: PlanMemo | None = None
         #: the last plan and what it was made from (see plan())
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = None
         #: the last plan's observation read every value from the host (no event pass's
@@ -153,6 +154,8 @@ class Reconciler:
         #: owner-only and cannot be made so); such passes go on without it
         self.lock_error: str | None = None
         self._summarizer: Summarizer | None = None
+        #: the plans the last passes applied cleanly (an event's pass applies the rest)
+        self._settled = Settled()
 
     # -- inputs --------------------------------------------------------------------------
     @property
@@ -250,6 +253,10 @@ class Reconciler:
                 # the old node's plan goes first: never two nodes' plans in memory at once
                 # (the agent's RSS peaks in a pass, issue 14)
                 self._plan_memo = self.last_plan = None
+                if self._sandbox_plans is None:
+                    from vmpin.reconcile.plan import PlanMemo
+
+                    self._sandbox_plans = PlanMemo()
                 plan = plan_node(
                     obs, topology, float_policy=float_policy, memo=self._sandbox_plans
                 )
@@ -392,6 +399,10 @@ class Reconciler:
         if apply:
             from vmpin.reconcile.apply import Applier
 
+            # an event's pass applies what it names and what moved (.settled)
+            only = None
+            if fresh is not None and sandbox_ids is not None:
+                only = self._settled.to_apply(plan, sandbox_ids)
             applied = Applier(
                 self.paths,
                 self.affinity,
@@ -399,7 +410,8 @@ class Reconciler:
                 domains=self.domains,
                 maps_later=self.maps_later,
                 hold=self.held_maps,
-            ).apply(self.store, plan)
+            ).apply(self.store, plan, only)
+            self._settled.note(plan, applied, only)
             self._note_applied(applied)
         return node_reports(plan, applied, sandbox_ids)
 

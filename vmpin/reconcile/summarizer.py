@@ -27,8 +27,9 @@ TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.l
 if TYPE_CHECKING:
     from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths
-    from vmpin.reconcile.plan import NodePlan
+    from vmpin.reconcile.plan import NodePlan, SummaryCounts
     from vmpin.state.store import Store
+    from vmpin.state.summary import Summary
 
     #: what a summary is made with: the VM dir's entries, the checkpoint's identity, the
     #: online list
@@ -39,13 +40,15 @@ class Summarizer:
     """One reconciler's node summary; remembers what it last wrote (an idle pass does not
     write it again)."""
 
-    __slots__ = ("_memo", "paths", "store")
+    __slots__ = ("_counts", "_memo", "paths", "store")
 
     def __init__(self, paths: HostPaths, store: Store) -> None:
         self.paths = paths
         self.store = store
         #: the summary last written here (its text and file identity)
         self._memo: tuple[str, tuple[int, int, int, int, int]] | None = None
+        #: the counts of the last summary made here (SummaryCounts)
+        self._counts: SummaryCounts | None = None
 
     def inputs(self) -> Inputs:
         """What a summary is made with, read before the node is observed: the VM dir's
@@ -64,13 +67,12 @@ class Summarizer:
         """Write the node summary of ``plan``; False when an event this pass did not plan
         with is one the summary would refuse (its hook may have judged by the summary this
         one replaces: the pass then plans again, with it)."""
-        from vmpin.reconcile.plan import summarize
         from vmpin.state import journal, summary
 
         state_dir = self.store.state_dir
         if plan is None or self.store.readonly:
             return False
-        s = summarize(plan, vms, checkpoint, online)
+        s = self._summary(plan, (vms, checkpoint, online))
         text = summary.to_text(s)
         memo = self._memo
         if memo is None or memo[0] != text or not summary.current(state_dir, memo[1]):
@@ -89,6 +91,17 @@ class Summarizer:
             if ev.runtime != "kata" and summary.event_needs_pass(s, ev):
                 return False  # (a Kata sandbox's hook re-plans the node itself)
         return True
+
+    def _summary(self, plan: NodePlan, inputs: Inputs) -> Summary:
+        """:func:`~vmpin.reconcile.plan.summarize` of ``plan``, its counts moved by the
+        sandbox plans that are not the very ones of the last summary made here (an event's
+        pass: a few; issue 28)."""
+        from vmpin.reconcile.plan import SummaryCounts
+
+        if self._counts is None:
+            self._counts = SummaryCounts()
+        self._counts.update(plan)
+        return self._counts.summary(plan, *inputs)
 
     def forget(self) -> None:
         """Remove the summary: every plain hook beside a VM re-plans until a pass writes one."""

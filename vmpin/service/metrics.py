@@ -44,6 +44,10 @@ What is exported, and what question each answers:
                                        carrying the new plan (read back from the kernel)
 ``vmpin_sandbox_pass_seconds``         one node pass run for dirty sandboxes (refresh, plan,
                                        apply, verify; the name is older than the batching)
+``vmpin_event_pass_cpu_seconds``       the planner thread's CPU time for one node pass
+                                       whose every sandbox came from an event (ingest,
+                                       pass, answers, maps, settling): what an update costs
+                                       the agent, whatever the machine's load (issue 28)
 ``vmpin_full_pass_seconds``            one periodic pass over every sandbox (wall time)
 ``vmpin_full_pass_cpu_seconds``        CPU time of the last periodic pass (the whole process)
 ``vmpin_last_full_pass_timestamp``     when the last periodic pass finished (unix time)
@@ -466,6 +470,12 @@ class Metrics:
         self.sandbox_pass = Histogram(
             "vmpin_sandbox_pass_seconds",
             "One node pass run for dirty sandboxes: refresh, plan, apply, verify",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.event_pass_cpu = Histogram(
+            "vmpin_event_pass_cpu_seconds",
+            "The planner thread's CPU time for one node pass run for events alone",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -174,3 +174,25 @@ class Reader:
             if raw
         }
         return oci, api
+
+    # -- one sandbox's records through the indexes (an event's pass: issue 28) ----------------
+    def threads_of(self, sandbox_id: str) -> dict[tuple[str, int, int], dict[int, ThreadRec]]:
+        """:meth:`all_threads` of one sandbox (the primary key's range)."""
+        out: dict[tuple[str, int, int], dict[int, ThreadRec]] = {}
+        rows = self.db.execute(
+            "SELECT vmm_pid, vmm_start, tid, role, idx, label, layer FROM threads"
+            " WHERE sandbox_id=? ORDER BY tid",
+            (sandbox_id,),
+        )
+        for row in rows.fetchall():
+            out.setdefault((sandbox_id, row[0], row[1]), {})[row[2]] = ThreadRec(*row[2:])
+        return out
+
+    def meta_under(self, prefix: str) -> list[tuple[str, str]]:
+        """:meth:`meta_prefix` through the key's index (a range, not a scan): for a prefix
+        that names one sandbox."""
+        rows = self.db.execute(
+            "SELECT key, value FROM meta WHERE key >= ? AND key < ?",
+            (prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)),
+        ).fetchall()
+        return [(str(r[0]), _intern(str(r[1]))) for r in rows]

@@ -11,7 +11,7 @@ import os
 import time
 
 from vmpin.core.errors import StateError
-from vmpin.state import allocations
+from vmpin.state import allocations, changes
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -22,9 +22,10 @@ else:
     # the C module _sqlite3, without the sqlite3 package's imports nor functools' (see there)
     from vmpin.state.sqlite import sqlite3
 
-SCHEMA_VERSION = 3  # 3: vmpin's own allocations (vmpin.state.allocations)
-#: schema versions a read-only view reads (2 lacks only tables added since)
-READABLE = (0, 2, SCHEMA_VERSION)
+SCHEMA_VERSION = 4  # 3: vmpin's own allocations (vmpin.state.allocations); 4: its change log
+#: schema versions a read-only view reads (2 and 3 lack only tables added since: without
+#: the change log, vmpin.state.changes, a long-lived reader reads the tables whole)
+READABLE = (0, 2, 3, SCHEMA_VERSION)
 #: the shortest busy wait a store with a deadline is given, even once the deadline passed
 #: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
 MIN_BUSY = 0.05
@@ -83,7 +84,7 @@ CREATE TABLE IF NOT EXISTS threads (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS journal (name TEXT PRIMARY KEY);
-""" + allocations.SCHEMA
+""" + allocations.SCHEMA + changes.SCHEMA
 
 
 def state_error(path: str, err: BaseException) -> StateError:
@@ -159,6 +160,7 @@ def ensure(store: Writer) -> None:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            changes.create(db)  # (its triggers hold ";": not in the text split above)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     try:  # noqa: SIM105 (contextlib stays off the hook's path)
         os.chmod(store.path, 0o600)

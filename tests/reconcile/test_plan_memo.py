@@ -1,0 +1,70 @@
+"""plan_node with a long-lived caller's memo (PlanMemo) plans what it plans without one.
+
+The agent keeps each sandbox's plan, what its records came to, its footprint, and the node's
+per-CPU counts between passes, and an event's pass moves them by what moved (issue 28).  Here
+a node of Kata and runc sandboxes on a fixture machine goes through a random walk of the
+changes passes see -- a container's CPUs moved, a VMM's threads repinned, a sandbox come or
+gone, kubelet's pool changed, a record's bookkeeping moved -- every other sandbox given as the
+very observation of the step before, as Observer.observe gives it; at each step the memo's
+plan must equal the plan made from nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.reconcile.test_plan import cs, kata, runc, static, topo, vmm_threads
+from vmpin.core.planner import Policy
+from vmpin.reconcile.observation import replace
+from vmpin.reconcile.observe import Observation, SandboxObs
+from vmpin.reconcile.plan import PlanMemo, SummaryCounts, plan_node, summarize
+
+CPUS = ["2", "3", "2-3", "4-5", "4-7", "6", "8-11", "2,4"]
+POLICIES = [Policy(), Policy(helpers="isolate", housekeeping=cs("3,6,8-9"))]
+
+
+def _kata(rng: random.Random, i: int) -> SandboxObs:
+    cpus = rng.choice(CPUS)
+    s = kata(f"k{i:02d}", cpus, vmm_threads(1000 + 10 * i, rng.choice((1, 2)), "0-15"))
+    # (helpers kept off the others' own CPUs: their plan depends on every other mask)
+    return replace(s, policy=rng.choice(POLICIES))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_memo_plans_what_a_fresh_plan_plans(seed: int) -> None:
+    rng = random.Random(seed)
+    machine = topo("amd-epyc-7313-2s")
+    node: dict[str, SandboxObs] = {f"k{i:02d}": _kata(rng, i) for i in range(16)}
+    node.update({f"r{i}": runc(f"r{i}", rng.choice(CPUS), "0-15", 5000 + i) for i in range(4)})
+    checkpoint = None
+    memo = PlanMemo()
+    counts = SummaryCounts()  # (the node summary's, as the agent's Summarizer keeps them)
+    for step in range(60):
+        sid = rng.choice(sorted(node))
+        s = node[sid]
+        what = rng.random()
+        if what < 0.4 and s.runtime == "kata":  # a container's CPUs moved (an update)
+            app = s.containers[1]
+            rec = app.rec._replace(cpus=cs(rng.choice(CPUS)))
+            node[sid] = replace(s, containers=(s.containers[0], replace(app, rec=rec)))
+        elif what < 0.55 and s.vmm is not None:  # the last pass pinned its threads
+            pin = cs(rng.choice(CPUS))
+            threads = tuple(replace(t, actual=pin) for t in s.vmm.threads)
+            node[sid] = replace(s, vmm=replace(s.vmm, threads=threads))
+        elif what < 0.65 and s.record is not None:  # marked done: bookkeeping alone
+            rec = s.record
+            node[sid] = replace(s, record=rec._replace(done_gen=rec.gen + step))
+        elif what < 0.75:  # gone, or come
+            if len(node) > 4:
+                del node[sid]
+            node[f"k{20 + step:02d}"] = _kata(rng, 20 + step)
+        elif what < 0.8:  # kubelet's pool
+            checkpoint = rng.choice((None, static("0-15"), static("0-3,8-15")))
+        obs = Observation(tuple(node[k] for k in sorted(node)), checkpoint)
+        fresh = plan_node(obs, machine)
+        planned = plan_node(obs, machine, memo=memo)
+        assert planned == fresh, (seed, step)
+        counts.update(planned)
+        assert counts.summary(planned, [], "", "") == summarize(fresh, [], "", ""), (seed, step)

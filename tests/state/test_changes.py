@@ -1,0 +1,89 @@
+"""The store's change log (vmpin.state.changes) and the tables a long-lived observer follows
+through it (vmpin.reconcile.tables): whoever writes, the tables followed are the tables read
+whole (issue 28: an event's pass read every table whole to learn that one sandbox moved)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vmpin.core.cpuset import CpuSet
+from vmpin.reconcile.observation import FULL, VmmKey
+from vmpin.reconcile.tables import Tables
+from vmpin.state import changes
+from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
+
+
+def _sandbox(store: Store, sid: str, cpus: str = "0") -> None:
+    store.put_sandbox(SandboxRec(sid, "kata"))
+    store.put_container(ContainerRec(sid, sid, True, name="pause"))
+    store.put_container(ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse(cpus)))
+
+
+def _whole(t: Tables) -> tuple[object, ...]:
+    recorded, records, policies = t.current()
+    return (
+        dict(recorded.containers), dict(recorded.threads), dict(recorded.missing),
+        dict(recorded.originals), list(records), policies,
+    )  # fmt: skip
+
+
+def test_every_write_names_its_sandbox_or_key(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        _sandbox(store, "b")
+        seq = changes.top(store.db)
+        assert changes.since(store.db, seq).sandboxes == set()  # type: ignore[union-attr]
+        other.set_container_cpus("b-app", CpuSet.parse("1"), "update")
+        other.save_threads("a", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
+        other.set_meta(VmmKey("a", 10, 20).orig(11), "0-1")
+        other.note_seen("b-app", runtime_seen="1")
+        delta = changes.since(store.db, seq)
+        assert delta is not None
+        assert delta.sandboxes == {"a", "b"}
+        assert delta.keys == {VmmKey("a", 10, 20).orig(11)}
+        # a container written again under another sandbox: both sandboxes moved
+        seq = delta.top
+        other.put_container(ContainerRec("b-app", "a", False, name="app"))
+        delta = changes.since(store.db, seq)
+        assert delta is not None and delta.sandboxes == {"a", "b"}
+
+
+def test_a_reader_further_behind_than_the_log_keeps_reads_whole(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store:
+        _sandbox(store, "a")
+        seq = changes.top(store.db)
+        with store.transaction():
+            for i in range(2 * changes.KEEP + 10):
+                store.set_meta(f"k{i}", "v")
+        assert changes.since(store.db, seq) is None  # the log was kept short meanwhile
+        rows = store.db.execute("SELECT count(*) FROM changes").fetchone()[0]
+        assert changes.KEEP <= rows <= 2 * changes.KEEP
+        recent = changes.top(store.db) - 5
+        delta = changes.since(store.db, recent)
+        assert delta is not None and len(delta.keys) == 5
+
+
+def test_tables_followed_are_the_tables_read_whole(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        with store.transaction():  # (40: six of them moving is within what is followed)
+            for i in range(40):
+                _sandbox(store, f"s{i:02d}", str(i % 2))
+        store.save_threads("s00", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
+        store.set_meta(VmmKey("s00", 10, 20).orig(11), "0-1")
+        followed = Tables(store, FULL)
+        # another process: an update, a new sandbox, one forgotten, thread roles and
+        # original affinities moved, a pod's policy recorded
+        other.set_container_cpus("s01-app", CpuSet.parse("0-1"), "update")
+        _sandbox(other, "s99")
+        other.delete_sandbox("s02")
+        other.save_threads("s00", 10, 20, [ThreadRec(12, "vcpu", 0, "CPU 0/KVM", "names")])
+        other.delete_meta([VmmKey("s00", 10, 20).orig(11)])
+        other.set_meta(VmmKey("s00", 10, 20).orig(12), "1")
+        other.set_meta(VmmKey("s03", 30, 40).missing(), "1")
+        other.set_meta("podpolicy:s04", '{"annotations": {"vmpin.io/vcpus": "float"}, "at": 1}')
+        assert followed.follow(store.version())
+        assert followed.moved == {"s00", "s01", "s02", "s03", "s04", "s99"}
+        assert _whole(followed) == _whole(Tables(store, FULL))
+        # nothing moved: nothing read again
+        assert followed.follow(store.version())
+        assert followed.moved == set()

@@ -1,0 +1,124 @@
+"""The store's change log: which sandboxes' records, and which meta keys, moved since a point.
+
+Issue 28: an event's pass in the agent read every table whole whenever the store had moved
+(``Store.version``), and it always has by then -- the event is a write.  At 2,000 sandboxes
+that was 26,000 rows a pass to learn that one sandbox changed.  ``PRAGMA data_version`` says
+*that* another connection committed, never *what*; so the store says what, itself: triggers
+on the tables a pass reads append one row per written row to ``changes`` -- the sandbox it
+belongs to (``sandboxes``, ``containers``, ``threads``) or the ``meta`` key -- whichever
+process writes, through whichever code path.  A long-lived reader remembers the last
+``seq`` it read and asks for the rows after it (:func:`since`: the primary key's range,
+rows proportional to what changed), then re-reads those sandboxes through the indexes.
+
+The log keeps itself short: every :data:`KEEP`-th row removes the :data:`KEEP` before the
+last :data:`KEEP` (so it holds between one and two times that).  ``seq`` is AUTOINCREMENT
+(never reused), and a reader further behind than what is kept finds a hole before the first
+row it gets: :func:`since` then answers None, and the reader reads the tables whole, as it
+would have without the log.
+
+Lean: the store imports it (the Kata hook's path).  Triggers hold ``;`` in their bodies, so
+they are created one by one (:func:`create`), not from the store's split schema text.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
+if TYPE_CHECKING:
+    import sqlite3
+
+#: the log's rows kept, at least (see the module's docstring)
+KEEP = 4096
+
+#: the table (vmpin.state.store appends it to its schema; version 4)
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS changes (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id TEXT,
+    key        TEXT
+);
+"""
+
+_SANDBOX = "INSERT INTO changes(sandbox_id) VALUES ({}.{})"
+_KEY = "INSERT INTO changes(key) VALUES ({}.key)"
+
+#: (trigger name, when, table, what it logs)
+_TRIGGERS = (
+    ("changes_sandboxes_ins", "AFTER INSERT", "sandboxes", _SANDBOX.format("new", "id")),
+    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes", _SANDBOX.format("new", "id")),
+    ("changes_sandboxes_del", "AFTER DELETE", "sandboxes", _SANDBOX.format("old", "id")),
+    # (INSERT OR REPLACE deletes the old row without a delete trigger: a container id
+    # written again under another sandbox logs the sandbox it leaves, here)
+    ("changes_containers_moved", "BEFORE INSERT", "containers",
+     "INSERT INTO changes(sandbox_id) SELECT sandbox_id FROM containers"
+     " WHERE id = new.id AND sandbox_id != new.sandbox_id"),
+    ("changes_containers_ins", "AFTER INSERT", "containers", _SANDBOX.format("new", "sandbox_id")),
+    ("changes_containers_upd", "AFTER UPDATE", "containers",
+     _SANDBOX.format("new", "sandbox_id") + "; " + _SANDBOX.format("old", "sandbox_id")),
+    ("changes_containers_del", "AFTER DELETE", "containers", _SANDBOX.format("old", "sandbox_id")),
+    ("changes_threads_ins", "AFTER INSERT", "threads", _SANDBOX.format("new", "sandbox_id")),
+    ("changes_threads_upd", "AFTER UPDATE", "threads", _SANDBOX.format("new", "sandbox_id")),
+    ("changes_threads_del", "AFTER DELETE", "threads", _SANDBOX.format("old", "sandbox_id")),
+    ("changes_meta_ins", "AFTER INSERT", "meta", _KEY.format("new")),
+    ("changes_meta_upd", "AFTER UPDATE", "meta", _KEY.format("new")),
+    ("changes_meta_del", "AFTER DELETE", "meta", _KEY.format("old")),
+    ("changes_keep_short", "AFTER INSERT", f"changes WHEN new.seq % {KEEP} = 0",
+     f"DELETE FROM changes WHERE seq <= new.seq - {KEEP}"),
+)  # fmt: skip
+
+
+def create(db: sqlite3.Connection) -> None:
+    """The triggers (the table is in :data:`SCHEMA`), inside the caller's transaction."""
+    for name, when, table, body in _TRIGGERS:
+        db.execute(f"CREATE TRIGGER IF NOT EXISTS {name} {when} ON {table} BEGIN {body}; END")
+
+
+class Delta:
+    """What moved between two points of the log: sandbox ids and meta keys."""
+
+    __slots__ = ("keys", "sandboxes", "top")
+
+    def __init__(self, top: int, sandboxes: set[str], keys: set[str]) -> None:
+        self.top = top
+        self.sandboxes = sandboxes
+        self.keys = keys
+
+
+#: :func:`top` of a database without the log (an older schema a read-only view opened)
+NO_LOG = -1
+
+
+def top(db: sqlite3.Connection) -> int:
+    """The last ``seq`` handed out (0: none yet; :data:`NO_LOG`): read it *before* reading
+    the tables whole, and every change after the read is in :func:`since` of it."""
+    from vmpin.state.sqlite import sqlite3 as module
+
+    try:
+        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
+    except module.OperationalError:  # no AUTOINCREMENT table at all: schema 3 or older
+        return NO_LOG
+    return int(row[0]) if row else 0
+
+
+def since(db: sqlite3.Connection, seq: int) -> Delta | None:
+    """What changed after ``seq`` (a :func:`top` or a Delta's ``top``); None when the log no
+    longer holds all of it (the reader then reads the tables whole)."""
+    last = top(db)
+    if last == NO_LOG or seq == NO_LOG:
+        return None
+    if last == seq:
+        return Delta(seq, set(), set())
+    if last < seq:
+        return None  # (another database at this path: nothing of it is known)
+    rows = db.execute(
+        "SELECT seq, sandbox_id, key FROM changes WHERE seq > ? ORDER BY seq", (seq,)
+    ).fetchall()
+    if not rows or rows[0][0] != seq + 1 or rows[-1][0] < last:
+        return None  # a hole: kept short since (a rolled-back write leaves none)
+    sandboxes: set[str] = set()
+    keys: set[str] = set()
+    for _, sid, key in rows:
+        if sid is not None:
+            sandboxes.add(sid)
+        elif key is not None:
+            keys.add(key)
+    return Delta(int(rows[-1][0]), sandboxes, keys)
