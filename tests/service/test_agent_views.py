@@ -28,6 +28,8 @@ from tests.support import fakevmm
 from tests.support.qemu_util import wait_until
 from vmpin.linux.paths import HostPaths
 from vmpin.service import control
+from vmpin.service.agent_views import AgentViews, _Plan
+from vmpin.service.queue import DirtyQueue
 from vmpin.service.settings import Settings
 from vmpin.state.store import Store
 from vmpin.wire.control import MAX_REPLY, View
@@ -317,3 +319,25 @@ def test_an_answer_from_the_agent_loads_neither_typing_nor_sqlite(
     loaded = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
     assert "vmpin.service.control" in loaded
     assert not loaded & {"typing", "_sqlite3", "sqlite3", "vmpin.state.store"}
+
+
+def test_which_pass_a_view_answers_from(paths: HostPaths) -> None:
+    """The rules of vmpin.service.agent_views on plans made by hand: a pass asked for answers
+    when it read the whole node and changed nothing, or when it is the last try, or for
+    ``audit``; an event's pass (which did not read everything) never does."""
+    views = AgentViews(paths.state_dir, Settings(paths), DirtyQueue())
+    req, audit = View("sandboxes", {}, 1.0), View("audit", {}, 1.0, fresh=True)
+
+    def made(number: int, read_all: bool, clean: bool) -> Any:
+        return _Plan(number, None, None, read_all, clean, 1)  # type: ignore[arg-type]
+
+    unclean, clean, event = made(5, True, False), made(5, True, True), made(6, False, True)
+    assert views._verdict(clean, 5, req, last_try=False) == "answer"
+    assert views._verdict(unclean, 5, req, last_try=False) == "ask"
+    assert views._verdict(unclean, 5, req, last_try=True) == "answer"
+    assert views._verdict(unclean, 5, audit, last_try=False) == "answer"
+    assert views._verdict(clean, 6, req, last_try=True) == "wait"  # (older than asked for)
+    assert views._verdict(event, 6, req, last_try=True) == "wait"
+    assert views._verdict(event, 0, req, last_try=False) == "ask"
+    assert views._verdict(None, 0, req, last_try=False) == "ask"
+    views.close()

@@ -13,8 +13,9 @@ as before.  What answers:
   (``PRAGMA data_version`` on a connection of this module's own), the journal is empty, no
   work is queued or running, and the plan is no older than the request's ``max_age``;
 - else **a pass that starts after the request** (a work item of its own,
-  :data:`VIEW_WORK`, queued as periodic work: any batch holding it reads the whole node), or
-  the next, until one changed nothing; the read command gets the node as that pass left it;
+  :data:`VIEW_WORK`, queued as periodic work: any batch holding it reads the whole node); when
+  that pass changed something, the next, which sees the node as it was left
+  (:data:`MAX_PASSES`: the last one answers whatever it did);
 - ``audit`` (``fresh``) always takes a pass that starts after the request, and gets that
   pass's audit, drift and all, whatever the pass then repaired: a thread moved by hand since
   the last pass must be reported.
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from vmpin.service.settings import Settings
     from vmpin.state.store import Store
 
+#: the passes a view asks for at most before it answers from what the last one saw
+MAX_PASSES = 2
 #: the work item a view queues for a pass of its own (no sandbox: every pass is node-wide,
 #: and a batch holding work that is not an event's reads the whole node)
 VIEW_WORK = "vmpin-read-view"
@@ -177,6 +180,7 @@ class AgentViews:
             return refused(f"view: {why}")
         deadline = time.monotonic() + req.wait
         asked = self._ask() if req.fresh else 0
+        tries = int(bool(asked))
         while True:
             with self._cond:
                 while self._running or (asked and self._plan is None):
@@ -185,12 +189,13 @@ class AgentViews:
                         return refused("view: no pass ended in time")
                     self._cond.wait(left)
                 p = self._plan
-            verdict = self._verdict(p, asked, req)
+            verdict = self._verdict(p, asked, req, last_try=tries >= MAX_PASSES)
             if verdict == "answer":
                 assert p is not None
                 return self._reply(p, req)
             if verdict == "ask":
                 asked = self._ask()
+                tries += 1
             elif time.monotonic() >= deadline:
                 return refused("view: no pass ended in time")
             else:
@@ -198,12 +203,17 @@ class AgentViews:
                     if self._plan is p and not self._running:
                         self._cond.wait(max(0.0, deadline - time.monotonic()))
 
-    def _verdict(self, p: _Plan | None, asked: int, req: View) -> str:
-        """What to do with plan ``p``: answer from it, ask for a pass, or wait for one."""
+    def _verdict(self, p: _Plan | None, asked: int, req: View, last_try: bool) -> str:
+        """What to do with plan ``p``: answer from it, ask for a pass, or wait for one.
+
+        A pass asked for that changed something (it repaired drift, applied an event) is
+        followed by one more, which finds the node as that one left it; the last one asked
+        for answers whatever it did (under a storm of events every pass changes something,
+        and a command observing in-process would see the node mid-change as well)."""
         if asked:
             if p is None or p.number < asked or not p.read_all:
                 return "wait"  # (the pass holding our work has not ended yet)
-            return "answer" if p.clean or req.view == "audit" else "ask"
+            return "answer" if p.clean or req.view == "audit" or last_try else "ask"
         if p is None or not (p.read_all and p.clean):
             return "ask"
         if req.max_age is not None and time.monotonic() - p.at > req.max_age:
