@@ -16,9 +16,14 @@ imports and the second not, so ``import_ms`` = first - second and ``work_ms`` = 
 console script runs in each round too (its own pair with a bare interpreter):
 ``compare_ratio_median``, a before/after in one run.
 
+With ``--agent`` every command is measured twice: first with no agent (``commands``), then
+with ``vmpin serve`` up on the node (``commands_agent``: the read commands take the agent's
+view of its plan, vmpin.service.agent_views; ``--agent-interval``, its periodic pass).
+
 Run (as root; the fake VMMs need no KVM)::
 
     python bench/bench_read.py [--sandboxes 500] [--rounds 15] [--json OUT] [--compare VMPIN]
+                               [--agent]
 """
 
 from __future__ import annotations
@@ -103,6 +108,27 @@ def measure(
     }
 
 
+def start_agent(env: dict[str, str], interval: float, log: Path) -> subprocess.Popen[bytes]:
+    """``vmpin serve`` on the bench's node, once it answers and has finished a full pass."""
+    agent = subprocess.Popen(
+        [*vmpin_cmd(), "serve", "--interval", str(interval), "--metrics-port", "0"],
+        env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if agent.poll() is not None:
+            raise SystemExit(f"the agent ended:\n{log.read_text()}")
+        status = subprocess.run([*vmpin_cmd(), "status", "--json"], env=env,
+                                capture_output=True, text=True)  # fmt: skip
+        if status.returncode == 0:
+            got = json.loads(status.stdout)
+            if got.get("passes", 0) >= 1 and not got.get("pass_running") and not got["queue"]:
+                return agent
+        time.sleep(0.2)
+    agent.kill()
+    raise SystemExit("the agent did not finish its start-up pass in 120 s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sandboxes", type=int, default=500)
@@ -112,6 +138,10 @@ def main() -> int:
     ap.add_argument("--compare", metavar="VMPIN",
                     help="another vmpin console script (e.g. a checkout of main's venv), run"
                     " interleaved too: compare_ratio_median (A/B in one run)")
+    ap.add_argument("--agent", action="store_true",
+                    help="also measure every command with `vmpin serve` up (commands_agent)")
+    ap.add_argument("--agent-interval", type=float, default=5.0,
+                    help="the agent's --interval (seconds; default 5, the agent's own)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vmpin-read-"))
     vmms: list[fakevmm.FakeVmm] = []
@@ -126,6 +156,16 @@ def main() -> int:
             commands += [["containers", "--json"], ["sandboxes", "--json"],
                          ["show", first, "--json"], ["audit"]]
         results = {" ".join(c): measure(c, env, args.rounds, args.compare) for c in commands}
+        agent_results = None
+        if args.agent:
+            agent = start_agent(env, args.agent_interval, root / "agent.log")
+            try:
+                agent_results = {
+                    " ".join(c): measure(c, env, args.rounds, args.compare) for c in commands
+                }
+            finally:
+                agent.terminate()
+                agent.wait(30)
         result = {
             "benchmark": "read_commands",
             "sandboxes": args.sandboxes,
@@ -133,6 +173,8 @@ def main() -> int:
             "rounds": args.rounds,
             "cpus": os.cpu_count(),
             "commands": results,
+            **({"agent_interval": args.agent_interval, "commands_agent": agent_results}
+               if agent_results is not None else {}),
         }
         print(json.dumps(result, indent=2))
         if args.json:

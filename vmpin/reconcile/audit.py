@@ -32,6 +32,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from vmpin.reconcile.observation import Observation
+
 KINDS = ("drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin", "error")
 
 
@@ -239,3 +241,14 @@ def audit(
         "errors": [f"{sp.id}: {e}" for sp in live for e in sp.errors],
         "notes": notes(plan, node_notes),
     }
+
+
+def node_audit(obs: Observation, plan: NodePlan) -> dict[str, Any]:
+    """``vmpin audit``'s result for a node observed as ``obs`` and planned as ``plan``: the
+    one home of what it adds to :func:`audit` (Kata's own pinning, pods waiting for CPUs), for
+    the command's in-process pass and the agent's (vmpin.service.agent_views) alike."""
+    from vmpin.reconcile.allocations import notes as waiting
+
+    node_notes = obs.kata.notes() if obs.kata is not None else []
+    node_notes += waiting(obs)  # pods waiting for exclusive CPUs, and why (issue 30)
+    return audit(plan, obs.checkpoint_error, node_notes)

@@ -125,6 +125,11 @@ class Reconciler:
         self._sandbox_plans: PlanMemo | None = None
         #: the last plan and what it was made from (see plan())
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = None
+        #: the last plan's observation read every value from the host (no event pass's
+        #: ``fresh``), and what the last pass that applied wrote to the host (threads and
+        #: cgroups): what the agent's read views judge its plan by (:attr:`last_observed`)
+        self._read_all = False
+        self.last_writes = 0
         #: False: a pass does not apply the journal first (its caller just did, without
         #: waiting for the disk: the agent's pass, the Kata hook's own; Store.ingest)
         self.ingest_first = ingest_first
@@ -221,6 +226,7 @@ class Reconciler:
         fresh: Container[str] | None = None,
     ) -> NodePlan:
         """The node's plan (of ``obs``, or of a new observation within ``scope``/``fresh``)."""
+        from vmpin.reconcile.observation import FULL
         from vmpin.reconcile.plan import plan_node
 
         with _GcPaused():
@@ -255,8 +261,17 @@ class Reconciler:
                     obs, topology, float_policy=float_policy, memo=self._sandbox_plans
                 )
             self._plan_memo = (obs, topology, float_policy, plan, version)
+            self._read_all = fresh is None and plan.scope == FULL
         self.last_plan = plan
         return plan
+
+    @property
+    def last_observed(self) -> tuple[Observation, NodePlan, tuple[int, int], bool] | None:
+        """The last plan, the observation it was made from, the store's version before it
+        was observed, and whether every value was read from the host afresh: what the
+        agent's read views answer from (vmpin.service.agent_views)."""
+        memo = self._plan_memo
+        return None if memo is None else (memo[0], memo[3], memo[4], self._read_all)
 
     def reconcile(
         self,
@@ -352,6 +367,7 @@ class Reconciler:
             for d in drifts
             if d.get("repaired")
         }
+        self.last_writes = len(threads) + len(cgroups)
         if threads or cgroups:
             self.observer.note_applied(threads, cgroups)
 
@@ -470,12 +486,8 @@ class Reconciler:
 
     def audit(self, scope: Scope | None = None) -> dict[str, Any]:
         """The node-wide invariant (``scope``: what it observes, default everything)."""
-        from vmpin.reconcile.audit import audit
+        from vmpin.reconcile.audit import node_audit
 
         with _GcPaused():
             obs = self.observe(scope)
-            kata = obs.kata.notes() if obs.kata is not None else []
-            from vmpin.reconcile.allocations import notes
-
-            kata += notes(obs)  # pods waiting for exclusive CPUs, and why (issue 30)
-            return audit(self.plan(obs), obs.checkpoint_error, kata)
+            return node_audit(obs, self.plan(obs))

@@ -90,6 +90,7 @@ from vmpin.service import limits
 from vmpin.service.agent_accounting import Accounting
 from vmpin.service.agent_passes import Planner, ReconcilerFactory
 from vmpin.service.agent_protocol import ControlProtocol, Waiters
+from vmpin.service.agent_views import AgentViews
 from vmpin.service.logs import HOST_FAULTS, Faults, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer
 from vmpin.service.queue import CAUSES, DEFAULT_HOLDOFF, DirtyQueue, Work
@@ -183,6 +184,7 @@ class Agent:
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         metrics: Metrics | None = None,
         domains: LibvirtDomains | None = None,
+        settings: Settings | None = None,
     ) -> None:
         check_seconds("--interval", interval, low=0.01, high=MAX_INTERVAL)
         check_seconds("VMPIN_HOLDOFF", holdoff, low=0.0, high=MAX_HOLDOFF)
@@ -238,9 +240,12 @@ class Agent:
         self.fault = self.faults.report
         self.accounting = Accounting(paths, self.metrics)
         self.waiters = Waiters(self.fault)
+        #: the read commands' views, from the planner's plans (``settings``: what the agent
+        #: plans with, which a command's must match; default, the defaults on ``paths``)
+        self.views = AgentViews(paths.state_dir, settings or Settings(paths), self.queue)
         self.control = ControlProtocol(
             self.queue, self.waiters, self.metrics, self.accounting,
-            status=self.status, request_pass=self.request_pass,
+            status=self.status, request_pass=self.request_pass, views=self.views.answer,
         )  # fmt: skip
         self.handle = self.control.handle
         self.notify = self.control.notify
@@ -250,6 +255,7 @@ class Agent:
             fault=self.fault, pause=self._pause, fatal=self._planner_failed,
             interval=interval, domains=domains is not None,
         )  # fmt: skip
+        self.planner.views = self.views
         self.metrics.track_state(self.accounting.snapshot)
         self.metrics.track_queue(self.queue.depth, self.queue.running)
         self.metrics.track_journal(
@@ -431,6 +437,7 @@ class Agent:
             self._metrics_server.close()
         if self._store is not None:
             self._store.close()
+        self.views.close()
         self._release_lock()
         if self._wakeup_fd_set:  # (before the fd is closed and its number reused)
             signal.set_wakeup_fd(-1)
@@ -559,6 +566,8 @@ def serve(
         holdoff=holdoff,
         # vmpin.cli.Ctx.domains(): libvirt domains on the configured connections, if any
         domains=getattr(ctx_obj, "domains", lambda: None)(),
+        # (the policy keys are the agent's own: as set just below)
+        settings=ctx_obj.settings._replace(given=POLICY_KEYS),
     )
 
     # The agent's policy is the node's: its own settings (defaults included) decide, never a

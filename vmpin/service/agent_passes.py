@@ -35,6 +35,7 @@ from vmpin.state.locks import WAIT
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
+    from vmpin.service.agent_views import AgentViews
     from vmpin.service.kube import KubeLink
 
 #: the work item of a full pass that stands for every libvirt domain (not store sandboxes)
@@ -94,6 +95,8 @@ class Planner:
         self.domains = domains
         #: the Kubernetes link (vmpin.service.kube) when the API is configured
         self.kube: KubeLink | None = None
+        #: the read views, told when each pass begins and ends (vmpin.service.agent_views)
+        self.views: AgentViews | None = None
         #: why the store cannot be written (read-only, full), while pinning goes on
         self.store_error: str | None = None
         #: the pods' policy annotations as last recorded in the store (planner thread only;
@@ -185,6 +188,9 @@ class Planner:
 
     def _batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
         number, later = self.waiters.pass_begins()
+        views = self.views
+        if views is not None:
+            views.pass_begins(number)
         reconciler.maps_later = [] if later else None
         ok = False
         try:
@@ -217,6 +223,8 @@ class Planner:
             self.queue.done_all([w.sandbox_id for w in batch])
             self.accounting.progress(batch)
             maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
+            if views is not None:
+                views.pass_ends(number, ok, store, reconciler)
         if not maps_now:
             self.waiters.publish_late(number, reconciler.publish_maps)
         # the maps the pass replaced, freed now that no one waits (Reconciler.held_maps)

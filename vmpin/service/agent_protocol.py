@@ -23,7 +23,7 @@ from vmpin.service.logs import Throttle, log_event
 from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
-from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, refused
+from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, View, refused
 from vmpin.wire.control import request_from_json as read_request
 
 #: the least time between two log lines about bad requests
@@ -195,6 +195,7 @@ class ControlProtocol:
         accounting: Accounting,
         status: Callable[[str | None], dict[str, Any]],
         request_pass: Callable[[], None],
+        views: Callable[[View], dict[str, Any] | bytes] | None = None,
     ) -> None:
         self.queue = queue
         self.waiters = waiters
@@ -204,12 +205,15 @@ class ControlProtocol:
         #: the ``status`` reply (the agent's), and how to start a full pass now
         self.status = status
         self.request_pass = request_pass
+        #: a read command's view (vmpin.service.agent_views: AgentViews.answer)
+        self.views = views
         #: bad requests, said once a minute: whoever sends a flood of them must not fill
         #: the log too
         self._bad_said = Throttle(BAD_LOG_EVERY)
 
-    def handle(self, line: bytes, answer: Reply | None = None) -> dict[str, Any] | None:
-        """One request line -> one reply (a dict; ``ok`` says whether it was understood).
+    def handle(self, line: bytes, answer: Reply | None = None) -> dict[str, Any] | bytes | None:
+        """One request line -> one reply (a dict; ``ok`` says whether it was understood; a
+        view's line as bytes, written once for every reader of a plan).
 
         None when the reply went out on ``answer`` already (a blocking ``dirty``, answered by
         the planner: :meth:`notify_and_wait`)."""
@@ -226,6 +230,9 @@ class ControlProtocol:
             return None
         if isinstance(msg, Status):
             return self.status(msg.sandbox)
+        if isinstance(msg, View):
+            # (on this connection's thread: the planner only hands its plan over)
+            return refused("view: not served") if self.views is None else self.views(msg)
         assert isinstance(msg, Reconcile)
         self.request_pass()
         return dict(OK)

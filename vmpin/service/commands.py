@@ -22,9 +22,6 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError, VmpinError
 from vmpin.service.settings import Settings
-from vmpin.state.reader import Reader
-from vmpin.state.sqlite import sqlite3  # (without the package's imports, nor functools')
-from vmpin.state.store import Store
 from vmpin.wire import jsonio, views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -37,6 +34,8 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Scope
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
     from vmpin.reconcile.reconciler import Reconciler, SandboxReport
+    from vmpin.state.reader import Reader
+    from vmpin.state.store import Store
 
 #: set (to anything but "" or "0") to validate every --json view against its model first
 
@@ -69,6 +68,8 @@ class Ctx:
 
     def store(self) -> Store:
         """The store for commands that write (update, reconcile, serve): created if missing."""
+        from vmpin.state.store import Store
+
         return Store(self.paths.state_dir)
 
     def reader(self) -> Reader:
@@ -79,6 +80,7 @@ class Ctx:
         why.  A state dir named by hand that does not exist is an error (a typo must not read
         as an empty node)."""
         from vmpin.linux.paths import DEFAULTS
+        from vmpin.state.store import Store
 
         where = self.paths.state_dir
         fresh = where == DEFAULTS["state_dir"] or os.path.isdir(where)
@@ -140,13 +142,19 @@ def echo(line: str = "") -> None:
     print(line)
 
 
-def emit(c: Ctx, data: Any, view: str) -> None:
-    """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS)."""
+def json_text(data: Any) -> str:
+    """A ``--json`` view's text, as printed (the agent writes the views it answers with it)."""
+    return jsonio.dumps(data, indent=2)
+
+
+def emit(c: Ctx, data: Any, view: str, text: str | None = None) -> None:
+    """Print a ``--json`` view (checked against its schema first under VMPIN_CHECK_VIEWS);
+    ``text``: its text, written already (by the agent)."""
     if c.settings.check_views:
         from vmpin.wire.viewschema import check
 
-        check(view, data)
-    echo(jsonio.dumps(data, indent=2))
+        check(view, jsonio.loads(text) if data is None and text is not None else data)
+    echo(json_text(data) if text is None else text)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -200,6 +208,8 @@ def _update_domain(
     the node is re-planned.  None when ``key`` is a tracked container or no domain."""
     # (no journal applied here: a container only journaled is no domain either, and
     # update_container applies it)
+    from vmpin.state.store import Store
+
     with Store(c.paths.state_dir, ingest=False, deadline=deadline) as store:
         if store.container(key) is not None:
             return None
@@ -221,6 +231,38 @@ def _update_domain(
 
 
 # -- read commands: observe and plan, nothing written ---------------------------------------
+#: how long a read command waits for the agent's view before it observes the node itself (s):
+#: a pass of its own at 2,000 sandboxes takes ~0.3-0.8 s, and one that repaired something is
+#: followed by another
+AGENT_VIEW_WAIT = 2.0
+#: the oldest plan a read command takes from the agent (s): older, the agent runs a pass
+AGENT_VIEW_AGE = 30.0
+
+
+def agent_view(c: Ctx, view: str, sandbox: str | None = None) -> str | None:
+    """The view's ``--json`` text as the running agent's plan shows it
+    (vmpin.service.agent_views), the same bytes the command would print; None: no agent, an
+    old one that does not know the request, a refusal (settings other than the agent's), a
+    timeout -- the command observes itself.
+
+    ``audit`` asks for a pass that starts after the request (drift since the last pass must be
+    seen); the others for the current plan when nothing changed since it was made."""
+    from vmpin.service.control import view as ask
+    from vmpin.wire.control import View
+
+    fresh = view == "audit"
+    request = View(
+        view,
+        c.settings.view_key(),
+        AGENT_VIEW_WAIT - 0.25,  # (the agent's refusal comes before the command gives up)
+        sandbox,
+        fresh,
+        None if fresh else AGENT_VIEW_AGE,
+    )
+    got = ask(c.paths, request, AGENT_VIEW_WAIT)
+    return None if got is None else got.text
+
+
 def node_plan(c: Ctx, store: Reader, scope: Scope | None = None) -> NodePlan:
     """The node as the host shows it now (pure: observe and plan, nothing written), within
     ``scope``: what the view prints, read fresh, and nothing it does not (observe.Scope)."""
@@ -306,8 +348,15 @@ def reconcile(c: Ctx, once: bool, as_json: bool) -> int:
 
 
 def containers(c: Ctx, as_json: bool) -> int:
-    with c.reader() as store:
-        rows = fresh_containers(node_plan(c, store, view_scope("containers")))
+    text = agent_view(c, "containers")
+    if text is not None and as_json:
+        emit(c, None, "containers", text)
+        return 0
+    if text is not None:
+        rows = jsonio.loads(text)
+    else:
+        with c.reader() as store:
+            rows = fresh_containers(node_plan(c, store, view_scope("containers")))
     if as_json:
         emit(c, rows, "containers")
         return 0
@@ -375,8 +424,15 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
 
 
 def sandboxes(c: Ctx, as_json: bool) -> int:
-    with c.reader() as store:
-        out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
+    text = agent_view(c, "sandboxes")
+    if text is not None and as_json:
+        emit(c, None, "sandboxes", text)
+        return 0
+    if text is not None:
+        out = jsonio.loads(text)
+    else:
+        with c.reader() as store:
+            out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
     if as_json:
         emit(c, out, "sandboxes")
         return 0
@@ -448,16 +504,18 @@ _POLICY_SOURCES = {
 
 
 def show(c: Ctx, sandbox: str, as_json: bool) -> int:
-    r = _one(c, sandbox)
-    if as_json:
-        emit(c, show_json(r), "show")
+    text = agent_view(c, "show", sandbox)
+    if text is not None and as_json:
+        emit(c, None, "show", text)
         return 0
-    echo(
-        f"sandbox {r.id}  runtime {r.runtime}  vmm {r.vmm_pid or '-'}  "
-        f"mask {r.mask.to_list() or '-'}"
-    )
-    echo(f"plan    {r.mode}: {r.reason}")
-    pol = r.policy_json()
+    r = jsonio.loads(text) if text is not None else show_json(_one(c, sandbox))
+    if as_json:
+        emit(c, r, "show")
+        return 0
+    echo(f"sandbox {r['id']}  runtime {r['runtime']}  vmm {r['vmm_pid'] or '-'}  "
+         f"mask {r['mask'] or '-'}")  # fmt: skip
+    echo(f"plan    {r['mode']}: {r['reason']}")
+    pol = r["policy"]
     if pol is not None:
         settings = ", ".join(
             f"{k} {pol[k]}" for k in ("vcpus", "helpers", "guest", "cpuset") if pol[k]
@@ -468,31 +526,35 @@ def show(c: Ctx, sandbox: str, as_json: bool) -> int:
         echo(f"policy  {settings} (from {_POLICY_SOURCES[pol['source']]}{since})")
         for problem in pol["problems"]:
             echo(f"        {problem}")
-    if r.layers:
-        echo(f"threads classified by: {', '.join(r.layers)}")
+    if r["layers"]:
+        echo(f"threads classified by: {', '.join(r['layers'])}")
     table(
         ["tid", "role", "index", "name", "desired", "actual", "state"],
         [
-            [t.tid, t.role, t.index, t.name, cpus(t.desired), cpus(t.actual), t.action]
-            for t in r.threads
+            [t["tid"], t["role"], t["index"], t["name"], t["desired"], t["actual"], t["action"]]
+            for t in r["threads"]
         ],
     )
-    if r.guest_map:
-        for cid, m in r.guest_map["containers"].items():
+    if r["guest_map"]:
+        for cid, m in r["guest_map"]["containers"].items():
             echo(
                 f"guest   {cid}: host {m['host_cpus'] or '-'} -> vCPUs {m['guest_cpus']}"
                 f"{'' if m['exact'] else ' (not exact: ' + m['reason'] + ')'}"
             )
-    for n in r.notes + r.errors:
+    for n in r["notes"] + r["errors"]:
         echo(f"note    {n}")
     return 0
 
 
 def audit(c: Ctx, as_json: bool) -> int:
-    with c.reader() as store:
-        result = c.reconciler(store).audit(view_scope("audit"))
+    text = agent_view(c, "audit")
+    if text is not None:
+        result = jsonio.loads(text)  # (its exit code is its "ok")
+    else:
+        with c.reader() as store:
+            result = c.reconciler(store).audit(view_scope("audit"))
     if as_json:
-        emit(c, result, "audit")
+        emit(c, result, "audit", text)
     else:
         for v in result["violations"]:
             echo(
@@ -810,7 +872,14 @@ def run(given: dict[str, str], name: str, values: dict[str, Any]) -> int:
         except VmpinError as e:
             print(f"vmpin: error: {e}", file=sys.stderr)
             return e.exit_code
-        except sqlite3.Error as e:  # the database failed under a command: one line
+        except Exception as e:
+            # (SQLite is loaded by whoever opened the store: a read answered by the agent,
+            # or --version, does not load it for this clause)
+            from vmpin.state.sqlite import sqlite3  # (without the package's, nor functools')
+
+            if not isinstance(e, sqlite3.Error):
+                raise
+            # the database failed under a command: one line
             from vmpin.state.schema import state_error
 
             # the store the command used: the global option when given, else as Settings says

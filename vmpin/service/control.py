@@ -2,7 +2,8 @@
 
 One request line, one reply line, as :mod:`vmpin.wire.control` writes and reads them (the
 agent's side uses it too).  :func:`notify` marks sandboxes dirty (the agent plans them,
-coalesced); ``vmpin status`` asks for ``status``.  The socket lives in the state dir with mode
+coalesced); ``vmpin status`` asks for ``status``; the read commands ask for their view
+(:func:`view`).  The socket lives in the state dir with mode
 0600: only root may ask the agent to act.
 
 ``notify(..., wait=SECONDS)`` is the blocking form (hooks and ``vmpin update``: the invariant
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any
 
-    from vmpin.wire.control import Request
+    from vmpin.wire.control import Request, View, ViewReply
 
 
 #: how long a full backlog is waited out (seconds; at most the request's timeout)
@@ -77,13 +78,14 @@ def _send(
     timeout: float,
     answer: bool,
     meanwhile: Callable[[], object] | None = None,
+    limit: int | None = None,
 ) -> bytes | None:
     """Send one request line (``message``: a request of vmpin.wire.control, or any object:
     tests send what they like); None when no agent took it, else its answer (b"" without
     ``answer``, or when the agent closed without one).  ``meanwhile`` runs once the agent
     has the request, before its answer is read (what raises there is the caller's: only a
     failed exchange means no agent).  The exchange ends within ``timeout`` seconds in all
-    (an answer not complete by then: no agent)."""
+    (an answer not complete by then, or longer than ``limit`` bytes: no agent)."""
     path = _agent_socket(paths)
     if path is None:
         return None
@@ -99,7 +101,7 @@ def _send(
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     except OSError:
         return None
-    buf = b""
+    buf = bytearray()  # (a view's answer comes in many chunks: no copy of the whole each)
     try:
         try:
             sock.settimeout(timeout)
@@ -115,15 +117,17 @@ def _send(
                 if left <= 0:
                     return None
                 sock.settimeout(left)
-                chunk = sock.recv(65536)
+                chunk = sock.recv(262144)
                 if not chunk:
                     break
                 buf += chunk
+                if limit is not None and len(buf) > limit:
+                    return None
         except OSError:
             return None
     finally:
         sock.close()
-    return buf
+    return bytes(buf)
 
 
 def request(
@@ -140,6 +144,18 @@ def request(
     from vmpin.wire.control import reply_from_json
 
     return reply_from_json(buf)
+
+
+def view(paths: HostPaths, message: View, timeout: float) -> ViewReply | None:
+    """A read command's view from the agent's plan (``message``: vmpin.wire.control.View);
+    None when no agent answered it (none, an old one, a refusal, past ``timeout``, a reply
+    longer than MAX_REPLY): the command then observes in-process."""
+    if _agent_socket(paths) is None:
+        return None
+    from vmpin.wire.control import MAX_REPLY, ViewReply, reply_from_json
+
+    buf = _send(paths, message, timeout, answer=True, limit=MAX_REPLY)
+    return ViewReply.from_obj(reply_from_json(buf), message.view) if buf else None
 
 
 def post(paths: HostPaths, message: Request | Mapping[str, Any], timeout: float = 1.0) -> bool:

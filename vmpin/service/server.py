@@ -63,14 +63,17 @@ class Reply:
         self._slots = slots
         self.sent = False
 
-    def send(self, reply: dict[str, Any]) -> None:
+    def send(self, reply: dict[str, Any] | bytes) -> None:
+        """Send ``reply`` (an object, or its line already written: a read view's)."""
         if self.sent:
             return
         self.sent = True
         try:
             # a client that sent its line waits for this one: its receive buffer is empty
-            # (the socket's timeout is CONTROL_WRITE_TIMEOUT: one deadline for the sendall)
-            self._conn.sendall(reply_to_json(reply))
+            # (the socket's timeout is CONTROL_WRITE_TIMEOUT: one deadline for the sendall,
+            # a view's megabytes included: a reader that stops reading holds its own thread
+            # that long, and no one else)
+            self._conn.sendall(reply if isinstance(reply, bytes) else reply_to_json(reply))
         except TimeoutError:
             if self._slots is not None:
                 self._slots.drop("timeout")
@@ -95,7 +98,7 @@ class ControlServer:
     def __init__(
         self,
         paths: HostPaths,
-        handle: Callable[[bytes, Reply], dict[str, Any] | None],
+        handle: Callable[[bytes, Reply], dict[str, Any] | bytes | None],
         refused: Callable[[], None] = lambda: None,
         *,
         slots: Slots | None = None,

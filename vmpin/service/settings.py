@@ -157,6 +157,33 @@ class Settings(NamedTuple):
             )
         return self.guest_float
 
+    def view_key(self) -> dict[str, str]:
+        """What a read view is observed with beyond the store: the host roots, the policy keys
+        this process was given (the others follow the node's, as the agent's do:
+        :meth:`over_recorded`) and the libvirt connections.  A read command sends it with its
+        request for the agent's view, and the agent answers only when its own match
+        (:meth:`differs`): an answer for another root or policy would be another node's."""
+        key = dict(self.paths._asdict())
+        key.update({k: getattr(self, k) for k in self.given})
+        key["libvirt"] = self.libvirt
+        return key
+
+    def differs(self, key: Mapping[str, str]) -> str | None:
+        """How a read command's :meth:`view_key` differs from these settings (the agent's);
+        None when a view observed with these is the one it would observe."""
+        mine = self.view_key()
+        for k in PATH_ENVVARS:
+            if key.get(k) != mine[k]:
+                return f"{k} {key.get(k)!r} is not the agent's {mine[k]!r}"
+        for k, v in key.items():
+            if k in PATH_ENVVARS:
+                continue
+            if k not in POLICY_KEYS and k != "libvirt":
+                return f"unknown setting {k!r}"
+            if v != getattr(self, k):
+                return f"{k} {v!r} is not the agent's {getattr(self, k)!r}"
+        return None
+
     def libvirt_uris(self) -> list[str]:
         uris = [u.strip() for u in self.libvirt.split(",") if u.strip()]
         return [] if uris == ["none"] else uris

@@ -12,12 +12,19 @@ cannot drift.  One JSON object per line each way, version :data:`VERSION`::
                                                    bookkeeping when asked; the agent's own
                                                    object, ``vmpin status`` prints it)
     {"op":"reconcile"}                          -> {"ok":true}: a full pass now
+    {"op":"view","view":NAME[,"sandbox":id][,"fresh":true][,"max_age":s],"wait":s,
+     "settings":{key:value}}                    -> {"ok":true,"view":NAME,"age_s":s,
+                                                   "pass":n,"text":TEXT}
+        (NAME one of VIEW_NAMES, "sandbox" for show; TEXT what the command prints with
+        --json, to the byte; refused when the agent's settings differ from "settings",
+        or it cannot answer within "wait": the command then observes in-process)
     anything else                               -> {"ok":false,"error":TEXT}
 
 The version is not on the wire: version 1 is everything a vmpin since the agent existed sends
 and understands; a change that an older peer would misread takes a new socket name instead,
 so an old hook meeting a new agent gets no agent, never a wrong answer.  Limits: a request
-line of at most :data:`MAX_REQUEST` bytes, a blocking wait of at most :data:`MAX_WAIT` s.
+line of at most :data:`MAX_REQUEST` bytes, a blocking wait of at most :data:`MAX_WAIT` s, a
+reply line of at most :data:`MAX_REPLY` bytes (a view of a 2,000-sandbox node is ~3 MB).
 
 Lean (the Kata hook speaks it): stdlib and vmpin.core only, no ``typing`` at run time.
 """
@@ -41,7 +48,13 @@ VERSION = 1
 MAX_REQUEST = 1 << 20
 #: the longest a blocking ``dirty`` request may ask to wait (seconds)
 MAX_WAIT = 60.0
-OPS = ("dirty", "status", "reconcile")
+#: the oldest plan a ``view`` may ask for (seconds)
+MAX_AGE = 86400.0
+#: the longest reply line a client reads (a view: ~1 KB per sandbox, threads included)
+MAX_REPLY = 32 << 20
+#: the views the agent answers from its plan (vmpin.service.agent_views)
+VIEW_NAMES = ("containers", "sandboxes", "show", "audit")
+OPS = ("dirty", "status", "reconcile", "view")
 
 
 class Dirty(NamedTuple):
@@ -82,8 +95,38 @@ class Reconcile(NamedTuple):
         return {"op": "reconcile"}
 
 
+class View(NamedTuple):
+    """A read command's view, from the agent's plan (vmpin.service.agent_views).
+
+    ``fresh``: from a full pass that starts after the request (``audit``: drift made since
+    the last pass must be seen), else from the current plan when nothing changed since it
+    (older than ``max_age`` seconds: a fresh pass).  ``wait``: the most the agent takes.
+    ``settings``: what the command would observe with (its host roots and the policy keys it
+    was given, :meth:`vmpin.service.settings.Settings.view_key`); an agent whose own differ
+    refuses."""
+
+    view: str
+    settings: dict[str, str]
+    wait: float
+    sandbox: str | None = None
+    fresh: bool = False
+    max_age: float | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"op": "view", "view": self.view}
+        if self.sandbox is not None:
+            obj["sandbox"] = self.sandbox
+        if self.fresh:
+            obj["fresh"] = True
+        if self.max_age is not None:
+            obj["max_age"] = self.max_age
+        obj["wait"] = self.wait
+        obj["settings"] = self.settings
+        return obj
+
+
 if TYPE_CHECKING:
-    Request: TypeAlias = Dirty | Status | Reconcile
+    Request: TypeAlias = Dirty | Status | Reconcile | View
 
 
 class DirtyReply(NamedTuple):
@@ -107,6 +150,37 @@ class DirtyReply(NamedTuple):
         return cls(reply.get("queued", 0), bool(reply["done"]) if "done" in reply else None)
 
 
+class ViewReply(NamedTuple):
+    """The agent's answer to :class:`View`: the view as the command prints it with
+    ``--json`` (its text: the command prints it as it is, or reads its data back for a
+    table), the age of the plan it comes from (seconds) and that pass's number."""
+
+    view: str
+    text: str
+    age_s: float
+    number: int
+
+    @classmethod
+    def from_obj(cls, reply: Mapping[str, Any] | None, view: str) -> ViewReply | None:
+        """The answer in a reply; None when the agent did not answer this view (refused, an
+        old agent that does not know the request, a reply of another shape)."""
+        if not reply or reply.get("ok") is not True or reply.get("view") != view:
+            return None
+        text, age, number = reply.get("text"), reply.get("age_s"), reply.get("pass")
+        if not isinstance(text, str) or not isinstance(age, (int, float)):
+            return None
+        if isinstance(number, bool) or not isinstance(number, int):
+            return None
+        return cls(view, text, float(age), number)
+
+
+def view_reply_to_json(view: str, text_json: str, age_s: float, number: int) -> bytes:
+    """The reply line of a :class:`View`, around its text already written as a JSON string
+    (the agent writes a plan's view once, for every reader of that plan)."""
+    head = dumps({"ok": True, "view": view, "age_s": round(age_s, 3), "pass": number})
+    return f'{head[:-1]}, "text": {text_json}}}\n'.encode()
+
+
 OK: dict[str, Any] = {"ok": True}
 
 
@@ -117,7 +191,7 @@ def refused(error: str) -> dict[str, Any]:
 
 def request_to_json(message: Request | Mapping[str, Any]) -> bytes:
     """A request line (``message`` a request, or a raw object: tests and probes send any)."""
-    if isinstance(message, (Dirty, Status, Reconcile)):
+    if isinstance(message, (Dirty, Status, Reconcile, View)):
         message = message.to_obj()
     return dumps(message).encode() + b"\n"
 
@@ -154,7 +228,46 @@ def request_from_json(line: bytes | str) -> Request:
         return Status(sid if isinstance(sid, str) else None)
     if op == "reconcile":
         return Reconcile()
+    if op == "view":
+        return _view_from(msg)
     raise WireError(f"unknown op {op!r} ({', '.join(OPS)})")
+
+
+def _seconds(msg: Mapping[str, Any], key: str, high: float) -> float | None:
+    """A duration of a request, None when absent; WireError unless in (0, high]."""
+    if key not in msg:
+        return None
+    value = msg[key]
+    # (NaN and infinity fail the range: JSON's NaN and Infinity are read as floats)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise WireError(f"{msg.get('op')}: {key!r} must be a number of seconds in (0, {high:g}]")
+    return float(value)
+
+
+def _view_from(msg: Mapping[str, Any]) -> View:
+    view = msg.get("view")
+    if view not in VIEW_NAMES:
+        raise WireError(f"view: 'view' must be one of {', '.join(VIEW_NAMES)}")
+    sandbox = msg.get("sandbox")
+    if (sandbox is None) != (view != "show"):
+        raise WireError("view: 'sandbox' is show's, and show needs it")
+    if sandbox is not None:
+        try:
+            sandbox = check_id(sandbox, "sandbox id")
+        except IdError as err:
+            raise WireError(f"view: {err}") from None
+    fresh = msg.get("fresh", False)
+    if not isinstance(fresh, bool):
+        raise WireError("view: 'fresh' must be true or false")
+    settings = msg.get("settings")
+    if not isinstance(settings, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in settings.items()
+    ):
+        raise WireError("view: 'settings' must be an object of strings")
+    wait = _seconds(msg, "wait", MAX_WAIT)
+    if wait is None:
+        raise WireError("view: 'wait' is needed")
+    return View(view, settings, wait, sandbox, fresh, _seconds(msg, "max_age", MAX_AGE))
 
 
 def reply_to_json(reply: Mapping[str, Any]) -> bytes:
