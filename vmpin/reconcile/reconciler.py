@@ -34,7 +34,7 @@ from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.report import SandboxReport, ThreadReport
 from vmpin.reconcile.settled import Settled
-from vmpin.state.locks import WAIT, NodeLock
+from vmpin.state.locks import NodeLock
 from vmpin.state.records import SandboxRec
 from vmpin.state.store import Store
 
@@ -147,12 +147,8 @@ class Reconciler:
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
         self.deadline = deadline
-        self._node_lock: NodeLock | None = None
-        #: the last applying pass went on without the node lock (held past its deadline)
-        self.went_unlocked = False
-        #: why the node lock could not be used at all (its file or directory is not
-        #: owner-only and cannot be made so); such passes go on without it
-        self.lock_error: str | None = None
+        #: the node's plan lock: whether the last applying pass went on without it, and why
+        self.node_lock = NodeLock(self.store.state_dir)
         self._summarizer: Summarizer | None = None
         #: the plans the last passes applied cleanly (an event's pass applies the rest)
         self._settled = Settled()
@@ -303,26 +299,10 @@ class Reconciler:
     # -- the node's plan lock (vmpin.state.locks) ----------------------------------------------
     def _lock(self) -> bool:
         """Take the node's plan lock, waiting until the deadline at most; whether held."""
-        import time
-
-        if self._node_lock is None:
-            self._node_lock = NodeLock(self.store.state_dir)
-        deadline = self.deadline if self.deadline is not None else time.monotonic() + WAIT
-        try:
-            held = self._node_lock.acquire(deadline)
-        except StateError as err:
-            # an unusable lock must not stop the pins: the pass goes on without it, as past
-            # its deadline (the agent reports lock_error)
-            self.lock_error = str(err)
-            held = False
-        else:
-            self.lock_error = None
-        self.went_unlocked = not held
-        return held
+        return self.node_lock.take(self.deadline)
 
     def _unlock(self) -> None:
-        if self._node_lock is not None:
-            self._node_lock.release()
+        self.node_lock.release()
 
     def _applying(
         self, sandbox_ids: list[str] | None, held: bool, fresh: Container[str] | None = None
@@ -330,7 +310,7 @@ class Reconciler:
         """One pass that applies; planned again while it may have applied an older plan
         than another process did (see the module's docstring), or while a plain container's
         event it did not plan with is one its node summary would not let a hook pass."""
-        store, lock, summarizer = self.store, self._node_lock, self.summarizer
+        store, lock, summarizer = self.store, self.node_lock, self.summarizer
         summarized = False
         try:
             for attempt in range(REPLANS + 1):

@@ -256,13 +256,13 @@ class Planner:
         else:
             recs = {rec.id: rec for rec in store.sandboxes()}
         reports = {r.id: r for r in reconciler.reconcile(ids, fresh=fresh)}
-        if reconciler.went_unlocked:
+        if reconciler.node_lock.went_unlocked:
             # another process held the node's plan lock past its wait (stopped, or stuck):
             # this pass went on without it, and either side plans again when needed
             log_event(
                 logging.WARNING,
                 "pass ran without the node lock",
-                lock=reconciler.lock_error or f"held by another process past {WAIT:g} s",
+                lock=reconciler.node_lock.error or f"held by another process past {WAIT:g} s",
             )
         # the node's plan (with the observation it holds) is not needed between passes: do
         # not keep every sandbox's plan alive until the next one (agent RSS, issue #14)

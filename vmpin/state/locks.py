@@ -158,7 +158,7 @@ class NodeLock:
     ``release()``: let go.
     """
 
-    __slots__ = ("_fd", "_held", "_stamp", "path", "state_dir")
+    __slots__ = ("_fd", "_held", "_stamp", "error", "path", "state_dir", "went_unlocked")
 
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
@@ -166,6 +166,25 @@ class NodeLock:
         self._fd = -1
         self._held = False
         self._stamp = b""
+        #: the last :meth:`take` went on without the lock (held past its deadline)
+        self.went_unlocked = False
+        #: why the lock could not be used at all in the last :meth:`take` (its file or
+        #: directory is not owner-only and cannot be made so); None when it could
+        self.error: str | None = None
+
+    def take(self, deadline: float | None) -> bool:
+        """A pass's way in: :meth:`acquire` until ``deadline`` (default :data:`WAIT` seconds
+        from now); whether held.  An unusable lock must not stop the pins: the pass goes on
+        without it, as past its deadline, and :attr:`error` says why (the agent reports it)."""
+        try:
+            held = self.acquire(time.monotonic() + WAIT if deadline is None else deadline)
+        except StateError as err:
+            self.error = str(err)
+            held = False
+        else:
+            self.error = None
+        self.went_unlocked = not held
+        return held
 
     @property
     def held(self) -> bool:
