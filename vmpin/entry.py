@@ -148,13 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     import gc
 
     collecting = _console and gc.isenabled()
-    if collecting:
-        gc.disable()
+    cache = None
+    if _console:
+        if collecting:
+            gc.disable()
+        # a command's modules from the hooks' code cache too: ~12 M of ``vmpin update``'s
+        # ~120 M instructions were the import system's (docs/benchmarks.md)
+        from vmpin.lean.codecache import install, save, uninstall
+
+        cache = install()
     from vmpin.service.clispec import parse
 
     parsed = parse(args)
-    if collecting and (parsed is None or parsed[1] == "serve"):
-        gc.enable()
+    if parsed is None or parsed[1] == "serve":
+        # typer's explanation, or the agent: a long life that imports as any program does
+        if cache is not None:
+            uninstall(cache)
+            cache = None
+        if collecting:
+            gc.enable()
     if parsed is None:
         from vmpin.cli import explain
 
@@ -162,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     from vmpin.service.commands import run
 
     _ran = "command"
-    return run(*parsed)
+    code = run(*parsed)
+    if cache is not None:
+        save(cache)  # (after a miss only; never raises)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The hook's code cache (vmpin.lean.codecache): served when it checks out, never stale.
 
 Each test runs the real launcher's hook (a plain container's prestart, no agent: it journals)
-in a fresh interpreter on a private copy of the package, so the cache it writes and the
-sources it changes are its own.  The probe reports, for every vmpin module the hook loaded,
+or a command in a fresh interpreter on a private copy of the package, so the cache it writes
+and the sources it changes are its own.  The probe reports, for every vmpin module the hook loaded,
 which loader loaded it.
 """
 
@@ -24,9 +24,9 @@ CRI = "io.kubernetes.cri."
 
 PROBE = """
 import json, os, sys
-pkg, state = sys.argv[1], sys.argv[2]
+pkg, state, argv = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 sys.path.insert(0, pkg)
-sys.argv = ["vmpin", "hook", "--strict", "prestart"]
+sys.argv = ["vmpin", *argv]
 r, w = os.pipe()
 os.write(w, state.encode())
 os.close(w)
@@ -88,7 +88,8 @@ def run_hook(
     if not write:
         run_env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(pkg), json.dumps(state)],
+        [sys.executable, "-c", PROBE, str(pkg), json.dumps(state),
+         json.dumps(["hook", "--strict", "prestart"])],
         capture_output=True, text=True, timeout=60, env=run_env,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADERS ")]
@@ -257,3 +258,51 @@ def test_the_cache_serves_imports_as_importlib_would_and_hands_it_what_it_cannot
     assert out["cut"] == [1, True, False]  # from source; the save after puts it back
     assert out["thread"] == [1, "CodeCache"]  # importlib, through the cache's find_spec
     assert out["importlib"] == ["vmpin.zz_stale", "vmpin.zz_thread", "vmpin.zzz_cut"]
+
+
+def run_command(pkg: Path, env: dict[str, str], *argv: str) -> dict[str, object]:
+    """``vmpin ARGV`` run as the console script; what the probe saw."""
+    run_env = {k: v for k, v in env.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(pkg), "", json.dumps(argv)],
+        capture_output=True, text=True, timeout=60, env=run_env,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADERS ")]
+    assert lines, (proc.returncode, proc.stdout, proc.stderr)
+    out: dict[str, object] = json.loads(lines[-1][len("LOADERS ") :])
+    assert out["code"] == 0, proc.stderr
+    return out
+
+
+def test_a_command_is_served_from_the_cache_too(
+    pkg: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    """``update`` and the read commands pay the import system's work as the hook did (~10%
+    of ``vmpin update``'s instructions): the first run writes what it imported, the next one
+    is served, and the hook's entries stay."""
+    run_hook(pkg, env, tmp_path, 1)
+    first = run_command(pkg, env, "containers", "--json")
+    assert "vmpin.state.journal" in served(first)  # (the hook's entry, still good)
+    assert "vmpin.service.commands" not in served(first)  # not cached yet: written after
+    second = run_command(pkg, env, "containers", "--json")
+    assert {"vmpin.service.commands", "vmpin.service.clispec", "vmpin.wire.views"} <= served(
+        second
+    )
+    assert second["fast"] == "find_and_load" and second["wrong"] == []
+    # and the hook still is (the file is the union of what each path imported)
+    assert "vmpin.service.hook" in served(run_hook(pkg, env, tmp_path, 2))
+
+
+def test_the_agent_imports_as_any_program_does(pkg: Path) -> None:
+    """``serve`` lives on and imports late, from threads: the cache is taken out again."""
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import vmpin\n"
+        "from vmpin.lean import codecache as cc\n"
+        "import importlib._bootstrap as b\n"
+        "before = b._find_and_load\n"
+        "cache = cc.install(); cache.serve_imports(); cc.uninstall(cache)\n"
+        "print(b._find_and_load is before, cache not in sys.meta_path, cache.fd)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, str(pkg)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.stdout.split() == ["True", "True", "None"], proc.stderr

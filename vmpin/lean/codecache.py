@@ -1,5 +1,10 @@
 """The hook's code cache: the vmpin modules a hook imports, served from one file (issue 14).
 
+The commands' too (:func:`vmpin.entry.main`; not ``serve``'s): ``vmpin update`` and the read
+commands import ~65 vmpin modules, and this cache took ``update`` from ~119 M to ~107 M
+instructions (callgrind, a bare interpreter being ~39 M; docs/benchmarks.md).  The file holds
+the union of what each path imported.
+
 A Kata hook that pins in-process imports ~42 vmpin modules, and the import system's own work
 for each (the path finder's directory checks, the ``.pyc`` opened, read and validated, a
 dozen Python-level steps) was ~0.35 M instructions: ~15 M of the hook's 77 M, on every
@@ -257,6 +262,21 @@ def install() -> CodeCache | None:
     return cache
 
 
+def uninstall(cache: CodeCache) -> None:
+    """Take the cache out again: imports go back to importlib alone (``serve``, and typer's
+    explanations, import as any program does)."""
+    if cache in sys.meta_path:
+        sys.meta_path.remove(cache)
+    if cache.slow is not None:
+        bootstrap: Any = sys.modules["_frozen_importlib"]
+        bootstrap._find_and_load = cache.slow
+        cache.slow = None
+    if cache.fd is not None:
+        os.close(cache.fd)
+        cache.fd = None
+    cache.entries = {}
+
+
 def save(cache: CodeCache) -> bool:
     """Write the cache again after a miss: what it held that still checks out, and every
     vmpin module this process imported from its source; True when written.  Never raises:
@@ -270,6 +290,36 @@ def save(cache: CodeCache) -> bool:
 
 
 def _save(cache: CodeCache) -> bool:
+    path = cache_path(cache.root)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except OSError:
+        # no __pycache__, a read-only install, another user's: ordinary imports it is, and
+        # the code is not gathered for nothing (a read command run by a user, every time)
+        return False
+    try:
+        try:
+            for chunk in _layout(cache.root, _codes(cache)):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # readers see the old file or the new one
+    except Exception:
+        try:  # noqa: SIM105 (contextlib stays off the hook path)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+    return True
+
+
+def _codes(cache: CodeCache) -> dict[str, tuple[str, int, int, bool, bytes]]:
+    """What the file is to hold: the entries that still check out, and every vmpin module
+    this process imported from its source (unchanged while read)."""
     codes: dict[str, tuple[str, int, int, bool, bytes]] = {}
     for name, entry in cache.entries.items():
         try:
@@ -298,29 +348,7 @@ def _save(cache: CodeCache) -> bool:
             continue  # changed while read: left to the next hook
         is_package = spec.submodule_search_locations is not None
         codes[name] = (origin, after.st_mtime_ns, after.st_size, is_package, marshal.dumps(code))
-    path = cache_path(cache.root)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o644)
-    except OSError:
-        return False  # no __pycache__, a read-only install: ordinary imports it is
-    try:
-        try:
-            for chunk in _layout(cache.root, codes):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # readers see the old file or the new one
-    except OSError:
-        try:  # noqa: SIM105 (contextlib stays off the hook path)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
-    return True
+    return codes
 
 
 def _layout(root: str, codes: dict[str, tuple[str, int, int, bool, bytes]]) -> list[bytes]:
