@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from vmpin.reconcile.reconciler import Reconciler
 
 
+class UnknownContainer(StateError):
+    """No container of that id (tracked, or journaled by its hook): the command then looks
+    for a libvirt domain of that name (vmpin.service.commands.update)."""
+
+
 def _read_resources(source: str) -> bytes:
     """The ``-r`` document: a regular file (vmpin.linux.files: no FIFO, device or symlink)."""
     if source == "-":
@@ -90,7 +95,7 @@ def update_container(
         store.ingest()
         rec = store.container(container_id)
         if rec is None:
-            raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
+            raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
         if cpus is None:
             return views.update(
                 id=rec.id,
