@@ -27,11 +27,11 @@ The machine may have 2 CPUs, so each re-pin moves every thread (~37: 32 vCPUs, t
 iothread, QEMU's main and helper threads) to the other CPU, the one the previous tool did
 not choose; each tool's own targets alternate too.  "Moved" is read from the kernel
 (``sched_getaffinity`` of every thread of QEMU, polled every 0.2 ms), not taken from the
-tool's word.  Reported per series: from the fork to every thread moved
-(``*_to_all_threads``) and to the process's exit (``*_runtime``; vmpin update returns only
-once the threads moved), p50/p90/p99; the ratios of the p50s to the peer's and to the bare
-interpreter's; and the agent's own timings from its metrics (``--metrics-port``: its pin
-latency, its event pass's wall and CPU time, the mean per pass).
+tool's word.  Reported per series (as JSON on stdout, a table on stderr): from the fork to
+every thread moved (``*_to_all_threads``) and to the process's exit (``*_runtime``; vmpin
+update returns only once the threads moved), p50/p90/p99; the ratios of the p50s to the
+peer's and to the bare interpreter's; and the agent's own timings from its metrics
+(``--metrics-port``: its pin latency, its event pass's wall and CPU time, the mean per pass).
 
 Run (as root; qemu-affinity on PATH, or ``--peer`` naming it, e.g. a scratch venv's
 ``pip install qemu-affinity``)::
@@ -209,7 +209,8 @@ def main() -> int:
                 for m in AGENT_METRICS
             },
         }
-        print(report(result))
+        print(report(result), file=sys.stderr)
+        print(json.dumps(result, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         return 0
