@@ -56,7 +56,6 @@ from bench_idle_pass import (  # noqa: E402
     proc_cpu,
     vmpin_cmd,
     wait_agent_pass,
-    wait_pass,
 )
 from fakenode import fake_node, make_paths  # noqa: E402
 
@@ -109,6 +108,17 @@ def stop_agent(agent: subprocess.Popen[bytes]) -> None:
 
 
 # -- passes ------------------------------------------------------------------------------------
+def wait_pass(agent: Agent, number: int, timeout: float = 600) -> dict[str, Any]:
+    """The in-process agent's status once its pass ``number`` has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = agent.status()
+        if st["passes"] >= number and not st["pass_running"] and st.get("last_pass_cause"):
+            return st
+        time.sleep(0.01)
+    raise TimeoutError("pass did not finish")
+
+
 def count_passes(paths: HostPaths, passes: int) -> dict[str, Any]:
     calls = [0]
     real = Reconciler.reconcile
