@@ -32,6 +32,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths
     from vmpin.reconcile.observation import Recorded
     from vmpin.state.records import SandboxRec
@@ -85,7 +86,9 @@ class VmmObserver:
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
         missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
-        if remembered and not missing_before and self._complete(remembered, current):
+        if remembered and not missing_before and self._complete(
+            {tid: t.role for tid, t in remembered.items()}, current
+        ):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
             threads = tuple(self._thread(vmm.pid, at, t, originals, affinity) for t in roles)
@@ -155,19 +158,69 @@ class VmmObserver:
             for tid in tids
         )
 
-    def _complete(self, remembered: dict[int, ThreadRec], current: set[int]) -> bool:
-        """The same threads as last time (vhost kthreads before Linux 6.4 live outside
-        ``task/`` and must merely still exist)."""
-        if remembered.keys() == current:
+    def still(self, rec: SandboxRec, obs: VmmObs | None) -> bool:
+        """Whether :meth:`tracked` would find ``obs`` again now, the store's records as they
+        were when it did (the caller knows they are): the VMM still the recorded process,
+        the same threads, each with the affinity and name it had.
+
+        ``obs`` None: no VMM was found, and none is now (find_vmm as :meth:`tracked` calls
+        it).  Else only a VMM :meth:`tracked` found on its fast path is checked (the recorded
+        VMM, roles remembered, every thread read): anything else is False, and a pass of its
+        own finds what it is.  It builds nothing, and reads what :meth:`tracked` reads for
+        it but the VMM's ``stat`` (the dearest read of a VMM, ~40 % of this check): its
+        pidfile still names it (one ``lstat``) and its ``task/`` lists the very threads it
+        had, so it is the process they were read from -- one that took the pid since would
+        have to hold the same thread ids; one thread alone does not tell a successor or a
+        zombie, so then its start time and state are read as :meth:`tracked` reads them.
+        Then one syscall per thread (a comm for an unlabelled one).  For the agent's
+        ``audit`` (issue 28), which this makes cheaper than a pass."""
+        from vmpin.runtimes.vmm import find_vmm, read_pidfile, still_running
+
+        if obs is None:
+            return find_vmm(self.paths, rec.id, hint_pid=rec.vmm_pid, scan=True) is None
+        pid = obs.pid
+        if obs.classified or (rec.vmm_pid, rec.vmm_start) != (pid, obs.start):
+            return False
+        if read_pidfile(f"{self.paths.vm_dir}/{rec.id}/pid") != pid:
+            return False
+        try:
+            current = set(procfs.tids(self.paths.proc, pid))
+        except ProcessGone:
+            return False
+        if not self._complete({t.tid: t.role for t in obs.threads}, current):
+            return False
+        if len(current) < 2 and not still_running(self.paths, rec.id, pid, obs.start):
+            return False
+        read = self._read
+        try:
+            for t in obs.threads:
+                if t.actual is None or read(pid, t.tid, t.role, t.label) != (t.actual, t.name):
+                    return False
+        except HostError:  # (ProcessGone too: a thread gone since)
+            return False
+        return True
+
+    def _complete(self, roles: Mapping[int, str], current: set[int]) -> bool:
+        """The same threads as last time (``roles``: each one's by tid; vhost kthreads
+        before Linux 6.4 live outside ``task/`` and must merely still exist)."""
+        if roles.keys() == current:
             return True
-        outside = set(remembered) - current
-        if set(remembered) - outside != current:
+        outside = set(roles) - current
+        if set(roles) - outside != current:
             return False
         return all(
-            remembered[tid].role == "vhost"
-            and os.path.exists(os.path.join(self.paths.proc, str(tid)))
+            roles[tid] == "vhost" and os.path.exists(os.path.join(self.paths.proc, str(tid)))
             for tid in outside
         )
+
+    def _read(self, pid: int, tid: int, role: str, label: str | None) -> tuple[CpuSet, str]:
+        """Thread ``tid`` of the VMM ``pid``: its actual affinity and its name (a labelled
+        thread is reported by its label: its comm is not read).  Raises ProcessGone or
+        HostError as procfs does."""
+        proc = self.paths.proc
+        # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
+        owner = pid if role != "vhost" or procfs.exists(proc, pid, tid) else tid
+        return procfs.affinity(proc, owner, tid), label or procfs.comm(proc, owner, tid)
 
     def _thread(
         self,
@@ -181,16 +234,12 @@ class VmmObserver:
         nothing read); ``orig_at``: the VMM's :meth:`VmmKey.orig_prefix`."""
         if not affinity:
             return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
-        # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
-        owner = pid if t.role != "vhost" or procfs.exists(self.paths.proc, pid, t.tid) else t.tid
         # a thread created after vmpin's first pin inherited the pin: what the VMM had before
         # (its main thread's record) is what it is to get back
         orig_text = originals.get(f"{orig_at}{t.tid}") or originals.get(f"{orig_at}{pid}")
         original = parse_cpus(orig_text) if orig_text else None
         try:
-            actual = procfs.affinity(self.paths.proc, owner, t.tid)
-            # a labelled thread is reported by its label: its comm is not read
-            name = t.label or procfs.comm(self.paths.proc, owner, t.tid)
+            actual, name = self._read(pid, t.tid, t.role, t.label)
         except ProcessGone:
             return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
         except HostError as err:
@@ -198,8 +247,6 @@ class VmmObserver:
                 t.tid, t.role, t.idx, t.label, t.layer, original=original, error=str(err)
             )
         return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
-
-
 
 
 __all__ = ["VmmObserver"]
