@@ -21,6 +21,7 @@ import pytest
 
 from tests.support import fakevmm
 from tests.support.kubelet_util import write_checkpoint
+from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.observe import FULL, Observer, Scope
@@ -140,3 +141,30 @@ def test_what_it_cannot_check_is_false(paths: HostPaths, node: dict[str, fakevmm
         assert not checker.still(rec.observe(Scope(guest_maps=False)))
         with_domains = Observer(paths, rec.policy, domains=object())  # type: ignore[arg-type]
         assert not with_domains.still(rec.observe(FULL))
+
+
+@pytest.mark.multi_cpu
+@pytest.mark.runc
+@pytest.mark.cgroup_v1
+def test_a_runc_cgroup_written_by_hand_is_seen(paths: HostPaths, tmp_path: Path) -> None:
+    """A runc container's cgroup cpuset, written behind vmpin's back: False, as a pass sees."""
+    from tests.support.runc_util import RuncSession
+
+    with RuncSession(paths, tmp_path / "runc-work") as runc:
+        cid = new_id("vmpin-still")
+        runc.run(cid, cpus="1")
+        cg = Path(f"/sys/fs/cgroup/cpuset/{cid}/cpuset.cpus")
+        with Store(paths.state_dir) as store:
+            rec = Reconciler(paths, store, publish=False)
+            _settled(rec)
+            obs = rec.observe()
+            assert [c.cgroup_cpus for s in obs.sandboxes for c in s.containers] == [
+                CpuSet.parse("1")
+            ]
+            checker = Observer(paths, rec.policy)
+            assert checker.still(obs)
+            cg.write_text("0")
+            assert not checker.still(obs) and rec.observe() != obs
+            cg.write_text("1")
+            assert checker.still(obs) and rec.observe() == obs
+        runc.delete(cid)
