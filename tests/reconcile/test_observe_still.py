@@ -100,15 +100,25 @@ def test_still_is_false_exactly_when_a_new_observation_differs(
         os.sched_setaffinity(other, was)
         assert checker.still(obs)
 
-        # a thread come (a vCPU hot-plugged): the pass classifies it
-        before = len(node["b"].tids())
-        node["b"].hotplug_vcpu()
-        deadline = time.monotonic() + 10
-        while len(node["b"].tids()) <= before and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # a thread come (a vCPU hot-plugged, a vhost worker): the pass classifies it; a VMM
+        # with a vhost thread is checked by its task/ listing, not its thread count
+        for come in (node["b"].hotplug_vcpu, node["b"].add_vhost):
+            before = len(node["b"].tids())
+            come()
+            deadline = time.monotonic() + 10
+            while len(node["b"].tids()) <= before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not checker.still(obs) and rec.observe() != obs
+            _settled(rec)
+            obs = rec.observe()
+            assert checker.still(obs)
+        vmm = obs.sandbox("b").vmm  # type: ignore[union-attr]
+        assert vmm is not None and "vhost" in {t.role for t in vmm.threads}
+        vhost = next(t.tid for t in vmm.threads if t.role == "vhost")
+        was = os.sched_getaffinity(vhost)
+        os.sched_setaffinity(vhost, {0, 1} - was if len(was) == 1 else {0})
         assert not checker.still(obs) and rec.observe() != obs
-        _settled(rec)
-        obs = rec.observe()
+        os.sched_setaffinity(vhost, was)
         assert checker.still(obs)
 
         # kubelet's checkpoint written: every container's CPUs may come from it

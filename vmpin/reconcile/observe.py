@@ -188,13 +188,14 @@ class Observer:
         checkpoint, Kata's configuration, the VM dir's entries, each VMM still the recorded
         process with the same threads, each thread's affinity and name, each runc cgroup's
         cpuset and tasks -- is read again and compared in place, stopping at the first
-        difference; nothing is built, so it costs the reads of a pass and little more.
+        difference; a VMM's threads build nothing, so it costs less than the reads of a pass
+        (:meth:`.observe_vmm.VmmObserver.still`).
 
         For ``vmpin audit`` through the agent (vmpin.service.agent_views): True means a pass
         now would observe what its last pass did, so plan it alike (``plan_node`` is a
         function of its inputs) and find the same violations.  Whatever this does not read
         makes it False (libvirt's domains, a scope narrower than a pass's, a sandbox
-        observed with an error or without its VMM): a pass then observes.  Only for an
+        observed with an error, a VMM classified afresh): a pass then observes.  Only for an
         observer of its own: it holds none of the pass's state, but its readers' caches
         (checkpoint, Kata's files) are not to be shared between threads."""
         if obs.scope != FULL or self.domains is not None:
