@@ -86,8 +86,10 @@ class VmmObserver:
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
         missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
-        if remembered and not missing_before and self._complete(
-            {tid: t.role for tid, t in remembered.items()}, current
+        if (
+            remembered
+            and not missing_before
+            and self._complete({tid: t.role for tid, t in remembered.items()}, current)
         ):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
