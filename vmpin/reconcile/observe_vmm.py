@@ -86,11 +86,7 @@ class VmmObserver:
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
         missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
-        if (
-            remembered
-            and not missing_before
-            and self._complete({tid: t.role for tid, t in remembered.items()}, current)
-        ):
+        if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
             threads = tuple(self._thread(vmm.pid, at, t, originals, affinity) for t in roles)
@@ -198,16 +194,15 @@ class VmmObserver:
         if read_pidfile(f"{self.paths.vm_dir}/{rec.id}/pid") != pid:
             return False
         proc = self.paths.proc
-        roles = {t.tid: t.role for t in obs.threads}
         try:
-            if "vhost" in roles.values() or not procfs.is_own(proc):
+            if not procfs.is_own(proc) or any(t.role == "vhost" for t in obs.threads):
                 current = set(procfs.tids(proc, pid))
-                if not self._complete(roles, current):
+                if not self._complete({t.tid: t for t in obs.threads}, current):
                     return False
                 count = len(current)
             else:
                 count = os.stat(f"{proc}/{pid}/task").st_nlink - 2
-                if count != len(roles):
+                if count != len(obs.threads):
                     return False
         except (OSError, ProcessGone):  # (the VMM gone)
             return False
@@ -222,16 +217,16 @@ class VmmObserver:
             return False
         return True
 
-    def _complete(self, roles: Mapping[int, str], current: set[int]) -> bool:
-        """The same threads as last time (``roles``: each one's by tid; vhost kthreads
-        before Linux 6.4 live outside ``task/`` and must merely still exist)."""
-        if roles.keys() == current:
+    def _complete(self, known: Mapping[int, ThreadRec | ThreadObs], current: set[int]) -> bool:
+        """The same threads as last time (``known``: by tid, as remembered or observed; vhost
+        kthreads before Linux 6.4 live outside ``task/`` and must merely still exist)."""
+        if known.keys() == current:
             return True
-        outside = set(roles) - current
-        if set(roles) - outside != current:
+        outside = set(known) - current
+        if set(known) - outside != current:
             return False
         return all(
-            roles[tid] == "vhost" and os.path.exists(os.path.join(self.paths.proc, str(tid)))
+            known[tid].role == "vhost" and os.path.exists(os.path.join(self.paths.proc, str(tid)))
             for tid in outside
         )
 
