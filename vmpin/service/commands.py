@@ -466,7 +466,8 @@ def show_json(r: SandboxReport) -> dict[str, Any]:
         threads=[t.to_json() for t in r.threads],
         guest_map=r.guest_map,
         policy=r.policy_json(),
-        containers=[{"id": k.id, "name": k.name, "cpus": cpus(k.cpus)} for k in r.containers],
+        containers=[views.show_container(id=k.id, name=k.name, cpus=cpus(k.cpus))
+                    for k in r.containers],
         notes=r.notes,
         errors=r.errors,
     )
@@ -646,7 +647,7 @@ def _print_guest_map(c: Ctx, out: dict[str, Any], as_json: bool) -> None:
 def topology(c: Ctx, as_json: bool) -> int:
     from vmpin.linux.sysfs import read_topology
 
-    data = read_topology(c.paths.sys).to_json()
+    data = views.topology_of(read_topology(c.paths.sys))
     if as_json:
         emit(c, data, "topology")
         return 0
@@ -743,8 +744,8 @@ def schema(c: Ctx, command: str | None) -> int:
 
 
 def cluster(c: Ctx, kubeconfig: str | None, as_json: bool) -> int:
-    from vmpin.core.clusterview import cluster_rows
     from vmpin.core.errors import KubeError
+    from vmpin.reconcile.clusterview import cluster_rows
     from vmpin.runtimes import kubeapi
 
     api = kubeapi.connect(kubeconfig)
