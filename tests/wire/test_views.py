@@ -8,7 +8,7 @@ import pytest
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.reconcile.report import SandboxReport, ThreadReport
-from vmpin.service.commands import show_json
+from vmpin.service.commands_read import show_json
 from vmpin.wire import jsonio, views
 from vmpin.wire.viewschema import check, model
 
