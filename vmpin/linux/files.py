@@ -26,13 +26,15 @@ import os
 import stat
 import time
 
-from vmpin.core.errors import SpecError, UnsafeFile
+from vmpin.core.errors import PermissionDenied, SpecError, UnsafeFile
 from vmpin.wire.jsonio import loads
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
+
+    from vmpin.core.errors import VmpinError
 
 #: default size limit: every file vmpin reads this way is a few KiB (a Kata config.json with
 #: all its annotations is ~20 KiB; a 1,000-pod kubelet checkpoint ~200 KiB).
@@ -66,12 +68,38 @@ def read_bytes(
     directory or a file over ``limit`` bytes; ``OSError`` (``FileNotFoundError`` included) as
     the caller's to translate, since only it knows what a missing file means.
     """
+    return _read(path, limit, dir_fd, what)[0]
+
+
+def read_host_file(
+    path: str, what: str, failed: type[VmpinError], refused: type[VmpinError]
+) -> tuple[bytes, int] | None:
+    """Another program's file (runc's state, kubelet's checkpoint) and its mtime (ns, of the
+    inode read, taken before the read: a later write moves it again); None when there is
+    none.  What it cannot be is one line naming ``what`` and the path:
+    :class:`PermissionDenied` when it may not be read, ``failed`` for another error of the
+    read, ``refused`` for a FIFO, device or huge file where it should be."""
+    try:
+        raw, st = _read(path, MAX_BYTES, None, what)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if isinstance(err, PermissionError):  # EACCES, EPERM
+            raise PermissionDenied(f"permission denied reading {what} {path}") from err
+        raise failed(f"reading {what} {path}: {err.strerror}") from err
+    except SpecError as err:
+        raise refused(str(err)) from None
+    return raw, st.st_mtime_ns
+
+
+def _read(path: str, limit: int, dir_fd: int | None, what: str) -> tuple[bytes, os.stat_result]:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as err:
         # ELOOP: the last component is a symlink (O_NOFOLLOW); say so instead of "too many
-        # levels of symbolic links".
+        # levels of symbolic links".  (errno imported here, on a failure only: the hooks
+        # load no errno module, procfs neither)
         import errno
 
         if err.errno == errno.ELOOP:
@@ -93,7 +121,7 @@ def read_bytes(
             size += len(chunk)
             if size > limit:
                 raise UnsafeFile(f"{what} {path}: grew over the limit of {limit} bytes")
-        return b"".join(chunks)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
 

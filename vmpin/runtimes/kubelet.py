@@ -43,13 +43,12 @@ kubelet rewrites the file by rename, so a reader sees a whole old or a whole new
 
 from __future__ import annotations
 
-import errno
 import os
 
 from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, KubeError, PermissionDenied, SpecError
-from vmpin.linux.files import load_json, read_bytes
+from vmpin.core.errors import CpuSetError, KubeError, SpecError
+from vmpin.linux.files import load_json, read_host_file
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -90,18 +89,8 @@ def read_checkpoint(path: str) -> Checkpoint | None:
     Raises :class:`KubeError` naming the path and the field for a file kubelet would refuse,
     and :class:`PermissionDenied` when it cannot be read.
     """
-    try:
-        mtime_ns = os.stat(path).st_mtime_ns
-        raw = read_bytes(path, what="kubelet checkpoint")
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        if err.errno in (errno.EACCES, errno.EPERM):
-            raise PermissionDenied(f"permission denied reading kubelet checkpoint {path}") from err
-        raise KubeError(f"reading kubelet checkpoint {path}: {err.strerror}") from err
-    except SpecError as err:  # a FIFO, device or huge file where the checkpoint should be
-        raise KubeError(str(err)) from None
-    return parse_checkpoint(raw, path, mtime_ns)
+    read = read_host_file(path, "kubelet checkpoint", KubeError, KubeError)
+    return None if read is None else parse_checkpoint(read[0], path, read[1])
 
 
 def parse_checkpoint(raw: str | bytes, path: str, mtime_ns: int = 0) -> Checkpoint:

@@ -51,21 +51,19 @@ without configuration.
 
 from __future__ import annotations
 
-import errno
 import os
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import (
     CpuSetError,
     HostError,
-    PermissionDenied,
     ProcessGone,
     RuntimeKindError,
     SpecError,
 )
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
-from vmpin.linux.files import load_json, read_bytes
+from vmpin.linux.files import load_json, read_host_file
 from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -114,18 +112,11 @@ def state_path(paths: HostPaths, container_id: str) -> str:
 def read_state(paths: HostPaths, container_id: str) -> dict[str, Any] | None:
     """runc's state of the container as JSON, None when runc has none (not runc's, deleted)."""
     path = state_path(paths, container_id)
-    try:
-        raw = read_bytes(path, what="runc state")
-    except FileNotFoundError:
+    read = read_host_file(path, "runc state", HostError, RuntimeKindError)
+    if read is None:
         return None
-    except OSError as err:
-        if err.errno in (errno.EACCES, errno.EPERM):
-            raise PermissionDenied(f"permission denied reading runc state {path}") from err
-        raise HostError(f"reading runc state {path}: {err.strerror}") from err
-    except SpecError as err:  # a FIFO, device or huge file where runc keeps its state
-        raise RuntimeKindError(str(err)) from None
     try:
-        state = load_json(raw, f"runc state {path}")
+        state = load_json(read[0], f"runc state {path}")
     except SpecError as err:
         raise RuntimeKindError(str(err)) from None
     if not isinstance(state, dict):
