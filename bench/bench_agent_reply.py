@@ -53,15 +53,12 @@ sys.path.insert(0, str(HERE))
 
 from bench_idle_pass import (  # noqa: E402
     env_for,
-    make_paths,
     proc_cpu,
-    setup,
     vmpin_cmd,
     wait_agent_pass,
-    wait_pass,
 )
+from fakenode import fake_node, make_paths  # noqa: E402
 
-from tests.support import fakevmm  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile.reconciler import Reconciler  # noqa: E402
@@ -111,6 +108,17 @@ def stop_agent(agent: subprocess.Popen[bytes]) -> None:
 
 
 # -- passes ------------------------------------------------------------------------------------
+def wait_pass(agent: Agent, number: int, timeout: float = 600) -> dict[str, Any]:
+    """The in-process agent's status once its pass ``number`` has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = agent.status()
+        if st["passes"] >= number and not st["pass_running"] and st.get("last_pass_cause"):
+            return st
+        time.sleep(0.01)
+    raise TimeoutError("pass did not finish")
+
+
 def count_passes(paths: HostPaths, passes: int) -> dict[str, Any]:
     calls = [0]
     real = Reconciler.reconcile
@@ -163,20 +171,13 @@ def real_agent_memory(paths: HostPaths, passes: int) -> dict[str, Any]:
 
 
 def cmd_passes(args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="vmpin-passes-"))
-    vmms: list[fakevmm.FakeVmm] = []
-    try:
-        paths, vmms = setup(root, args.sandboxes)
+    with fake_node(args.sandboxes, "vmpin-passes-") as (_, paths, _):
         return {
             "benchmark": "agent_passes",
             "sandboxes": args.sandboxes,
             "in_process": count_passes(paths, args.passes),
             "real_agent": real_agent_memory(paths, args.passes),
         }
-    finally:
-        for v in vmms:
-            v.kill()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- reply -------------------------------------------------------------------------------------

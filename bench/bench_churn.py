@@ -59,7 +59,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_idle_pass import env_for, make_paths, vmpin_cmd  # noqa: E402
+from bench_idle_pass import env_for, vmpin_cmd  # noqa: E402
+from fakenode import make_paths  # noqa: E402
 
 from tests.support import fakevmm  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402

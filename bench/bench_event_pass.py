@@ -3,7 +3,7 @@
 Issue 28: churn's update round trip had grown ~4x, and nothing measured the pass an event
 runs.  Here the agent's planner (vmpin.service.agent_passes.Planner, with the options the
 agent builds its reconciler with) runs in this process over N fake-VMM sandboxes made as
-bench/bench_idle_pass.py makes them; then K times: one container's CPU set is written by
+bench/fakenode.py makes them; then K times: one container's CPU set is written by
 another connection (as ``vmpin update`` does), and the planner runs the event pass for its
 sandbox (``Planner._run_batch``: ingest, the node pass with ``fresh``, accounting, maps,
 settling).  Reported per pass, as medians over the K passes:
@@ -34,11 +34,9 @@ import cProfile
 import json
 import os
 import pstats
-import shutil
 import sqlite3
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +45,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_idle_pass import setup, widen  # noqa: E402
+from fakenode import fake_node, sizes, widen  # noqa: E402
 
-from tests.support import fakevmm  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile import plan as plan_module  # noqa: E402
@@ -249,18 +246,11 @@ def event_passes(
 
 
 def one_size(n: int, args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="vmpin-event-"))
-    vmms: list[fakevmm.FakeVmm] = []
-    try:
-        paths, vmms = setup(root, n)
+    with fake_node(n, "vmpin-event-") as (_, paths, _):
         result = {"sandboxes": n, **event_passes(paths, n, args.updates, profile)}
         brief = {k: v for k, v in result.items() if k != "example_pass"}
         print(json.dumps(brief), file=sys.stderr)
         return result
-    finally:
-        for v in vmms:
-            v.kill()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> int:
@@ -273,12 +263,12 @@ def main() -> int:
     ap.add_argument("--examples", action="store_true", help="print one pass's SQL and files")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
-    sizes = [int(x) for x in args.sandboxes.split(",") if x]
+    ns = sizes(args.sandboxes)
     sys.addaudithook(_audit)
     results = []
     with widen():
-        for n in sizes:
-            profile = cProfile.Profile() if args.profile and n == max(sizes) else None
+        for n in ns:
+            profile = cProfile.Profile() if args.profile and n == max(ns) else None
             results.append(one_size(n, args, profile))
             if profile is not None:
                 stats = pstats.Stats(profile, stream=sys.stderr)

@@ -35,7 +35,6 @@ Run (as root)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -44,33 +43,21 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from fakenode import fake_node, sizes, widen  # noqa: E402
+
 from tests.support import fakevmm  # noqa: E402
 from tests.support.counting import CountingAffinity  # noqa: E402
-from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile.reconciler import Reconciler  # noqa: E402
 from vmpin.service import control  # noqa: E402
-from vmpin.state.records import ContainerRec, SandboxRec  # noqa: E402
 from vmpin.state.store import Store  # noqa: E402
-
-
-def make_paths(root: Path) -> HostPaths:
-    return HostPaths(
-        state_dir=str(root / "state"),
-        vm_dir=str(root / "vm"),
-        runc_root=str(root / "runc"),
-        kubelet_state=str(root / "no-kubelet"),
-        publish_dir=str(root / "publish"),
-    )
 
 
 def env_for(paths: HostPaths) -> dict[str, str]:
@@ -95,24 +82,6 @@ def vmpin_cmd() -> list[str]:
         return [beside]
     exe = shutil.which("vmpin")
     return [exe] if exe else [sys.executable, "-m", "vmpin"]
-
-
-def setup(root: Path, n: int) -> tuple[HostPaths, list[fakevmm.FakeVmm]]:
-    paths = make_paths(root)
-    (root / "vm").mkdir(parents=True)
-    vmms = []
-    with Store(paths.state_dir) as store:
-        for i in range(n):
-            sid = f"idle{i:04d}"
-            vmms.append(fakevmm.start(root / "vm", sid, vcpus=2))
-            # Kata's per-sandbox shared dir: each pass publishes (checks) the guest map too
-            (root / "publish" / sid / "mounts").mkdir(parents=True)
-            store.put_sandbox(SandboxRec(sid, "kata"))
-            store.put_container(ContainerRec(sid, sid, True, name="pause"))
-            store.put_container(
-                ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse(str(i % 2)))
-            )
-    return paths, vmms
 
 
 def proc_cpu(pid: int) -> float:
@@ -300,11 +269,8 @@ def reset_affinity(vmms: list[fakevmm.FakeVmm]) -> None:
 
 
 def one_size(n: int, args: argparse.Namespace) -> dict[str, object]:
-    root = Path(tempfile.mkdtemp(prefix="vmpin-idle-"))
-    vmms: list[fakevmm.FakeVmm] = []
-    try:
-        t0 = time.monotonic()
-        paths, vmms = setup(root, n)
+    t0 = time.monotonic()
+    with fake_node(n, "vmpin-idle-") as (root, paths, vmms):
         setup_s = round(time.monotonic() - t0, 1)
         fresh = root / "fresh-state"
         shutil.copytree(paths.state_dir, fresh)
@@ -326,10 +292,6 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, object]:
             )
         print(json.dumps(result), file=sys.stderr)
         return result
-    finally:
-        for v in vmms:
-            v.kill()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> int:
@@ -342,9 +304,8 @@ def main() -> int:
     ap.add_argument("--agent-timeout", type=float, default=600)
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
-    sizes = [int(x) for x in args.sandboxes.split(",") if x]
     with widen():
-        results = [one_size(n, args) for n in sizes]
+        results = [one_size(n, args) for n in sizes(args.sandboxes)]
     out = {"benchmark": "idle_pass", "cpus": os.cpu_count(), "workers": args.workers,
            "sizes": results}  # fmt: skip
     print(json.dumps(out, indent=2))
@@ -357,18 +318,6 @@ def main() -> int:
         for r in results
     )
     return 0 if ok else 1
-
-
-@contextlib.contextmanager
-def widen() -> Iterator[None]:
-    """This process and the fake VMMs it starts on every online CPU (processes here start on
-    CPU 0 alone: the start-up pass would then have little to pin)."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 if __name__ == "__main__":

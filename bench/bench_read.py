@@ -35,11 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,9 +45,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_idle_pass import env_for, proc_cpu, setup, vmpin_cmd  # noqa: E402
-
-from tests.support import fakevmm  # noqa: E402
+from bench_idle_pass import env_for, proc_cpu, vmpin_cmd  # noqa: E402
+from fakenode import fake_node  # noqa: E402
 
 #: run a command twice in one process: the first run pays the imports, the second does not
 SPLIT = """
@@ -153,10 +150,7 @@ def main() -> int:
     ap.add_argument("--agent-interval", type=float, default=5.0,
                     help="the agent's --interval (seconds; default 5, the agent's own)")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="vmpin-read-"))
-    vmms: list[fakevmm.FakeVmm] = []
-    try:
-        paths, vmms = setup(root, args.sandboxes)
+    with fake_node(args.sandboxes, "vmpin-read-") as (root, paths, vmms):
         env = env_for(paths)
         subprocess.run([*vmpin_cmd(), "reconcile", "--once"], env=env, check=True,
                        stdout=subprocess.DEVNULL)
@@ -191,10 +185,6 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         return 0
-    finally:
-        for v in vmms:
-            v.kill()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from tests.support.session import Swept, sweep, vmpin_env
 from vmpin.linux.paths import HostPaths
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.support.agents"]  # the ``agents`` fixture: ``vmpin serve`` subprocesses
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # every --json view any vmpin prints under the tests is checked against its pydantic model
 # (Settings.check_views: off in production, where pydantic costs a read command

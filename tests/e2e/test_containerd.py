@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, vmpin_cmd
-from tests.service.test_agent import AgentProc
 from tests.support import containerd_util
+from tests.support.agents import AgentProc
 from tests.support.containerd_util import IMAGE, Containerd, Cri
 from tests.support.qemu_util import wait_until
 from tests.support.runc_util import hook_env

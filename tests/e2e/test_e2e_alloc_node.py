@@ -29,7 +29,7 @@ import pytest
 from tests.e2e.test_e2e_kata import affinities, qemu
 from tests.e2e.test_e2e_runc import runc
 from tests.e2e.test_e2e_static_node import Node, allowed
-from tests.service.test_agent import AgentProc
+from tests.support.agents import AgentProc
 from tests.support.qemu_util import QemuHandle
 from tests.support.runc_util import RuncSession, new_id
 from vmpin.core.cpuset import CpuSet

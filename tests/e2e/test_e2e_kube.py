@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_e2e_kata import Kata, affinities, sid, thread_names
-from tests.service.test_agent import AgentProc, run_cli
+from tests.service.test_agent import run_cli
+from tests.support.agents import AgentProc
 from tests.support.kubeserver import KubeServer, serving
 from tests.support.qemu_util import QemuHandle, qemu_factory, require_qemu, wait_until
 from vmpin.linux.paths import HostPaths

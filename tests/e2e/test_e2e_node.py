@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_e2e_kata import Kata, affinities, qemu, sid, thread_names
-from tests.service.test_agent import AgentProc
+from tests.support.agents import AgentProc
 from tests.support.kubelet_util import write_checkpoint
 from tests.support.qemu_util import QemuHandle
 from vmpin.core.cpuset import CpuSet

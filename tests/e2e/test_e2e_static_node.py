@@ -43,7 +43,7 @@ import pytest
 from tests.conftest import vmpin_cmd
 from tests.e2e.test_e2e_kata import affinities, qemu, thread_names
 from tests.e2e.test_e2e_runc import runc
-from tests.service.test_agent import AgentProc
+from tests.support.agents import AgentProc
 from tests.support.kubelet_util import write_checkpoint
 from tests.support.kubeserver import KubeServer, serving
 from tests.support.qemu_util import QemuHandle, wait_until

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import vmpin_cmd
-from tests.service.test_agent import free_port
+from tests.support.agents import free_port
 from tests.support.qemu_util import wait_until
 
 pytestmark = [pytest.mark.podman]

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_containerd import allowed, audit_clean, listed, remove_cgroup_parent
-from tests.service.test_agent import AgentProc
 from tests.support import runc_util
+from tests.support.agents import AgentProc
 from tests.support.qemu_util import wait_until
 from tests.support.runc_util import build_rootfs, hook_env, vmpin_argv
 from tests.support.session import new_id

@@ -19,7 +19,8 @@ from tests.reconcile.test_plan import cs, kata, runc, static, topo, vmm_threads
 from vmpin.core.planner import Policy
 from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import Observation, SandboxObs
-from vmpin.reconcile.plan import PlanMemo, SummaryCounts, plan_node, summarize
+from vmpin.reconcile.plan import PlanMemo, plan_node
+from vmpin.reconcile.summarizer import SummaryCounts, summarize
 
 CPUS = ["2", "3", "2-3", "4-5", "4-7", "6", "8-11", "2,4"]
 POLICIES = [Policy(), Policy(helpers="isolate", housekeeping=cs("3,6,8-9"))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +11,12 @@ import pytest
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import IdError, SpecError, VmpinError
+from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import (
     Identity,
     Resources,
     State,
+    detect_runtime,
     identify,
     parse_config,
     parse_resources_json,
@@ -537,3 +540,43 @@ def test_state_and_config_together(tmp_path: Path) -> None:
     config = read_config(state.bundle)
     who = identify(state.id, config.annotations)
     assert (who.sandbox_id, who.name, config.resources.cpus) == ("sb1", "app", CpuSet([8, 9]))
+
+
+# -- the runtime, from the state's pid ----------------------------------------------------------
+def test_a_pid_whose_command_line_names_the_sandbox_is_asked_about_as_its_vmm(
+    paths: HostPaths, mocker: Any
+) -> None:
+    """No VM dir: the state's pid tells (Kata's VMM, named ``-name sandbox-<id>``).  A pid
+    whose command line does not hold the sandbox's id -- a runc container's init, at every
+    plain start -- is runc without a look at vmpin.runtimes.vmm; one that does is asked
+    about as before (here a process with QEMU's argv, run by the VM dir's owner: root, as
+    the VM dir is missing)."""
+    import signal
+    import subprocess
+
+    from tests.support.qemu_util import wait_until
+    from tests.support.session import new_id
+    from vmpin.linux import procfs
+    from vmpin.runtimes import vmm
+
+    sid = new_id("rt")
+    asked = mocker.spy(vmm, "is_vmm_of")
+    assert detect_runtime(paths, sid, os.getpid()) == "runc"
+    assert detect_runtime(paths, sid, 1 << 22) == "runc"  # (no such process)
+    asked.assert_not_called()
+    poser = subprocess.Popen(
+        ["qemu-system-x86_64", "-c", "sleep 60; :", "qemu", "-name", f"sandbox-{sid}"],
+        executable="/bin/sh", start_new_session=True,
+    )  # fmt: skip
+    try:
+        # (the shell's child has the same argv until it has exec'd sleep: wait for the shell's
+        # own command line, which is what the check reads)
+        assert wait_until(lambda: f"sandbox-{sid}" in procfs.read_text(paths.proc, poser.pid,
+                                                                       "cmdline"), 5)  # fmt: skip
+        assert detect_runtime(paths, sid, poser.pid) == "kata"
+        assert asked.call_count == 1
+        assert detect_runtime(paths, new_id("other"), poser.pid) == "runc"
+        assert asked.call_count == 1  # (its command line does not name that sandbox)
+    finally:
+        os.killpg(poser.pid, signal.SIGKILL)
+        poser.wait()

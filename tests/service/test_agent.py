@@ -1,9 +1,9 @@
 """The node agent (``vmpin serve``): the real process, its socket, its passes, its crashes.
 
-Most tests run the agent as a subprocess exactly as an operator would
-(``vmpin --state-dir D serve --interval 0.5 --metrics-port P``) and kill it by its pid at the
-end.  Sandboxes are registered with the store API; their VMMs are a real QEMU (tests marked
-``qemu``) or bench/fakevmm.py's QEMU-shaped processes where several are needed.  The
+Most tests run the agent as a subprocess exactly as an operator would (the ``agents`` fixture,
+tests/support/agents.py) and kill it by its pid at the end.  Sandboxes are registered with
+the store API; their VMMs are a real QEMU (tests marked ``qemu``) or bench/fakevmm.py's
+QEMU-shaped processes where several are needed.  The
 :class:`DirtyQueue` tests are plain unit tests on a fake clock.
 """
 
@@ -15,7 +15,6 @@ import json
 import math
 import os
 import random
-import resource
 import signal
 import socket
 import sqlite3
@@ -45,16 +44,11 @@ from vmpin.state.store import Store
 
 sys.path.insert(0, str(ROOT / "bench"))
 from tests.support import fakevmm
+from tests.support.agents import AgentProc
 from tests.support.counting import CountingAffinity
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def affinities(pid: int) -> dict[int, CpuSet]:
     out = {}
     for t in os.listdir(f"/proc/{pid}/task"):
@@ -76,120 +70,6 @@ def metric(port: int, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     raise KeyError(key)
-
-
-class AgentProc:
-    """``vmpin serve`` as a subprocess; killed by its pid (SIGKILL) if a test leaves it up."""
-
-    def __init__(
-        self,
-        paths: HostPaths,
-        env: dict[str, str],
-        log: Path,
-        interval: float = 0.5,
-        nofile: tuple[int, int] | None = None,
-    ) -> None:
-        """``nofile``: the (soft, hard) RLIMIT_NOFILE it starts under (a unit's LimitNOFILE)."""
-        self.paths = paths
-        self.port = free_port()
-        self.log = log
-        cmd = [
-            *vmpin_cmd(),
-            "--state-dir",
-            paths.state_dir,
-            "serve",
-            "--interval",
-            str(interval),
-            "--metrics-port",
-            str(self.port),
-        ]
-        self._err = open(log, "ab")  # noqa: SIM115 (closed in stop())
-        def limit() -> None:
-            if nofile is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
-
-        # no preexec_fn unless a limit is asked for: without one the child is spawned with
-        # vfork, and a test that holds a gRPC client (containerd's) runs none of gRPC's fork
-        # handlers in it (once, under load, they left the agent dead before its exec:
-        # "epoll_wait error: Bad file descriptor" and nothing else in its log)
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._err,
-            preexec_fn=limit if nofile is not None else None,
-        )  # fmt: skip
-
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        ok = wait_until(
-            lambda: self.proc.poll() is not None or self.status() is not None, timeout, 0.05
-        )
-        if not ok or self.proc.poll() is not None:
-            raise AssertionError(f"agent did not come up:\n{self.log.read_text()}")
-
-    def status(self, sandbox: str | None = None) -> dict[str, Any] | None:
-        msg: dict[str, object] = {"op": "status"}
-        if sandbox:
-            msg["sandbox"] = sandbox
-        return control.request(self.paths, msg, timeout=2.0)
-
-    def wait_pass(self, passes: int, timeout: float = 20.0) -> dict[str, Any]:
-        """Until ``passes`` full passes have finished and nothing is queued or running."""
-        last: dict[str, Any] = {}
-
-        def done() -> bool:
-            nonlocal last
-            last = self.status() or {}
-            return (
-                bool(last)
-                and int(last["passes"]) >= passes
-                and not last["pass_running"]
-                and last["queue"] == 0
-                and last["running"] == 0
-            )
-
-        assert wait_until(done, timeout, 0.05), last
-        return last
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # what is it doing? (the agent dumps every thread's stack on SIGUSR1)
-            self.proc.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
-            self.kill()
-            tail = self.log.read_text(errors="replace")[-6000:]
-            raise AssertionError(f"the agent did not stop in {timeout} s; log:\n{tail}") from None
-        finally:
-            self.kill()
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._err.close()
-
-
-@pytest.fixture
-def agent_factory(
-    paths: HostPaths, env: dict[str, str], tmp_path: Path
-) -> Iterator[Callable[..., AgentProc]]:
-    started: list[AgentProc] = []
-
-    def start(interval: float = 0.5, ready: bool = True) -> AgentProc:
-        a = AgentProc(paths, env, tmp_path / f"agent{len(started)}.log", interval)
-        started.append(a)
-        if ready:
-            a.wait_ready()
-        return a
-
-    try:
-        yield start
-    finally:
-        for a in started:
-            a.kill()
 
 
 @pytest.fixture
@@ -396,9 +276,9 @@ def test_queue_periodic_pass_does_not_delay_an_event() -> None:
 
 # -- the real process ------------------------------------------------------------------------------
 def test_serve_status_socket_metrics_and_clean_sigterm(
-    agent_factory: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str]
+    agents: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str]
 ) -> None:
-    agent = agent_factory()
+    agent = agents()
     sock = paths.control_socket
     st = os.stat(sock)
     assert stat.S_ISSOCK(st.st_mode)
@@ -462,14 +342,14 @@ def test_serve_status_socket_metrics_and_clean_sigterm(
 
 
 def test_stale_socket_is_replaced(
-    agent_factory: Callable[..., AgentProc], paths: HostPaths
+    agents: Callable[..., AgentProc], paths: HostPaths
 ) -> None:
     Store(paths.state_dir).close()
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(paths.control_socket)  # left behind by a kill -9: nobody listens
     stale.close()
     assert control.request(paths, {"op": "status"}) is None
-    agent = agent_factory()
+    agent = agents()
     assert agent.status() is not None
     assert stat.S_IMODE(os.stat(paths.control_socket).st_mode) == 0o600
 
@@ -478,7 +358,7 @@ def test_stale_socket_is_replaced(
 @pytest.mark.kvm  # vCPU threads named "CPU N/KVM"
 @pytest.mark.multi_cpu
 def test_real_qemu_update_drift_and_vanish(
-    agent_factory: Callable[..., AgentProc],
+    agents: Callable[..., AgentProc],
     paths: HostPaths,
     env: dict[str, str],
     vm_dir: Path,
@@ -491,7 +371,7 @@ def test_real_qemu_update_drift_and_vanish(
         Store(paths.state_dir) as store,
     ):
         register(store, sbq, "1")
-        agent = agent_factory()
+        agent = agents()
         assert wait_until(lambda: all_on(qemu.pid, "1"), 10), affinities(qemu.pid)
 
         # `vmpin update` hands the sandbox to the agent, which re-pins every QEMU thread
@@ -530,7 +410,7 @@ def test_real_qemu_update_drift_and_vanish(
 
 @pytest.mark.multi_cpu
 def test_successive_cli_updates_are_all_applied_by_the_agent(
-    agent_factory: Callable[..., AgentProc],
+    agents: Callable[..., AgentProc],
     paths: HostPaths,
     env: dict[str, str],
     fake_vmms: Callable[..., fakevmm.FakeVmm],
@@ -545,7 +425,7 @@ def test_successive_cli_updates_are_all_applied_by_the_agent(
     vmm = fake_vmms(succ, vcpus=2)
     with Store(paths.state_dir) as store:
         register(store, succ, "0")
-    agent_factory()
+    agents()
     assert wait_until(lambda: all_on(vmm.pid, "0"), 10)
     for cpus in ("1", "0", "1", "0-1", "0"):
         t0 = time.monotonic()
@@ -563,7 +443,7 @@ def test_successive_cli_updates_are_all_applied_by_the_agent(
 @pytest.mark.qemu
 @pytest.mark.multi_cpu
 def test_storm_of_1000_updates_costs_a_handful_of_plans(
-    agent_factory: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
+    agents: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
 ) -> None:
     storm = new_id("storm")
     from tests.support.qemu_util import start_qemu
@@ -573,7 +453,7 @@ def test_storm_of_1000_updates_costs_a_handful_of_plans(
         Store(paths.state_dir) as store,
     ):
         register(store, storm, "0-1")
-        agent = agent_factory()
+        agent = agents()
         agent.wait_pass(1)
         before = agent.status(storm)
         assert before is not None and before["sandbox"] is not None
@@ -616,7 +496,7 @@ def test_storm_of_1000_updates_costs_a_handful_of_plans(
 
 @pytest.mark.multi_cpu
 def test_kill9_mid_churn_then_restart_is_clean(
-    agent_factory: Callable[..., AgentProc],
+    agents: Callable[..., AgentProc],
     paths: HostPaths,
     env: dict[str, str],
     fake_vmms: Callable[..., fakevmm.FakeVmm],
@@ -638,7 +518,7 @@ def test_kill9_mid_churn_then_restart_is_clean(
 
     for _ in range(6):
         create(store)
-    agent = agent_factory()
+    agent = agents()
     stop = threading.Event()
     errors: list[BaseException] = []
     lost = [0]
@@ -683,7 +563,7 @@ def test_kill9_mid_churn_then_restart_is_clean(
     assert lost[0] > 0  # updates were stored while no agent ran
     assert os.path.lexists(paths.control_socket)  # the dead agent's socket is still there
 
-    again = agent_factory()
+    again = agents()
     again.wait_pass(1)
     done = [json.loads(line) for line in again.log.read_text().splitlines()]
     assert any(d["event"] == "pass done" and d["cause"] == "startup" for d in done)
@@ -762,7 +642,7 @@ def test_hook_path_does_not_import_the_agent() -> None:
 @pytest.mark.runc
 @pytest.mark.cgroup_v1
 def test_runc_container_under_agent_kill9_and_restart(
-    agent_factory: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str],
+    agents: Callable[..., AgentProc], paths: HostPaths, env: dict[str, str],
     tmp_path: Path,
 ) -> None:
     """A real runc container whose hooks journal their events for a running agent; the agent
@@ -770,7 +650,7 @@ def test_runc_container_under_agent_kill9_and_restart(
     pass of the restarted agent puts everything right."""
     from tests.support.runc_util import RuncSession
 
-    agent = agent_factory()
+    agent = agents()
     with RuncSession(paths, tmp_path / "runc-work") as runc:
         cid = new_id("vmpin-agent")
         pid = runc.run(cid, cpus="1")
@@ -787,7 +667,7 @@ def test_runc_container_under_agent_kill9_and_restart(
         os.kill(agent.proc.pid, signal.SIGKILL)
         agent.proc.wait(10)
         runc.update(cid, "0-1")  # legitimate, behind vmpin's back
-        restarted = agent_factory()
+        restarted = agents()
         assert wait_until(lambda: listed()[cid]["cpus"] == "0-1", 10)
         cg.write_text("1")  # drift, behind everyone's back
         assert wait_until(lambda: cg.read_text().strip() == "0-1", 10)
@@ -1312,7 +1192,7 @@ def test_drain_answers_waiters_and_exits_clean(
 @pytest.mark.kvm
 @pytest.mark.multi_cpu
 def test_real_qemu_blocking_notify_returns_with_every_thread_pinned(
-    agent_factory: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
+    agents: Callable[..., AgentProc], paths: HostPaths, vm_dir: Path
 ) -> None:
     """The hooks' and `vmpin update`'s contract, against the real agent process and a real
     QEMU: when a blocking notify returns True, every thread already carries the new mask (read
@@ -1325,7 +1205,7 @@ def test_real_qemu_blocking_notify_returns_with_every_thread_pinned(
         Store(paths.state_dir) as store,
     ):
         register(store, sid, "0-1")
-        agent = agent_factory(interval=3600)
+        agent = agents(interval=3600)
         agent.wait_pass(1)
         for cpus in ("1", "0", "1", "0-1", "0", "1") * 3:
             store.set_container_cpus(f"{sid}-app", CpuSet.parse(cpus), "update")
@@ -1339,9 +1219,9 @@ def test_real_qemu_blocking_notify_returns_with_every_thread_pinned(
         assert agent.stop() == 0
 
 
-def test_sigusr1_dumps_every_threads_stack(agent_factory: Callable[..., AgentProc]) -> None:
+def test_sigusr1_dumps_every_threads_stack(agents: Callable[..., AgentProc]) -> None:
     """An agent that does not stop or answer can be asked what it is doing (faulthandler)."""
-    agent = agent_factory(interval=3600)
+    agent = agents(interval=3600)
     agent.wait_pass(1)
     agent.proc.send_signal(signal.SIGUSR1)
     # one header per thread, "Current thread 0x..." for the one holding the GIL if any (an
@@ -1370,11 +1250,11 @@ def _tgkill(pid: int, tid: int, sig: int) -> None:
 
 
 def test_sigterm_taken_by_another_thread_stops_the_agent(
-    agent_factory: Callable[..., AgentProc],
+    agents: Callable[..., AgentProc],
 ) -> None:
     """The kernel may hand SIGTERM to any thread; the main loop must wake up all the same
     (signal.set_wakeup_fd), not sleep until the next periodic pass (an hour here)."""
-    agent = agent_factory(interval=3600)
+    agent = agents(interval=3600)
     agent.wait_pass(1)
     pid = agent.proc.pid
     others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("libvirt")
 
-from tests.service.test_agent import AgentProc
+from tests.support.agents import AgentProc
 from tests.support.libvirt_util import DomainHandle, domain_factory, libvirtd_uri  # noqa: F401
 from tests.support.qemu_util import wait_until
 from vmpin.linux.paths import HostPaths

@@ -18,13 +18,15 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.service.test_agent import AgentProc, register, run_cli
+from tests.service.test_agent import register, run_cli
 from tests.support import fakevmm
+from tests.support.agents import AgentProc
 from tests.support.qemu_util import wait_until
 from vmpin.linux.paths import HostPaths
 from vmpin.service import control
@@ -53,23 +55,10 @@ def debug_env(env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def agents(paths: HostPaths, debug_env: dict[str, str], tmp_path: Path) -> Iterator[
-    Callable[..., AgentProc]
-]:  # fmt: skip
-    started: list[AgentProc] = []
-
-    def start(interval: float = 3600.0) -> AgentProc:
-        a = AgentProc(paths, debug_env, tmp_path / f"agent{len(started)}.log", interval)
-        started.append(a)
-        a.wait_ready()
-        a.wait_pass(1)
-        return a
-
-    try:
-        yield start
-    finally:
-        for a in started:
-            a.kill()
+def agents(agents: Callable[..., AgentProc], debug_env: dict[str, str]) -> Callable[..., AgentProc]:
+    """The suite's ``agents``, each logging at DEBUG, its interval an hour (a test asks for the
+    passes it needs), started after its first pass."""
+    return partial(agents, 3600.0, env=debug_env, wait_pass=1)
 
 
 @pytest.fixture

@@ -30,8 +30,9 @@ import pytest
 from pytest_mock import MockerFixture
 
 from tests.e2e.test_e2e_kata import Kata, affinities
-from tests.service.test_agent import AgentProc, all_on, metric, register
+from tests.service.test_agent import all_on, metric, register
 from tests.support import fakevmm
+from tests.support.agents import AgentProc
 from tests.support.qemu_util import QemuHandle, qemu_factory, wait_until
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet

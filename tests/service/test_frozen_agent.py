@@ -38,7 +38,7 @@ import pytest
 
 from tests.e2e.test_e2e_kata import Kata, affinities, qemu, sid, thread_names
 from tests.e2e.test_e2e_runc import runc
-from tests.service.test_agent import AgentProc
+from tests.support.agents import AgentProc
 from tests.support.qemu_util import QemuHandle, wait_until
 from tests.support.runc_util import RuncSession, new_id
 from vmpin.linux.paths import HostPaths

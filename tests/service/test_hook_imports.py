@@ -146,6 +146,11 @@ def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) ->
     loaded, _ = hook(env, "prestart", state("lean1", b, ann, os.getpid()))
     assert_lean(loaded, reconciled=False)
     assert "socket" not in loaded  # no socket file: not even imported
+    # ...nor control's module; and the state pid (this process: its command line does not
+    # name the sandbox) is told from a VMM without vmm's module (vmpin.runtimes.oci._names)
+    assert "vmpin.service.control" not in loaded
+    assert "vmpin.runtimes.vmm" not in loaded
+    assert "errno" not in loaded  # (procfs tells errors by OSError's subclasses)
     # ...and the event it journaled is in the store for the next reader
     listed = subprocess.run(
         [sys.executable, "-m", "vmpin", "--state-dir", paths.state_dir, "containers", "--json"],

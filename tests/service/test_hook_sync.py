@@ -139,3 +139,32 @@ def test_hook_without_an_agent_whose_event_cannot_be_written_does_not_pin(
         hook.run(paths, "prestart", data)
     ingest.assert_not_called()
     assert os.listdir(journal_dir(paths.state_dir)) == []
+
+
+def test_a_plain_hook_renames_its_event_into_place_then_syncs_it(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """A plain container on a node without VMs (no agent): the event's file is renamed into
+    place whole, then it and the journal's directory are synced, before the hook returns --
+    the file's sync commits the rename too, so the directory's finds nothing left to write
+    (two journal commits on ext4 were one more than needed)."""
+    os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
+    events: list[str] = []
+    watch_syncs(mocker, journal_dir(paths.state_dir), events, journal_dir(paths.state_dir))
+    real = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        real(src, dst)
+        events.append("renamed")
+
+    mocker.patch("os.rename", side_effect=rename)
+    cid = new_id("hp")
+    bundle = tmp_path / cid
+    bundle.mkdir()
+    ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": cid}
+    (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
+    state = {"id": cid, "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
+    assert hook.run(paths, "prestart", json.dumps(state).encode()) == cid
+    events.append("returned")
+    assert events == ["renamed", "synced file", "synced", "returned"]
+    assert len(pending(paths.state_dir)) == 1

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import vmpin_cmd
-from tests.service.test_agent import AgentProc
+from tests.support.agents import AgentProc
 from vmpin.core.errors import HostError, QmpError, SpecError, StateError
 from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
@@ -81,15 +81,7 @@ def test_metrics_port_in_use_agent_runs_on(
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen(1)
-    agent = AgentProc(paths, env, tmp_path / "agent.log")
-    agent.proc.kill()  # (AgentProc picked its own free port: start one on the taken port)
-    agent.proc.wait()
-    agent.port = squatter.getsockname()[1]
-    agent.proc = subprocess.Popen(
-        [*vmpin_cmd(), "--state-dir", paths.state_dir, "serve", "--interval", "0.5",
-         "--metrics-port", str(agent.port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=agent._err,
-    )
+    agent = AgentProc(paths, env, tmp_path / "agent.log", port=squatter.getsockname()[1])
     try:
         agent.wait_ready()
         status = agent.wait_pass(1)

@@ -13,10 +13,8 @@ import pytest
 import yaml
 
 from tests.conftest import vmpin_cmd
-from tests.service.test_agent import free_port
-from tests.support.qemu_util import wait_until
+from tests.support.agents import AgentProc
 from vmpin.linux.paths import HostPaths
-from vmpin.service import control
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -24,26 +22,15 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 def test_metrics_bind_the_address_given(paths: HostPaths, env: dict[str, str],
                                         tmp_path: Path) -> None:  # fmt: skip
     """127.0.0.2 stands for a node IP here (no address off this machine is used)."""
-    port = free_port()
-    log = tmp_path / "agent.log"
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(
-            [*vmpin_cmd(), "--state-dir", paths.state_dir, "serve", "--interval", "0.5",
-             "--metrics-port", str(port)],
-            env={**env, "VMPIN_METRICS_ADDRESS": "127.0.0.2"}, stdout=err,
-            stderr=err,
-        )  # fmt: skip
+    agent = AgentProc(paths, {**env, "VMPIN_METRICS_ADDRESS": "127.0.0.2"}, tmp_path / "a.log")
     try:
-        assert wait_until(lambda: control.request(paths, {"op": "status"}, timeout=2.0)
-                          is not None, 20), log.read_text()  # fmt: skip
-        with urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=5) as r:
+        agent.wait_ready()
+        with urllib.request.urlopen(f"http://127.0.0.2:{agent.port}/metrics", timeout=5) as r:
             assert r.status == 200 and b"vmpin_" in r.read()
         with pytest.raises(urllib.error.URLError):  # not on 127.0.0.1 any more
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            urllib.request.urlopen(f"http://127.0.0.1:{agent.port}/metrics", timeout=5)
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
-
+        assert agent.stop(timeout=30) == 0
 
 @pytest.mark.parametrize("bad", ["node-ip", "300.1.1.1", "::g"])
 def test_a_bad_address_is_one_line(paths: HostPaths, env: dict[str, str], bad: str) -> None:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import vmpin_cmd
-from tests.service.test_agent import AgentProc, all_on, fake_vmms, register
+from tests.service.test_agent import all_on, fake_vmms, register
 from tests.support import fakevmm
+from tests.support.agents import AgentProc
 from tests.support.qemu_util import wait_until
 from vmpin.linux.paths import HostPaths
 from vmpin.service.settings import NODE_POLICY_META, Settings

@@ -146,7 +146,7 @@ def test_agent_adopts_runc_update_through_the_watch(
 ) -> None:
     """``vmpin serve --interval 3600``: after its start-up pass only the watch can make it
     adopt a ``runc update`` (no hook fires for one)."""
-    from tests.service.test_agent import AgentProc
+    from tests.support.agents import AgentProc
 
     cid = new_id("vmpin-watch")
     pid = runc.run(cid, cpus="0")

@@ -22,7 +22,6 @@ Stdlib only, no ``typing`` import: the hook and the guest program use it.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import time
@@ -85,7 +84,7 @@ def read_host_file(
     except FileNotFoundError:
         return None
     except OSError as err:
-        if err.errno in (errno.EACCES, errno.EPERM):
+        if isinstance(err, PermissionError):  # EACCES, EPERM
             raise PermissionDenied(f"permission denied reading {what} {path}") from err
         raise failed(f"reading {what} {path}: {err.strerror}") from err
     except SpecError as err:
@@ -99,7 +98,10 @@ def _read(path: str, limit: int, dir_fd: int | None, what: str) -> tuple[bytes, 
         fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as err:
         # ELOOP: the last component is a symlink (O_NOFOLLOW); say so instead of "too many
-        # levels of symbolic links".
+        # levels of symbolic links".  (errno imported here, on a failure only: the hooks
+        # load no errno module, procfs neither)
+        import errno
+
         if err.errno == errno.ELOOP:
             raise UnsafeFile(f"{what} {path}: is a symlink, refused (not followed)") from None
         raise

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from vmpin.core.topology import Topology
     from vmpin.reconcile.observation import Observation
     from vmpin.runtimes.kubelet import Checkpoint
+    from vmpin.state.reader import Reader
     from vmpin.state.records import ContainerRec, PolicyRecord
     from vmpin.state.store import Store
 
@@ -336,7 +337,7 @@ def overlay(obs: Observation, topology: Topology) -> Overlay:
     return Overlay(granted, topology.online, True, said, reserved, uncore)
 
 
-def recorded(store: Store) -> tuple[Allocation, ...]:
+def recorded(store: Reader) -> tuple[Allocation, ...]:
     """The allocations table as the store holds it (read again only when the store moved)."""
     version = store.version()
     memo: tuple[tuple[int, int], tuple[Allocation, ...]] | None = getattr(store, _READ, None)

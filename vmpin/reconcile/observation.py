@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kataconfig import KataConfigs
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.allocations import Allocation
+    from vmpin.state.reader import Reader
     from vmpin.state.records import ContainerRec, SandboxRec, ThreadRec
-    from vmpin.state.store import Store
 
     _T = TypeVar("_T")
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
@@ -266,7 +266,7 @@ class Recorded:
     vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
 
     @classmethod
-    def read(cls, store: Store, scope: Scope = FULL) -> Recorded:
+    def read(cls, store: Reader, scope: Scope = FULL) -> Recorded:
         """The store's tables, those ``scope`` needs: no VMM looked at, only the containers;
         no affinity read, no original affinities (a thread's is read beside its actual)."""
         containers: dict[str, list[ContainerRec]] = {}

@@ -49,7 +49,6 @@ from vmpin.reconcile.observe_sandbox import SandboxObserver, pid_alive
 from vmpin.reconcile.podpolicies import PodPolicies
 from vmpin.reconcile.tables import Tables
 from vmpin.state.records import SandboxRec
-from vmpin.state.store import Store
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -58,6 +57,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.sources import DomainSource
     from vmpin.runtimes.kataconfig import KataConfigReader, KataConfigs
     from vmpin.runtimes.kubelet import Checkpoint, CheckpointReader
+    from vmpin.state.reader import Reader
     from vmpin.state.records import PolicyRecord
 
     #: the store's policy inputs: the specs' by sandbox id, the Kubernetes API's by pod uid
@@ -124,7 +124,7 @@ class Observer:
 
     # -- the node ----------------------------------------------------------------------------
     def observe(
-        self, store: Store, scope: Scope = FULL, fresh: Container[str] | None = None
+        self, store: Reader, scope: Scope = FULL, fresh: Container[str] | None = None
     ) -> Observation:
         """The node as the host and the store show it now (``scope``: see :class:`Scope`).
 
@@ -214,7 +214,7 @@ class Observer:
             return False
         return all(sandboxes.untracked(s.id, obs.originals, FULL) == s for s in others)
 
-    def observe_plain(self, store: Store, sandbox_id: str) -> Observation | None:
+    def observe_plain(self, store: Reader, sandbox_id: str) -> Observation | None:
         """One plain (runc) sandbox alone, read through the store's indexes: for a pass that
         changes nothing but its cgroups (``Reconciler.reconcile_plain``), whose cost must not
         grow with the node (issue 26).  None when the sandbox is not a tracked runc one.
@@ -263,10 +263,10 @@ class Observer:
             self._last[sid] = replace(s, vmm=vmm, containers=containers)
 
     def _read_store(
-        self, store: Store, scope: Scope, keep_last: bool = False
+        self, store: Reader, scope: Scope, keep_last: bool = False
     ) -> tuple[Recorded, list[SandboxRec], _PolicyRecords, Collection[str] | None]:
         """The store's tables a pass reads: as the last pass read them while the store has
-        not moved (:meth:`Store.version`; an idle node's passes find it unchanged), else
+        not moved (:meth:`Reader.version`; an idle node's passes find it unchanged), else
         brought up to date through the store's change log, a sandbox at a time
         (:mod:`.tables`), or read whole.  What is returned is only read, never changed, by
         the pass; and the sandboxes whose records may have moved since the last call (None:

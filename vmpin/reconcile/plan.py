@@ -49,7 +49,6 @@ from vmpin.reconcile.observe import (
 )
 from vmpin.runtimes.kubelet import is_infra
 from vmpin.state.records import ContainerRec
-from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -105,12 +104,11 @@ class Claim:
     source: str  # vmpin | kubelet
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "sandbox": self.sandbox,
-            "pod": self.pod,
-            "container": self.container,
-            "source": self.source,
-        }
+        from vmpin.wire import views  # (here: the hooks, which load this module, print none)
+
+        # (an allocation's claim says "vmpin-alloc": outside the schema's vmpin | kubelet)
+        return views.claim(sandbox=self.sandbox, pod=self.pod, container=self.container,
+                           source=self.source)  # type: ignore[arg-type]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -580,114 +578,6 @@ def plan_node(
         tuple(obs.originals),
         obs.scope,
         masks,
-    )
-
-
-def summarize(plan: NodePlan, vms: list[str], checkpoint: str, online: str) -> Summary:
-    """What the VMs' plans in ``plan`` depend on, for a plain container's hook to check
-    against (vmpin.state.summary); ``vms``, ``checkpoint``, ``online``: the VM dir's entries,
-    kubelet's checkpoint identity and the online list as the pass found them before it
-    observed the node."""
-    counts = SummaryCounts()
-    counts.update(plan)
-    return counts.summary(plan, vms, checkpoint, online)
-
-
-class SummaryCounts:
-    """The per-CPU counts a node summary is made of, each sandbox plan's share kept, so that
-    a long-lived caller (vmpin.reconcile.summarizer) moves them by the plans that moved
-    rather than counting the node again (issue 28).
-
-    Per CPU: the footprints holding it, the VM plans' footprints holding it, the masks, the
-    VMs' masks, and the isolating VMs' housekeeping and helper CPUs.  ``private`` is then a
-    CPU one footprint holds and that one a VM's; ``contended``, two, one of them a VM's."""
-
-    __slots__ = ("_parts", "claimed", "holders", "isolate", "masks", "vms")
-
-    def __init__(self) -> None:
-        self._parts: dict[str, tuple[SandboxPlan, CpuSet | None, tuple[CpuSet, ...]]] = {}
-        self.holders: dict[int, int] = {}
-        self.vms: dict[int, int] = {}
-        self.masks: dict[int, int] = {}
-        self.claimed: dict[int, int] = {}
-        self.isolate: dict[int, int] = {}
-
-    def _clear(self) -> None:
-        self._parts.clear()
-        for counts in (self.holders, self.vms, self.masks, self.claimed, self.isolate):
-            counts.clear()
-
-    def update(self, plan: NodePlan) -> None:
-        """The counts of ``plan``: each sandbox plan (and mask) that is not the very one of
-        the last update moves them."""
-        parts, masks = self._parts, plan.masks
-        for sp in plan.sandboxes:
-            mask = masks.get(sp.id)
-            old = parts.get(sp.id)
-            if old is not None and old[0] is sp and old[1] is mask:
-                continue
-            if old is not None:
-                self._move(old[2], -1)
-            share = self._share(sp, mask)
-            self._move(share, 1)
-            parts[sp.id] = (sp, mask, share)
-        if len(parts) != len(plan.sandboxes):
-            ids = {sp.id for sp in plan.sandboxes}
-            for sid in [sid for sid in parts if sid not in ids]:  # (gone from the node)
-                self._move(parts.pop(sid)[2], -1)
-            if len(parts) != len(plan.sandboxes):  # (an id twice: counted as a list)
-                self._clear()
-                for sp in plan.sandboxes:
-                    self._move(self._share(sp, masks.get(sp.id)), 1)
-
-    @staticmethod
-    def _share(sp: SandboxPlan, mask: CpuSet | None) -> tuple[CpuSet, ...]:
-        """One sandbox plan's share: its footprint, as a VM's, its mask, as a VM's, and its
-        housekeeping and helper CPUs when it isolates its helpers."""
-        vm = sp.runtime != "runc" and sp.plan is not None
-        isolates = vm and sp.obs.policy.helpers == "isolate"
-        return (
-            sp.footprint,
-            sp.footprint if vm else EMPTY,
-            mask if mask is not None else EMPTY,
-            (mask if mask is not None else sp.mask) if sp.runtime != "runc" else EMPTY,
-            # (the configured set, and where helpers went: kubelet's reserved CPUs under its
-            # strict-cpu-reservation)
-            sp.obs.policy.housekeeping | _helper_cpus(sp) if isolates else EMPTY,
-        )
-
-    def _move(self, share: tuple[CpuSet, ...], by: int) -> None:
-        for counts, cpus in zip(
-            (self.holders, self.vms, self.masks, self.claimed, self.isolate), share, strict=True
-        ):
-            for cpu in cpus:
-                n = counts.get(cpu, 0) + by
-                if n:
-                    counts[cpu] = n
-                else:
-                    del counts[cpu]
-
-    def summary(self, plan: NodePlan, vms: list[str], checkpoint: str, online: str) -> Summary:
-        holders = self.holders
-        return Summary(
-            tuple(vms),
-            checkpoint,
-            online.strip(),
-            plan.shared_pool,
-            CpuSet(cpu for cpu in self.vms if holders[cpu] == 1),
-            CpuSet(cpu for cpu in self.vms if holders[cpu] == 2),
-            CpuSet(self.claimed),
-            CpuSet(self.isolate),
-            CpuSet(cpu for cpu, n in self.masks.items() if n > 1),
-        )
-
-
-def _helper_cpus(sp: SandboxPlan) -> CpuSet:
-    """Where a sandbox's plan puts its helper threads (emulator, iothreads, vhost)."""
-    if sp.plan is None:
-        return EMPTY
-    return CpuSet.union_all(
-        p.desired for p in sp.plan.placements if p.role != "vcpu" and p.desired is not None
     )
 
 

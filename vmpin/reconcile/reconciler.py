@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.plan import NodePlan, PlanMemo
     from vmpin.reconcile.sources import DomainSource
     from vmpin.reconcile.summarizer import Summarizer
+    from vmpin.state.reader import Reader
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
 
@@ -91,7 +92,7 @@ class Reconciler:
     def __init__(
         self,
         paths: HostPaths,
-        store: Store | None = None,
+        store: Reader | None = None,
         *,
         policy: Policy | Callable[[], Policy] | None = None,
         affinity: AffinityBackend | None = None,
@@ -106,7 +107,9 @@ class Reconciler:
         deadline: float | None = None,
     ) -> None:
         self.paths = paths
-        self.store = store if store is not None else Store(paths.state_dir)
+        #: what a pass reads; a pass that applies also writes it, and so needs a
+        #: :class:`Store` (:meth:`_writer`): a read-only view's Reader only plans
+        self.store: Reader = store if store is not None else Store(paths.state_dir)
         self._policy = policy
         self.affinity: AffinityBackend = affinity or SchedAffinity()
         self._topology = topology
@@ -208,8 +211,16 @@ class Reconciler:
         if self._summarizer is None:
             from vmpin.reconcile.summarizer import Summarizer
 
-            self._summarizer = Summarizer(self.paths, self.store)
+            self._summarizer = Summarizer(self.paths, self._writer())
         return self._summarizer
+
+    def _writer(self) -> Store:
+        """The store as a pass that applies writes it: a :class:`Store` (open_readonly's
+        in-memory copy too, whose records go nowhere); never a read-only view's Reader."""
+        store = self.store
+        if not isinstance(store, Store):
+            raise TypeError(f"{store.path}: opened for reading only: a pass cannot apply")
+        return store
 
     # -- the pass ------------------------------------------------------------------------
     def observe(
@@ -367,22 +378,23 @@ class Reconciler:
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import node_reports
 
-        if apply and (self.ingest_first or again) and not self.store.readonly:
+        writer = self._writer() if apply else None
+        if writer is not None and (self.ingest_first or again) and not writer.readonly:
             # events the hooks journaled since this store was opened (planning again: since
             # the first time; the caller's own ingest did not wait for the disk)
             try:
-                self.store.ingest(durable=self.ingest_first)
+                writer.ingest(durable=self.ingest_first)
             except StateError:
                 if not again:
                     raise
-        if apply and not self.store.readonly:
+        if writer is not None and not writer.readonly:
             from vmpin.reconcile.allocations import settle
 
             cp = self.observer.checkpoint()[0]
-            settle(self.store, self.topology, cp, self.paths.kubelet_config)  # (issue 30)
+            settle(writer, self.topology, cp, self.paths.kubelet_config)  # (issue 30)
         plan = self.plan(scope=scope, fresh=fresh)
         applied = None
-        if apply:
+        if writer is not None:
             from vmpin.reconcile.apply import Applier
 
             # an event's pass applies what it names and what moved (.settled)
@@ -396,7 +408,7 @@ class Reconciler:
                 domains=self.domains,
                 maps_later=self.maps_later,
                 hold=self.held_maps,
-            ).apply(self.store, plan, only)
+            ).apply(writer, plan, only)
             self._settled.note(plan, applied, only)
             self._note_applied(applied)
         return node_reports(plan, applied, sandbox_ids)
@@ -429,7 +441,8 @@ class Reconciler:
                 if obs is None:
                     return None
                 plan = plan_node(obs, self.topology, float_policy=self.float_policy)
-                applied = Applier(self.paths, self.affinity, publish=False).apply(self.store, plan)
+                applier = Applier(self.paths, self.affinity, publish=False)
+                applied = applier.apply(self._writer(), plan)
                 return [sandbox_report(sp, applied) for sp in plan.sandboxes]
             finally:
                 self._unlock()

@@ -30,8 +30,8 @@ from vmpin.state.records import API_POLICY_META, POLICY_META, policy_record
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vmpin.reconcile.observation import Scope
+    from vmpin.state.reader import Reader
     from vmpin.state.records import ContainerRec, PolicyRecord, SandboxRec, ThreadRec
-    from vmpin.state.store import Store
 
 
 #: the tables are read whole again once more than one sandbox in this many moved (a start-up
@@ -47,7 +47,7 @@ class Tables:
         "originals", "records", "scope_key", "seq", "store", "threads", "version",
     )  # fmt: skip
 
-    def __init__(self, store: Store, scope: Scope) -> None:
+    def __init__(self, store: Reader, scope: Scope) -> None:
         """Read them whole."""
         self.store = store
         self.scope_key = (scope.vmms, scope.affinity)
@@ -74,7 +74,7 @@ class Tables:
         for name in (*self.missing, *self.originals):
             self._keys.setdefault(key_sandbox(name), []).append(name)
 
-    def matches(self, store: Store, scope: Scope) -> bool:
+    def matches(self, store: Reader, scope: Scope) -> bool:
         return self.store is store and self.scope_key == (scope.vmms, scope.affinity)
 
     def follow(self, version: tuple[int, int]) -> bool:

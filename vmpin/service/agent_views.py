@@ -34,7 +34,7 @@ as before.  What answers:
 
 Nothing here blocks the planner: it hands over the plan it made (:meth:`AgentViews.pass_ends`,
 a reference: plans and observations are immutable) and a reader builds its view on its own
-connection thread with the command's own builders (:mod:`vmpin.service.commands`,
+connection thread with the command's own builders (:mod:`vmpin.service.commands_read`,
 :func:`vmpin.reconcile.audit.node_audit`) and its own writer (``commands.json_text``: the
 ``--json`` text, which the command prints as it comes), once per plan and view (later readers
 get the same text).  The reply goes out as every reply does
@@ -60,7 +60,7 @@ from vmpin.linux.sysfs import online_text
 from vmpin.reconcile.audit import node_audit
 from vmpin.reconcile.observe import Observer
 from vmpin.reconcile.report import node_reports
-from vmpin.service import commands
+from vmpin.service import commands, commands_read
 from vmpin.service.logs import log_event
 from vmpin.state import journal
 from vmpin.state.schema import uri_path
@@ -107,13 +107,13 @@ def _data(p: _Plan, view: str, sandbox: str | None) -> Any:
     """The view's data, as the command builds it in-process (None: ``sandbox`` is not one
     the plan reports: the command says so itself, or finds a libvirt domain of that name)."""
     if view == "containers":
-        return commands.fresh_containers(p.plan)
+        return commands_read.fresh_containers(p.plan)
     if view == "sandboxes":
-        return commands.sandbox_rows(p.plan)
+        return commands_read.sandbox_rows(p.plan)
     if view == "show":
         assert sandbox is not None
         found = node_reports(p.plan, None, [sandbox])
-        return commands.show_json(found[0]) if found else None
+        return commands_read.show_json(found[0]) if found else None
     return node_audit(p.obs, p.plan)
 
 

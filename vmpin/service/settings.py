@@ -221,10 +221,7 @@ def build_reconciler(
         settings = settings.over_recorded(store)
     return Reconciler(
         settings.paths,
-        # A read-only view's Reader plans here too (Store.open_readonly): the reconciler
-        # writes only to a store that is not readonly, or applies (never for a view).  It
-        # is typed for the full Store until it holds its Reader and its Writer apart.
-        store,  # type: ignore[arg-type]
+        store,
         policy=settings.policy,
         affinity=affinity,
         float_policy=settings.float_policy(),

@@ -69,20 +69,25 @@ def append(state_dir: str, event: HookEvent, *, durable: bool = True) -> str:
     ``durable=False`` renames the whole file into place without either sync: the caller must
     :func:`sync` it before it reports the event recorded (a Kata hook: while the agent's
     pass runs, or after its own when no agent answers; a disk's two syncs are ~0.5 ms of
-    every start, issue 14).  Readers never see a partial file (the rename comes
-    after the writes); a crash before the sync may lose the event, or leave its file empty
-    or cut short, which ingest quarantines and never applies.  Nothing was promised then:
-    the hook had not returned.
+    every start, issue 14; a plain one: at once, since the file's sync then commits the
+    rename too and the directory's has nothing left to write).  Readers never see a partial
+    file (the rename comes after the writes); a crash before the sync may lose the event, or
+    leave its file empty or cut short, which ingest quarantines and never applies.  Nothing
+    was promised then: the hook had not returned.
     """
     data = event.to_json()
     d = journal_dir(state_dir)
     # CLOCK_MONOTONIC is system-wide: names from different hook processes sort by time.
     name = f"{time.monotonic_ns():020d}-{os.getpid()}.json"
     tmp = os.path.join(d, f".{name}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # the journal's first event: its directory is made then
+            # (not by makedirs at every event: three system calls of every container start)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            fd = os.open(tmp, flags, 0o600)
     except OSError as err:
         raise StateError(f"{tmp}: cannot journal the event: {err.strerror}") from None
     try:

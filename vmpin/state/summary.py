@@ -8,7 +8,7 @@ at 10,000 containers (issue 26).  Yet almost every plain container lands where n
 can notice it: on the shared pool, on CPUs other pods already use.
 
 Every pass that applies under the node's lock writes, after its last write, what the VMs'
-plans were made from, reduced to CPU sets (:func:`vmpin.reconcile.plan.summarize`):
+plans were made from, reduced to CPU sets (:func:`vmpin.reconcile.summarizer.summarize`):
 
 - ``private``: CPUs inside a VM's footprint that no other sandbox's footprint holds (a 1:1
   vCPU can sit only there);

@@ -1,0 +1,138 @@
+"""Count the instructions of one `vmpin hook prestart` per path, and of a bare interpreter.
+
+Wall-clock ratios (bench/bench_hook.py) need a quiet machine; instruction counts do not: one
+run under valgrind's callgrind is deterministic to ~0.1% with ``PYTHONHASHSEED=0`` (set here
+for the hook and the bare interpreter alike: string hashes decide dict probing, ±0.2 M).
+Each path is set up exactly as bench_hook.py sets it up (its functions: the same bundle,
+state, cgroup, QEMU, agent), warmed up three times (the code cache and ``.pyc`` files get
+written), and then one prestart is counted.  For the Kata paths each prestart is followed by
+its untimed poststop, as there.
+
+    python bench/bench_hook_ir.py [--path runc,kata-agent,kata] [--vmpin LAUNCHER] [--json]
+
+Needs root (cgroups, QEMU) and valgrind.  Instructions of the hook process only: the agent's
+pass that a Kata hook waits for is another process's (bench_hook.py's wall-clock ratio
+includes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import bench_hook as bh  # noqa: E402 (beside this file)
+
+CALLGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+
+
+def count(argv: list[str], stdin: bytes, env: dict[str, str]) -> float:
+    """Instructions (millions) of ``argv`` under callgrind."""
+    proc = subprocess.run([*CALLGRIND, *argv], input=stdin, env=env, capture_output=True)
+    err = proc.stderr.decode(errors="replace")
+    found = re.search(r"Collected : (\d+)", err)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(f"{argv} failed under valgrind: {proc.returncode} {err[-2000:]}")
+    return int(found.group(1)) / 1e6
+
+
+def run(argv: list[str], stdin: bytes, env: dict[str, str]) -> None:
+    proc = subprocess.run(argv, input=stdin, env=env, capture_output=True)
+    if proc.returncode != 0 or proc.stderr:
+        raise SystemExit(f"{argv} failed: {proc.returncode} {proc.stderr.decode().strip()}")
+
+
+def measure(name: str, vmpin: list[str]) -> float:
+    """Set the node up for one path (as bench_hook.run_path), count one prestart, take
+    everything down again (by pid)."""
+    work = Path(tempfile.mkdtemp(prefix=f"vmpin-bench-hook-ir-{name}-"))
+    env = dict(os.environ, VMPIN_STATE_DIR=str(work / "state"), VMPIN_VM_DIR=str(work / "vm"),
+               VMPIN_RUNC_ROOT=str(work / "runc"), VMPIN_KUBELET_STATE=str(work / "none"),
+               VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING",
+               VMPIN_LIBVIRT="none", PYTHONHASHSEED="0")  # fmt: skip
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # (the warm-ups write the code cache)
+    (work / "vm").mkdir()
+    kata = name.startswith("kata")
+    cleanup: list[Callable[[], object]] = []
+    try:
+        if kata:
+            from tests.support.qemu_util import launch
+
+            sid = f"bi{os.getpid()}{name.replace('-', '')}"
+            q = launch(work / "vm", sid, smp=2, debug_threads=True)
+            cleanup.append(q.kill)
+            (work / "publish" / sid / "mounts").mkdir(parents=True)
+            b, ann = bh.write_bundle(work, sid, sid, None)
+            for stage in ("prestart", "createRuntime", "poststart"):
+                run([*vmpin, "hook", "--strict", stage], bh.state(sid, q.pid, b, ann, True), env)
+            pid = q.pid
+        else:
+            cgroup = Path(bh.CGROUP) / f"vmpin-bench-ir-{os.getpid()}-{name}"
+            if Path(bh.CGROUP).is_dir():
+                cgroup.mkdir()
+                cleanup.append(cgroup.rmdir)
+                (cgroup / "cpuset.mems").write_text("0")
+                (cgroup / "cpuset.cpus").write_text("0")
+            sleeper = subprocess.Popen(["sleep", "3600"])
+            cleanup.append(lambda: (sleeper.kill(), sleeper.wait()))
+            if cgroup.is_dir():
+                (cgroup / "cgroup.procs").write_text(str(sleeper.pid))
+            pid, sid = sleeper.pid, ""
+        if name.endswith("-agent"):
+            agent = bh.Agent(vmpin, env, work / "state", work / "agent.log")
+            cleanup.append(agent.stop)
+        figure = 0.0
+        for n in range(1, 5):
+            cid = f"ctr{n}"
+            b, ann = bh.write_bundle(work, cid, sid or f"pod{n}", "1" if kata else "0")
+            doc = bh.state(cid, pid, b, ann, kata)
+            if n < 4:
+                run([*vmpin, "hook", "prestart"], doc, env)
+            else:
+                figure = count([*vmpin, "hook", "prestart"], doc, env)
+            if kata:
+                run([*vmpin, "hook", "poststop"], bh.state(sid, None, b, ann, True), env)
+        return figure
+    finally:
+        for undo in reversed(cleanup):
+            try:
+                undo()
+            except OSError as err:
+                print(f"cleanup: {err}", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--path", default="runc,kata-agent,kata")
+    ap.add_argument("--vmpin", help="the vmpin command (default: beside this python, or PATH)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    vmpin = bh.find_vmpin(args.vmpin)
+    paths = list(bh.PATHS) if args.path == "all" else args.path.split(",")
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    bare = count([sys.executable, "-c", "pass"], b"", env)
+    rows = [{"path": p, "instructions_m": round(m, 1), "ratio": round(m / bare, 3)}
+            for p in paths for m in [measure(p, vmpin)]]  # fmt: skip
+    if args.json:
+        print(json.dumps({"bare_m": round(bare, 1), "paths": rows}))
+    else:
+        print(f"bare interpreter: {bare:.1f} M")
+        for row in rows:
+            print(f"{row['path']:<11} {row['instructions_m']:6.1f} M  x{row['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
