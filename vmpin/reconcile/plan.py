@@ -101,12 +101,11 @@ class Claim:
     sandbox: str | None
     pod: str
     container: str | None
-    source: str  # vmpin | kubelet
+    source: str  # vmpin (a spec's or update's set) | kubelet | vmpin-alloc (an allocation)
 
     def to_json(self) -> dict[str, Any]:
         from vmpin.wire import views  # (here: the hooks, which load this module, print none)
 
-        # (an allocation's claim says "vmpin-alloc": outside the schema's vmpin | kubelet)
         return views.claim(sandbox=self.sandbox, pod=self.pod, container=self.container,
                            source=self.source)  # type: ignore[arg-type]  # fmt: skip
 

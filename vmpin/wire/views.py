@@ -137,7 +137,7 @@ def topology_of(t: Topology) -> Json:
 
 def claim(
     *, sandbox: Optional[str], pod: str, container: Optional[str],
-    source: Literal["vmpin", "kubelet"],
+    source: Literal["vmpin", "kubelet", "vmpin-alloc"],
 ) -> Json:  # fmt: skip
     return locals()
 
