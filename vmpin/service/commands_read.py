@@ -42,8 +42,10 @@ def agent_view(c: Ctx, view: str, sandbox: str | None = None) -> str | None:
     old one that does not know the request, a refusal (settings other than the agent's), a
     timeout -- the command observes itself.
 
-    ``audit`` asks for a pass that starts after the request (drift since the last pass must be
-    seen); the others for the current plan when nothing changed since it was made."""
+    ``audit`` asks for a fresh answer (drift since the last pass must be seen: the agent
+    checks in place what can move behind its back, and takes a pass that starts after the
+    request when anything did); the others for the current plan when nothing changed since
+    it was made."""
     # (here: topology and explain never ask)
     from vmpin.service.control import view as ask
     from vmpin.wire.control import View
