@@ -18,7 +18,11 @@ console script runs in each round too (its own pair with a bare interpreter):
 
 With ``--agent`` every command is measured twice: first with no agent (``commands``), then
 with ``vmpin serve`` up on the node (``commands_agent``: the read commands take the agent's
-view of its plan, vmpin.service.agent_views; ``--agent-interval``, its periodic pass).
+view of its plan, vmpin.service.agent_views; ``--agent-interval``, its periodic pass).  There
+each command also reports ``agent_cpu_ms``: the agent's CPU time (user + system, from its
+``/proc`` stat) per run over the rounds, which the machine's load does not inflate as it
+does wall time (``audit``: its check of the host, or the pass it takes; a periodic pass that
+falls within the rounds counts too: ``--agent-interval 3600`` leaves them out).
 
 Run (as root; the fake VMMs need no KVM)::
 
@@ -41,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_idle_pass import env_for, vmpin_cmd  # noqa: E402
+from bench_idle_pass import env_for, proc_cpu, vmpin_cmd  # noqa: E402
 from fakenode import fake_node  # noqa: E402
 
 #: run a command twice in one process: the first run pays the imports, the second does not
@@ -68,14 +72,17 @@ def wall(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
 
 
 def measure(
-    args: list[str], env: dict[str, str], rounds: int, compare: str | None = None
-) -> dict[str, object]:
+    args: list[str], env: dict[str, str], rounds: int, compare: str | None = None,
+    agent: int | None = None,
+) -> dict[str, object]:  # fmt: skip
+    """One command's figures (``agent``: the pid of the agent that answers it)."""
     bare_cmd = [sys.executable, "-c", "pass"]
     cmd = [*vmpin_cmd(), *args]
     other = [compare, *args] if compare else None
     ratios, ts, bs, other_ratios = [], [], [], []
     code = 0
     wall(cmd, env)  # warm the page cache once
+    cpu = proc_cpu(agent) if agent is not None else 0.0
     for _ in range(rounds):
         b, _ = wall(bare_cmd, env)
         t, code = wall(cmd, env)
@@ -86,6 +93,8 @@ def measure(
             o, _ = wall(other, env)
             b2, _ = wall(bare_cmd, env)
             other_ratios.append(o / b2)
+    # (the other build's runs ask the agent too)
+    agent_ms = (proc_cpu(agent) - cpu) * 1000 / (rounds * (2 if other else 1)) if agent else None
     split = subprocess.run(
         [sys.executable, "-c", SPLIT, json.dumps(args)], env=env, capture_output=True,
         text=True, check=True,
@@ -102,6 +111,7 @@ def measure(
         "work_ms": round(parts["second_ms"], 1),
         **({"compare_ratio_median": round(statistics.median(other_ratios), 2)}
            if other_ratios else {}),
+        **({"agent_cpu_ms": round(agent_ms, 1)} if agent_ms is not None else {}),
     }
 
 
@@ -155,7 +165,8 @@ def main() -> int:
             agent = start_agent(env, args.agent_interval, root / "agent.log")
             try:
                 agent_results = {
-                    " ".join(c): measure(c, env, args.rounds, args.compare) for c in commands
+                    " ".join(c): measure(c, env, args.rounds, args.compare, agent.pid)
+                    for c in commands
                 }
             finally:
                 agent.terminate()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from vmpin.guest.bundle import GUEST_MODULES
+from vmpin.service.clispec import COMMANDS
 from vmpin.service.hookfile import HOOK_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,8 @@ SPEED_MODULES = frozenset(
 #: command's modules only when that command runs
 FAST_ROUTE = frozenset(
     {"vmpin/service/clispec.py", "vmpin/service/commands.py", "vmpin/service/update.py"}
+    # (the commands' bodies, by group: the modules the table names)
+    | {f"vmpin/service/{c.module}.py" for c in COMMANDS.values() if c.module}
 )
 
 #: what the hooks' closure holds: their modules, the console dispatcher, the speed layer

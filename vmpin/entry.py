@@ -14,7 +14,7 @@ What is here besides is kept for docs/benchmarks.md's figures, and each part say
   kubernetes.  The global options (:mod:`vmpin.wire.argv`) are read only when argv starts
   with one (the runtimes run ``vmpin hook STAGE``); the guest's commands parse their own
   options, and the hook with a global option that is no host root runs as a command
-  (:func:`vmpin.service.commands.hook`).
+  (:func:`vmpin.service.commands_agent.hook`).
 - A command runs with the cyclic collector off: it is one short process that frees what it
   drops by reference counting, and collections finding nothing were 1-3 ms of a read command
   at 500 sandboxes (imports, the store's rows, the view).  ``serve`` lives on, and keeps it.

@@ -19,6 +19,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import TopologyError
 from vmpin.core.topology import CpuInfo, Topology
 from vmpin.linux.sysfs import read_topology
+from vmpin.wire import views
 
 SYSFS = FIXTURES / "sysfs"
 
@@ -257,8 +258,8 @@ def test_ordered(name: str, mask: str, ordered: list[int]) -> None:
     assert got == ordered
 
 
-def test_to_json_shape() -> None:
-    data = load("xeon-gold-6258r-2s").to_json()
+def test_topology_view_shape() -> None:
+    data = views.topology_of(load("xeon-gold-6258r-2s"))
     for key in ("online", "isolated", "sockets", "numa_nodes", "cores", "threads_per_core"):
         assert key in data
     assert data["online"] == "0-111"

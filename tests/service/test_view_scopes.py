@@ -1,7 +1,7 @@
 """Each read view shows the same thing from its narrower observation as from a full one.
 
 ``containers``, ``sandboxes``, ``show`` and ``audit`` observe only what they print (issue 14:
-:func:`vmpin.service.commands.view_scope`, :class:`vmpin.reconcile.observe.Scope`): no VMM for
+:func:`vmpin.service.commands_read.view_scope`, :class:`vmpin.reconcile.observe.Scope`): no VMM for
 ``containers``, no affinities or guest maps for ``sandboxes``, one sandbox's threads for
 ``show``, no guest maps for ``audit``.  Here a node with every shape a view distinguishes -- a
 VMM pinned 1:1, one sharing a CPU, one without a CPU set, one gone since the last pass, one
@@ -26,7 +26,7 @@ from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.apply import Applier
 from vmpin.reconcile.observe import FULL, Scope
 from vmpin.reconcile.reconciler import Reconciler
-from vmpin.service.commands import fresh_containers, sandbox_rows, show_json, view_scope
+from vmpin.service.commands_read import fresh_containers, sandbox_rows, show_json, view_scope
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
 

@@ -8,7 +8,7 @@ import pytest
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.reconcile.report import SandboxReport, ThreadReport
-from vmpin.service.commands import show_json
+from vmpin.service.commands_read import show_json
 from vmpin.wire import jsonio, views
 from vmpin.wire.viewschema import check, model
 
@@ -135,3 +135,19 @@ def test_a_view_is_its_parameters(view: object) -> None:
     extra = views.EXTRA.get(view.__name__, ())  # type: ignore[attr-defined]
     assert set(extra) <= set(keys)
     assert list(model(view).model_fields) == [k for k in keys if k not in extra]
+
+
+def test_a_violation_prints_its_kinds_keys_only_when_given() -> None:
+    """Keys defaulting to views.ABSENT are printed only when given: a drift has no
+    ``claimants``, a conflict has them after the common keys."""
+    common = dict(sandbox="s1", tid=None, role=None, index=None, desired=None, actual="1",
+                  container=None, reason="r")  # fmt: skip
+    drift = views.violation(kind="drift", **common)  # type: ignore[arg-type]
+    assert list(drift) == ["kind", "sandbox", "tid", "role", "index", "desired", "actual",
+                           "container", "reason"]  # fmt: skip
+    claim = views.claim(sandbox="s1", pod="p", container="c", source="kubelet")
+    conflict = views.violation(kind="conflict", claimants=[claim, claim], **common)  # type: ignore[arg-type]
+    check("audit", views.audit(ok=False, violations=[drift, conflict], sandboxes=1, threads=0,
+                               errors=[]))  # fmt: skip
+    assert list(conflict)[-2:] == ["reason", "claimants"]
+    assert printed(views.explain(cpu={"cpu": 1})) == '{\n  "cpu": {\n    "cpu": 1\n  }\n}'

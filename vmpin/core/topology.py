@@ -29,7 +29,7 @@ from vmpin.core.errors import TopologyError
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
-    from typing import Any, NamedTuple
+    from typing import NamedTuple
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -156,29 +156,3 @@ class Topology(NamedTuple):
     @property
     def threads_per_core(self) -> int:
         return max(len(c.siblings) for c in self.cpus.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "online": self.online.to_list(),
-            "offline": self.offline.to_list(),
-            "isolated": self.isolated.to_list(),
-            "sockets": self.sockets,
-            "numa_nodes": self.numa_nodes,
-            "cores": self.cores,
-            "l3_groups": self.l3_groups,
-            "threads_per_core": self.threads_per_core,
-            "order": list(self.order),
-            "cpus": [
-                {
-                    "cpu": c.cpu,
-                    "core": c.core,
-                    "core_id": c.core_id,
-                    "socket": c.socket,
-                    "die": c.die,
-                    "numa": c.numa,
-                    "l3": c.l3,
-                    "siblings": c.siblings.to_list(),
-                }
-                for c in sorted(self.cpus.values(), key=lambda c: c.cpu)
-            ],
-        }

@@ -27,32 +27,31 @@ from __future__ import annotations
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.cpuset import listed as _cpus
 from vmpin.reconcile.plan import NodePlan, SandboxPlan, ThreadPlan
+from vmpin.wire import views
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Literal
 
     from vmpin.reconcile.observation import Observation
+
+    Kind = Literal["drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin", "error"]
 
 KINDS = ("drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin", "error")
 
 
 def _v(
-    kind: str, sandbox: str | None, t: ThreadPlan | None, reason: str, **extra: Any
+    kind: Kind, sandbox: str | None, t: ThreadPlan | None, reason: str, **extra: Any
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "kind": kind,
-        "sandbox": sandbox,
-        "tid": None if t is None else t.tid,
-        "role": None if t is None else t.role,
-        "index": None if t is None else t.index,
-        "desired": None if t is None else _cpus(t.desired),
-        "actual": None if t is None else _cpus(t.actual),
-        "container": None if t is None else t.container,
-        "reason": reason,
-    }
-    out.update(extra)
-    return out
+    """A violation (views.violation) of thread ``t`` (or of none), ``extra`` given or
+    overriding its keys."""
+    keys: dict[str, Any] = {"tid": None, "role": None, "index": None, "desired": None,
+                            "actual": None, "container": None}  # fmt: skip
+    if t is not None:
+        keys.update(tid=t.tid, role=t.role, index=t.index, desired=_cpus(t.desired),
+                    actual=_cpus(t.actual), container=t.container)  # fmt: skip
+    keys.update(extra)
+    return views.violation(kind=kind, sandbox=sandbox, reason=reason, **keys)
 
 
 def violations(plan: NodePlan) -> list[dict[str, Any]]:
@@ -233,14 +232,14 @@ def audit(
     if checkpoint_error:
         found.append(_v("error", None, None, checkpoint_error))
     live = [sp for sp in plan.sandboxes if not sp.vanished and sp.obs.tracked]
-    return {
-        "ok": not found,
-        "violations": found,
-        "sandboxes": len(live),
-        "threads": sum(len(sp.threads) for sp in live),
-        "errors": [f"{sp.id}: {e}" for sp in live for e in sp.errors],
-        "notes": notes(plan, node_notes),
-    }
+    return views.audit(
+        ok=not found,
+        violations=found,
+        sandboxes=len(live),
+        threads=sum(len(sp.threads) for sp in live),
+        errors=[f"{sp.id}: {e}" for sp in live for e in sp.errors],
+        notes=notes(plan, node_notes),
+    )
 
 
 def node_audit(obs: Observation, plan: NodePlan) -> dict[str, Any]:

@@ -4,7 +4,8 @@ An operator's first question on a pinned node is "who is on CPU 7, and why".  Th
 one node plan (:mod:`vmpin.reconcile.plan`): kubelet's claims, each sandbox's mask and the
 containers it is the union of, every VMM thread's planned and actual affinity with the rule
 that placed it, every runc container's cgroup.  This module reads a plan and says it; it is
-pure (no host access) and builds plain dicts, the ``--json`` views (``vmpin schema explain``).
+pure (no host access) and builds the ``--json`` view with vmpin.wire.views (``vmpin schema
+explain``).
 
 Every claimant carries ``rule``: one sentence naming the rule that put it there, in the
 words of docs/design.md, so that the text and the JSON say the same.
@@ -19,6 +20,7 @@ from vmpin.core.cpuset import listed as _cpus
 from vmpin.core.errors import StateError
 from vmpin.core.topology import Topology
 from vmpin.reconcile.plan import ContainerPlan, NodePlan, SandboxPlan, ThreadPlan
+from vmpin.wire import views
 
 #: where a container's CPU set came from (the store's ``cpus_source``), in words
 SOURCES = {
@@ -32,8 +34,8 @@ SOURCES = {
 def _pod(sp: SandboxPlan) -> dict[str, Any]:
     rec = sp.obs.record
     if rec is None:
-        return {"uid": None, "name": None, "namespace": None}
-    return {"uid": rec.pod_uid, "name": rec.pod_name, "namespace": rec.pod_namespace}
+        return views.explain_pod_of(uid=None, name=None, namespace=None)
+    return views.explain_pod_of(uid=rec.pod_uid, name=rec.pod_name, namespace=rec.pod_namespace)
 
 
 def _container_rule(c: ContainerPlan, pool: CpuSet | None) -> str:
@@ -64,19 +66,7 @@ def _thread_rule(sp: SandboxPlan, t: ThreadPlan) -> str:
 
 
 def _thread_entry(sp: SandboxPlan, t: ThreadPlan, cpu: int | None) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "kind": "thread",
-        "sandbox": sp.id,
-        "runtime": sp.runtime,
-        "pod": _pod(sp),
-        "tid": t.tid,
-        "role": t.role,
-        "index": t.index,
-        "container": t.container,
-        "desired": _cpus(t.desired),
-        "actual": _cpus(t.actual),
-        "rule": _thread_rule(sp, t),
-    }
+    rule = _thread_rule(sp, t)
     if (
         cpu is not None
         and t.desired is not None
@@ -84,8 +74,12 @@ def _thread_entry(sp: SandboxPlan, t: ThreadPlan, cpu: int | None) -> dict[str, 
         and cpu in t.actual
         and cpu not in t.desired
     ):
-        entry["rule"] += f"; drift: it runs here, planned for {t.desired.to_list()}"
-    return entry
+        rule += f"; drift: it runs here, planned for {t.desired.to_list()}"
+    return views.explain_thread(
+        kind="thread", sandbox=sp.id, runtime=sp.runtime, pod=_pod(sp), tid=t.tid, role=t.role,
+        index=t.index, container=t.container, desired=_cpus(t.desired), actual=_cpus(t.actual),
+        rule=rule,
+    )  # fmt: skip
 
 
 def explain_cpu(plan: NodePlan, topology: Topology, cpu: int) -> dict[str, Any]:
@@ -95,10 +89,6 @@ def explain_cpu(plan: NodePlan, topology: Topology, cpu: int) -> dict[str, Any]:
         raise StateError(f"CPU {cpu}: no such CPU on this host (online: {topology.online})")
     pool = plan.shared_pool
     claim = plan.exclusive.get(cpu)
-    kubelet: dict[str, Any] = {
-        "pool": None if pool is None else cpu in pool,
-        "exclusive": None if claim is None else claim.to_json(),
-    }
     if claim is not None:
         rule = f"kubelet gives it to pod {claim.pod} ({claim.container}) alone"
     elif pool is None:
@@ -107,7 +97,11 @@ def explain_cpu(plan: NodePlan, topology: Topology, cpu: int) -> dict[str, Any]:
         rule = "in kubelet's shared pool (defaultCpuSet)"
     else:
         rule = "outside kubelet's shared pool and given to no container (reserved or idle)"
-    kubelet["rule"] = rule
+    kubelet = views.explain_kubelet(
+        pool=None if pool is None else cpu in pool,
+        exclusive=None if claim is None else claim.to_json(),
+        rule=rule,
+    )
     claimants: list[dict[str, Any]] = []
     for sp in plan.sandboxes:
         if cpu in sp.mask:
@@ -116,15 +110,11 @@ def explain_cpu(plan: NodePlan, topology: Topology, cpu: int) -> dict[str, Any]:
                 for c in sp.containers
                 if c.rec.cpus is not None and cpu in c.rec.cpus
             ]
-            claimants.append({
-                "kind": "sandbox",
-                "sandbox": sp.id,
-                "runtime": sp.runtime,
-                "pod": _pod(sp),
-                "mode": sp.mode,
-                "rule": f"in its mask {sp.mask.to_list()} (the union of its containers' sets): "
+            claimants.append(views.explain_sandbox(
+                kind="sandbox", sandbox=sp.id, runtime=sp.runtime, pod=_pod(sp), mode=sp.mode,
+                rule=f"in its mask {sp.mask.to_list()} (the union of its containers' sets): "
                 + "; ".join(why),
-            })  # fmt: skip
+            ))  # fmt: skip
         for t in sp.threads:
             on = (t.desired is not None and cpu in t.desired) or (
                 t.actual is not None and cpu in t.actual
@@ -132,16 +122,11 @@ def explain_cpu(plan: NodePlan, topology: Topology, cpu: int) -> dict[str, Any]:
             if on:
                 claimants.append(_thread_entry(sp, t, cpu))
     info = topology.info(cpu)
-    return {
-        "cpu": cpu,
-        "online": cpu in topology.online,
-        "isolated": cpu in topology.isolated,
-        "socket": info.socket,
-        "core": info.core,
-        "siblings": info.siblings.to_list(),
-        "kubelet": kubelet,
-        "claimants": claimants,
-    }
+    return views.explain_cpu(
+        cpu=cpu, online=cpu in topology.online, isolated=cpu in topology.isolated,
+        socket=info.socket, core=info.core, siblings=info.siblings.to_list(), kubelet=kubelet,
+        claimants=claimants,
+    )  # fmt: skip
 
 
 def _match(sp: SandboxPlan, key: str) -> bool:
@@ -164,31 +149,31 @@ def explain_pod(plan: NodePlan, key: str) -> dict[str, Any]:
     sp = found[0]
     pool = plan.shared_pool
     p = sp.obs.policy
-    return {
-        "sandbox": sp.id,
-        "runtime": sp.runtime,
-        "pod": _pod(sp),
-        "mask": sp.mask.to_list(),
-        "mode": sp.mode,
-        "reason": sp.reason,
-        "policy": {
-            "vcpus": p.vcpus,
-            "helpers": p.helpers,
-            "source": sp.obs.policy_source,
-            "problems": list(sp.obs.policy_problems),
-        },
-        "containers": [
-            {
-                "id": c.rec.id,
-                "name": c.rec.name,
-                "cpus": _cpus(c.desired if sp.runtime == "runc" else c.rec.cpus),
-                "rule": _container_rule(c, pool),
-            }
+    return views.explain_pod(
+        sandbox=sp.id,
+        runtime=sp.runtime,
+        pod=_pod(sp),
+        mask=sp.mask.to_list(),
+        mode=sp.mode,
+        reason=sp.reason,
+        policy=views.explain_policy(
+            vcpus=p.vcpus,
+            helpers=p.helpers,
+            source=sp.obs.policy_source,
+            problems=list(sp.obs.policy_problems),
+        ),
+        containers=[
+            views.explain_pod_container(
+                id=c.rec.id,
+                name=c.rec.name,
+                cpus=_cpus(c.desired if sp.runtime == "runc" else c.rec.cpus),
+                rule=_container_rule(c, pool),
+            )
             for c in sp.containers
         ],
-        "threads": [_thread_entry(sp, t, None) for t in sp.threads],
-        "notes": list(sp.notes),
-    }
+        threads=[_thread_entry(sp, t, None) for t in sp.threads],
+        notes=list(sp.notes),
+    )
 
 
 def explain_container(plan: NodePlan, container_id: str) -> dict[str, Any]:
@@ -198,29 +183,29 @@ def explain_container(plan: NodePlan, container_id: str) -> dict[str, Any]:
             if c.rec.id != container_id:
                 continue
             guest = ((sp.guest_map or {}).get("containers") or {}).get(container_id) or {}
-            return {
-                "container": c.rec.id,
-                "name": c.rec.name,
-                "sandbox": sp.id,
-                "runtime": sp.runtime,
-                "pod": _pod(sp),
-                "cpus": _cpus(c.desired if sp.runtime == "runc" else c.rec.cpus),
-                "source": c.rec.cpus_source,
-                "rule": _container_rule(c, plan.shared_pool),
-                "kubelet": _cpus(c.obs.kubelet_cpus),
-                "runc": c.obs.runc_cpus,
-                "cgroup": _cpus(c.obs.cgroup_cpus),
-                "guest_cpus": guest.get("guest_cpus"),
-                "sandbox_mode": sp.mode,
-            }
+            return views.explain_container(
+                container=c.rec.id,
+                name=c.rec.name,
+                sandbox=sp.id,
+                runtime=sp.runtime,
+                pod=_pod(sp),
+                cpus=_cpus(c.desired if sp.runtime == "runc" else c.rec.cpus),
+                source=c.rec.cpus_source,
+                rule=_container_rule(c, plan.shared_pool),
+                kubelet=_cpus(c.obs.kubelet_cpus),
+                runc=c.obs.runc_cpus,
+                cgroup=_cpus(c.obs.cgroup_cpus),
+                guest_cpus=guest.get("guest_cpus"),
+                sandbox_mode=sp.mode,
+            )
     raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
 
 
 def explain(plan: NodePlan, topology: Topology, what: str) -> dict[str, Any]:
     """``what``: a CPU number, else a container id, else a pod (see the functions above)."""
     if what.isdigit():
-        return {"cpu": explain_cpu(plan, topology, int(what))}
+        return views.explain(cpu=explain_cpu(plan, topology, int(what)))
     known = {c.rec.id for sp in plan.sandboxes for c in sp.containers}
     if what in known:
-        return {"container": explain_container(plan, what)}
-    return {"pod": explain_pod(plan, what)}
+        return views.explain(container=explain_container(plan, what))
+    return views.explain(pod=explain_pod(plan, what))

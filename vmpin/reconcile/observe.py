@@ -181,6 +181,39 @@ class Observer:
             tuple(out), checkpoint, cp_error, originals, scope, kata, allocations(store)
         )
 
+    def still(self, obs: Observation) -> bool:
+        """Whether :meth:`observe` would give ``obs`` again now, if the store holds what it
+        held when ``obs`` was made (the caller's to know: the agent's views ask the store's
+        ``data_version``).  What the host can change behind vmpin's back -- kubelet's
+        checkpoint, Kata's configuration, the VM dir's entries, each VMM still the recorded
+        process with the same threads, each thread's affinity and name, each runc cgroup's
+        cpuset and tasks -- is read again and compared in place, stopping at the first
+        difference; a VMM's threads build nothing, so it costs less than the reads of a pass
+        (:meth:`.observe_vmm.VmmObserver.still`).
+
+        For ``vmpin audit`` through the agent (vmpin.service.agent_views): True means a pass
+        now would observe what its last pass did, so plan it alike (``plan_node`` is a
+        function of its inputs) and find the same violations.  Whatever this does not read
+        makes it False (libvirt's domains, a scope narrower than a pass's, a sandbox
+        observed with an error, a VMM classified afresh): a pass then observes.  Only for an
+        observer of its own: it holds none of the pass's state, but its readers' caches
+        (checkpoint, Kata's files) are not to be shared between threads."""
+        if obs.scope != FULL or self.domains is not None:
+            return False
+        if self.checkpoint() != (obs.checkpoint, obs.checkpoint_error):
+            return False
+        if obs.kata is None or self.kata_configs(save=False) != obs.kata:
+            return False
+        sandboxes = self.sandboxes
+        tracked = [s for s in obs.sandboxes if s.record is not None]
+        others = obs.sandboxes[len(tracked) :]  # (observe lists the tracked ones first)
+        if sandboxes.vm_dir_ids({s.id for s in tracked}) != [s.id for s in others]:
+            return False  # (a libvirt domain is listed here too: never with self.domains None)
+        cp = obs.checkpoint
+        if not all(sandboxes.still(s, cp) for s in tracked):
+            return False
+        return all(sandboxes.untracked(s.id, obs.originals, FULL) == s for s in others)
+
     def observe_plain(self, store: Reader, sandbox_id: str) -> Observation | None:
         """One plain (runc) sandbox alone, read through the store's indexes: for a pass that
         changes nothing but its cgroups (``Reconciler.reconcile_plain``), whose cost must not

@@ -184,6 +184,29 @@ class SandboxObserver:
         r = policies.resolve(rec.id, rec.pod_uid)
         return (before.policy, before.policy_source, before.policy_at) == (r.policy, r.source, r.at)
 
+    def still(self, s: SandboxObs, cp: Checkpoint | None) -> bool:
+        """Whether :meth:`read` would find the tracked sandbox ``s`` again now, its records
+        and policy as they were (the caller knows they are) and kubelet's checkpoint ``cp``
+        the one it was observed with: what :meth:`read` takes from the host read again and
+        compared -- whether a runc one has a VM dir now, each runc container's values (its
+        cgroup's cpuset, its tasks), its VMM (:meth:`.observe_vmm.VmmObserver.still`).  A
+        sandbox observed with an error is False: a pass finds what it is."""
+        rec = s.record
+        if rec is None or s.errors or s.runtime not in ("kata", "runc"):
+            return False
+        if rec.runtime == "runc":
+            if os.path.isdir(os.path.join(self.paths.vm_dir, rec.id)) != s.became_kata:
+                return False
+            for c in s.containers if s.runtime == "runc" else ():
+                if self.container(c.rec, "runc", cp) != c:
+                    return False
+        # (a Kata sandbox's containers: kubelet's CPUs from ``cp``, the host read for none)
+        if s.runtime != "kata":
+            return True
+        if s.vmm is None:  # (its notes say so, from its record alone)
+            return self.vmms.still(rec, None)
+        return not s.notes and self.vmms.still(rec, s.vmm)
+
     # -- the VM dir's other sandboxes ----------------------------------------------------------
     def vm_dir_ids(self, tracked: Container[str] = ()) -> list[str]:
         """The sandbox dirs in the VM dir, but for ``tracked`` ones (observed from the store:

@@ -190,6 +190,12 @@ class Reconciler:
         return self._topology
 
     @property
+    def online_seen(self) -> str | None:
+        """The online CPU list the topology was read after (None: it is not followed): the
+        agent's ``audit`` compares it to tell a CPU hot(un)plugged since (agent_views)."""
+        return self._online_seen
+
+    @property
     def observer(self) -> Observer:
         if self._observer is None:
             from vmpin.reconcile.observe import Observer

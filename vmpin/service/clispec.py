@@ -71,19 +71,21 @@ class Arg:
 
 
 class Command:
-    """A command: its help (typer's, as a docstring would give it), positional arguments and
-    options; ``loose``: unknown options are taken as arguments (the OCI hook's); ``own``: it
-    reads its own argv (the guest's commands, which vmpin.entry hands theirs: their options
-    here are what ``--help`` shows)."""
+    """A command: the module of vmpin.service that holds its body (the function named as the
+    command, ``-`` read as ``_``: vmpin.service.commands.run imports that module alone), its
+    help (typer's, as a docstring would give it), positional arguments and options;
+    ``loose``: unknown options are taken as arguments (the OCI hook's); ``own``: it reads its
+    own argv (the guest's commands, which vmpin.entry hands theirs: their options here are
+    what ``--help`` shows; no module)."""
 
-    __slots__ = ("args", "help", "loose", "options", "own")
+    __slots__ = ("args", "help", "loose", "module", "options", "own")
 
     def __init__(
-        self, help: str, args: tuple[Arg, ...] = (), options: tuple[Opt, ...] = (),
+        self, module: str, help: str, args: tuple[Arg, ...] = (), options: tuple[Opt, ...] = (),
         loose: bool = False, own: bool = False,
     ) -> None:  # fmt: skip
-        self.help, self.args, self.options, self.loose = help, args, options, loose
-        self.own = own
+        self.module, self.help, self.args, self.options = module, help, args, options
+        self.loose, self.own = loose, own
 
 
 APP_HELP = (
@@ -100,9 +102,13 @@ KUBECONFIG = Opt(("--kubeconfig",), "kubeconfig",
 CONTAINER = Arg("CONTAINER", "container", "Container id.")
 SANDBOX = Arg("SANDBOX", "sandbox", "Sandbox id.")
 
+#: the modules of vmpin.service that hold the commands' bodies (Command.module)
+UPDATE, READ, AGENT, ADMIN = "commands_update", "commands_read", "commands_agent", "commands_admin"
+
 #: every command, in the order ``vmpin --help`` lists them; ``guest X`` is X of the guest group
 COMMANDS = {
     "hook": Command(
+        AGENT,
         "OCI hook: read the OCI state on stdin, record/forget the container, re-pin its"
         " sandbox.\n\nFail-open by default: a problem prints one line on stderr and exits 0.",
         (Arg("STAGE", "stage", "prestart, createRuntime, createContainer, startContainer,"
@@ -112,6 +118,7 @@ COMMANDS = {
         loose=True,
     ),
     "update": Command(
+        UPDATE,
         "Record a container's new CPU set (CRI UpdateContainerResources) and re-pin its"
         " sandbox.",
         (CONTAINER,),
@@ -121,27 +128,37 @@ COMMANDS = {
          JSON),
     ),
     "containers": Command(
-        "List tracked containers with their CPU sets (fresh from runc and kubelet).", (), (JSON,)
+        READ,
+        "List tracked containers with their CPU sets (fresh from runc and kubelet).",
+        (),
+        (JSON,),
     ),
     "sandboxes": Command(
+        READ,
         "List tracked sandboxes: runtime, VMM pid, mask (union of container CPU sets).", (),
         (JSON,),
     ),
     "show": Command(
+        READ,
         "One sandbox: its threads with role, desired and actual affinity, and its guest map.",
         (SANDBOX,), (JSON,),
     ),
     "guest-map": Command(
+        READ,
         "A container's host CPUs and the guest vCPUs they are under the current plan.",
         (CONTAINER,), (JSON,),
     ),
-    "topology": Command("The host's CPU topology and the order 1:1 plans follow.", (), (JSON,)),
+    "topology": Command(
+        READ, "The host's CPU topology and the order 1:1 plans follow.", (), (JSON,)
+    ),
     "audit": Command(
+        READ,
         "The node-wide invariant: every VMM thread and runc container against the node plan\n"
         "(drift, double-pin, foreign-on-exclusive, conflict, stale-pin, error); exit 1 on any.",
         (), (JSON,),
     ),
     "demo": Command(
+        ADMIN,
         "Show what vmpin does, on this machine, in under a minute: start a throwaway VM the"
         " way\nKata starts QEMU and a runc container, run vmpin's hooks for them, print each"
         " thread's\naffinity before and after, move the container's CPUs as kubelet would and"
@@ -150,6 +167,7 @@ COMMANDS = {
         " touched."
     ),
     "explain": Command(
+        READ,
         "Who is on a CPU and why (kubelet's claim, each sandbox's mask and the containers that\n"
         "made it, every thread planned or running there and the rule that put it there); or"
         " what a\npod or container gets, and why.  Nothing is written.",
@@ -158,15 +176,18 @@ COMMANDS = {
         (JSON,),
     ),
     "reconcile": Command(
+        AGENT,
         "Repair drift: re-pin whatever differs from the plan, touch nothing already right.", (),
         (Opt(("--once",), "once", "Run one repair pass and exit.", value=False), JSON),
     ),
     "schema": Command(
+        ADMIN,
         "The JSON Schema of each --json output (keys scripts may rely on; extra keys may come).",
         (Arg("COMMAND", "command", "A command with --json output (default: all).",
              required=False),),
     ),
     "serve": Command(
+        AGENT,
         "Run the node agent: control socket, coalesced event handling, periodic repair.\n\n"
         "With Kubernetes API credentials (in-cluster, --kubeconfig or $KUBECONFIG) it also"
         " watches\nthis node's pods for per-pod policy, records Events and writes the"
@@ -188,18 +209,22 @@ COMMANDS = {
              envvar="NODE_NAME")),
     ),
     "cluster": Command(
+        ADMIN,
         "Every node's pinning report through the Kubernetes API; exit 1 unless all are clean.",
         (), (KUBECONFIG, JSON),
     ),
     "status": Command(
+        AGENT,
         "The agent's health; exit 0 when it answers on its control socket, 1 when not.", (),
         (JSON,),
     ),
     "doctor": Command(
+        ADMIN,
         "Check the state dir; move a corrupt store aside and rebuild it from the host.", (),
         (Opt(("--dry-run",), "dry_run", "Only check; move and rebuild nothing.", value=False),),
     ),
     "install": Command(
+        ADMIN,
         "Put vmpin's hook on a node (kata-deploy style): one self-contained hook file for the\n"
         "host's python3, hooks.d files for CRI-O/podman, base specs and config.toml lines for\n"
         "containerd, and a manifest of all of it (docs/hooks.md, \"Installing on a node\").",
@@ -231,6 +256,7 @@ COMMANDS = {
              " packaged default spec.")),
     ),
     "uninstall": Command(
+        ADMIN,
         "Remove what `vmpin install` wrote under ROOT and put back every file it replaced, as\n"
         "its manifest records (an error when there is none).",
         (),
@@ -238,6 +264,7 @@ COMMANDS = {
          Opt(("--prefix",), "prefix", "The prefix install was given.", default="/opt/vmpin")),
     ),
     "guest hook": Command(
+        "",  # (vmpin.entry runs vmpin.guest.hook)
         "Inside the guest: pin the starting container to its mapped vCPUs (fail-open).\n\n"
         "Options (--strict, --verbose, --widen-parents, --wait, --map): `vmpin guest hook -h`;\n"
         "the channel is described in docs/guest.md.",
@@ -245,6 +272,7 @@ COMMANDS = {
         own=True,
     ),
     "guest follow": Command(
+        "",  # (vmpin.entry runs vmpin.guest.follower)
         "Inside the guest: re-pin recorded containers when the host republishes their vCPUs.\n\n"
         "Reached here only for --help (vmpin.entry runs it without typer); all options\n"
         "(--strict, --verbose, --map, --state, ...): `vmpin guest follow -h`; docs/guest.md.",

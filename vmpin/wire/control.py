@@ -98,9 +98,11 @@ class Reconcile(NamedTuple):
 class View(NamedTuple):
     """A read command's view, from the agent's plan (vmpin.service.agent_views).
 
-    ``fresh``: from a full pass that starts after the request (``audit``: drift made since
-    the last pass must be seen), else from the current plan when nothing changed since it
-    (older than ``max_age`` seconds: a fresh pass).  ``wait``: the most the agent takes.
+    ``fresh``: the node as it is after the request (``audit``: drift made since the last
+    pass must be seen): from a full pass that starts after it, or from the current plan once
+    the host is read again and found as that plan's pass observed it; else from the current
+    plan when nothing changed since it (older than ``max_age`` seconds: a fresh pass).
+    ``wait``: the most the agent takes.
     ``settings``: what the command would observe with (its host roots and the policy keys it
     was given, :meth:`vmpin.service.settings.Settings.view_key`); an agent whose own differ
     refuses."""

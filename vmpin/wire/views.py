@@ -15,8 +15,10 @@ tests, not in someone's script.  Both go through a pydantic model derived from t
 (:mod:`vmpin.wire.viewschema`): importing pydantic would cost a read command four bare
 interpreters, so only those two do.
 
-The topology's and a cluster node's rows are built in vmpin.core (below this layer), the
-audit's and explain's in vmpin.reconcile: their functions here are their schema's keys.
+Every producer builds its rows with these functions (the topology's from vmpin.core's
+Topology, with :func:`topology_of`: the core sits below this layer), so a key is named once.
+A parameter defaulting to :data:`ABSENT` is a key printed only when given.  Functions not
+in :data:`VIEWS` build parts that a view's schema takes as a plain dict (explain's).
 Pure, stdlib only: the hooks load vmpin.reconcile.report, whose rows are built here.
 """
 
@@ -27,8 +29,23 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, Literal, Optional
 
+    from vmpin.core.topology import Topology
+
     CpuList = Optional[str]  # Linux list format, "0-3,8"; None when there is no set
     Json = dict[str, Any]
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+#: the default of a key printed only when given (its schema says null: vmpin.wire.viewschema)
+ABSENT: Any = _Absent()
+
+
+def _given(row: Json) -> Json:
+    """``row`` (a view's ``locals()``) without the keys left :data:`ABSENT`."""
+    return {k: v for k, v in row.items() if v is not ABSENT}
 
 
 # Each view's body is ``return locals()`` and nothing else: a local would be printed.
@@ -79,6 +96,10 @@ def show(
     return locals()
 
 
+def show_container(*, id: str, name: Optional[str], cpus: CpuList) -> Json:
+    return locals()
+
+
 def guest_map(
     *, container: str, sandbox: str, host_cpus: CpuList, guest_cpus: CpuList, exact: bool,
     mode: str, reason: str,
@@ -86,31 +107,53 @@ def guest_map(
     return locals()
 
 
-def topology_cpu(*, cpu: int, core: int, socket: int, numa: int, siblings: str) -> Json:
+def topology_cpu(
+    *, cpu: int, core: int, core_id: int, socket: int, die: int, numa: int, l3: int,
+    siblings: str,
+) -> Json:  # fmt: skip
     return locals()
 
 
 def topology(
-    *, online: str, isolated: str, sockets: int, numa_nodes: int, cores: int,
-    threads_per_core: int, cpus: list[Json],
+    *, online: str, offline: str, isolated: str, sockets: int, numa_nodes: int, cores: int,
+    l3_groups: int, threads_per_core: int, order: list[int], cpus: list[Json],
 ) -> Json:  # fmt: skip
     return locals()
+
+
+def topology_of(t: Topology) -> Json:
+    """The ``topology`` view of the host's topology (vmpin.core.topology, read from sysfs)."""
+    return topology(
+        online=t.online.to_list(), offline=t.offline.to_list(), isolated=t.isolated.to_list(),
+        sockets=t.sockets, numa_nodes=t.numa_nodes, cores=t.cores, l3_groups=t.l3_groups,
+        threads_per_core=t.threads_per_core, order=list(t.order),
+        cpus=[
+            topology_cpu(cpu=c.cpu, core=c.core, core_id=c.core_id, socket=c.socket, die=c.die,
+                         numa=c.numa, l3=c.l3, siblings=c.siblings.to_list())
+            for c in sorted(t.cpus.values(), key=lambda c: c.cpu)
+        ],
+    )  # fmt: skip
 
 
 def claim(
     *, sandbox: Optional[str], pod: str, container: Optional[str],
-    source: Literal["vmpin", "kubelet"],
+    source: Literal["vmpin", "kubelet", "vmpin-alloc"],
 ) -> Json:  # fmt: skip
     return locals()
 
 
+# (the keys from ``cgroup`` on are a kind's own: a container's cgroup (drift); the thread that
+# may run on a vCPU's CPU (double-pin); the pod the CPU is exclusive to (foreign-on-exclusive);
+# both pods (conflict).  A docstring here would be the schema's description.)
 def violation(
     *, kind: Literal["drift", "double-pin", "foreign-on-exclusive", "conflict", "stale-pin",
                      "error"],
-    sandbox: Optional[str], tid: Optional[int], role: Optional[str], desired: CpuList,
-    actual: CpuList, reason: str, claimants: Optional[list[Json]] = None,
+    sandbox: Optional[str], tid: Optional[int], role: Optional[str], index: Optional[int],
+    desired: CpuList, actual: CpuList, container: Optional[str], reason: str,
+    cgroup: str = ABSENT, other_sandbox: str = ABSENT, other_tid: Optional[int] = ABSENT,
+    other_role: str = ABSENT, claimant: Json = ABSENT, claimants: Optional[list[Json]] = ABSENT,
 ) -> Json:  # fmt: skip
-    return locals()
+    return _given(locals())
 
 
 def audit(
@@ -145,9 +188,65 @@ def cluster_node(
 
 
 def explain(
-    *, cpu: Optional[Json] = None, container: Optional[Json] = None, pod: Optional[Json] = None
-) -> Json:
+    *, cpu: Optional[Json] = ABSENT, container: Optional[Json] = ABSENT,
+    pod: Optional[Json] = ABSENT,
+) -> Json:  # fmt: skip
     """``vmpin explain``: exactly one of cpu, container, pod (vmpin.reconcile.explain)."""
+    return _given(locals())
+
+
+# -- explain's parts (its schema takes them as plain dicts: views.NOTES describes them) ---------
+def explain_cpu(
+    *, cpu: int, online: bool, isolated: bool, socket: int, core: int, siblings: str,
+    kubelet: Json, claimants: list[Json],
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def explain_kubelet(*, pool: Optional[bool], exclusive: Optional[Json], rule: str) -> Json:
+    """What kubelet's checkpoint makes of a CPU: in the shared pool, exclusive to a claim."""
+    return locals()
+
+
+def explain_pod_of(*, uid: Optional[str], name: Optional[str], namespace: Optional[str]) -> Json:
+    return locals()
+
+
+def explain_sandbox(
+    *, kind: Literal["sandbox"], sandbox: str, runtime: str, pod: Json, mode: str, rule: str
+) -> Json:
+    """A sandbox whose mask holds the CPU."""
+    return locals()
+
+
+def explain_thread(
+    *, kind: Literal["thread"], sandbox: str, runtime: str, pod: Json, tid: Optional[int],
+    role: str, index: Optional[int], container: Optional[str], desired: CpuList,
+    actual: CpuList, rule: str,
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def explain_container(
+    *, container: str, name: Optional[str], sandbox: str, runtime: str, pod: Json,
+    cpus: CpuList, source: Optional[str], rule: str, kubelet: CpuList, runc: Optional[str],
+    cgroup: CpuList, guest_cpus: CpuList, sandbox_mode: str,
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def explain_pod(
+    *, sandbox: str, runtime: str, pod: Json, mask: str, mode: str, reason: str, policy: Json,
+    containers: list[Json], threads: list[Json], notes: list[str],
+) -> Json:  # fmt: skip
+    return locals()
+
+
+def explain_policy(*, vcpus: str, helpers: str, source: str, problems: list[str]) -> Json:
+    return locals()
+
+
+def explain_pod_container(*, id: str, name: Optional[str], cpus: CpuList, rule: str) -> Json:
     return locals()
 
 
@@ -158,6 +257,11 @@ EXTRA = {
     "show": ("layers", "containers", "notes", "errors"),
     "guest_map": ("exact", "mode", "reason"),
     "status": ("error", "journal_pending", "journal_bad"),
+    "topology": ("offline", "l3_groups", "order"),
+    "topology_cpu": ("core_id", "die", "l3"),
+    "violation": (
+        "index", "container", "cgroup", "other_sandbox", "other_tid", "other_role", "claimant"
+    ),
 }
 #: the schema's descriptions of keys, per view
 NOTES = {

@@ -42,6 +42,7 @@ def model(view: Callable[..., dict[str, Any]]) -> Any:
             names.update((n, model(getattr(views, n))) for n in NESTED_VIEWS if f"[{n}]" in nested)
         kind = eval(nested or p.annotation, names)  # (the views' own annotations)
         default = ... if p.default is inspect.Parameter.empty else p.default
+        default = None if default is views.ABSENT else default  # (absent: read as null)
         note = views.NOTES.get(name, {}).get(key)
         fields[key] = (kind, default if note is None else Field(default, description=note))
     made = create_model(

@@ -1,7 +1,8 @@
 """The cluster view: one row per node from its NodePinning report (``vmpin cluster``).
 
-Pure: the reports (as the API returns them, deploy/crd.yaml) and the time in, rows out.  A
-node's state is the first that holds of:
+Pure: the reports (as the API returns them, deploy/crd.yaml) and the time in, rows out (the
+``cluster`` view, vmpin.wire.views: hence this layer, not the core's).  A node's state is the
+first that holds of:
 
 - ``stale``      its agent has not written for 3 heartbeats (or never wrote a status);
 - ``conflicts``  the plan has claims that cannot all be honoured (conflictCount > 0);
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
+
+from vmpin.wire import views
 
 STALE_HEARTBEATS = 3
 STATES = ("clean", "violations", "conflicts", "stale")
@@ -37,6 +40,7 @@ def node_row(report: Mapping[str, Any], now: float) -> dict[str, Any]:
     audit = status.get("audit") or {}
     violations = int(audit.get("violations") or 0)
     conflicts = int(status.get("conflictCount") or 0)
+    state: Literal["clean", "violations", "conflicts", "stale"]
     if age is None or age > STALE_HEARTBEATS * every:
         state = "stale"
     elif conflicts:
@@ -45,16 +49,16 @@ def node_row(report: Mapping[str, Any], now: float) -> dict[str, Any]:
         state = "violations"
     else:
         state = "clean"
-    return {
-        "node": name,
-        "state": state,
-        "sandboxes": int(status.get("sandboxCount") or 0),
-        "violations": violations,
-        "conflicts": conflicts,
-        "exclusive_cpus": status.get("exclusiveCpus", ""),
-        "heartbeat_age": None if age is None else round(age, 1),
-        "conflict_list": list(status.get("conflicts") or []),
-    }
+    return views.cluster_node(
+        node=name,
+        state=state,
+        sandboxes=int(status.get("sandboxCount") or 0),
+        violations=violations,
+        conflicts=conflicts,
+        exclusive_cpus=status.get("exclusiveCpus", ""),
+        heartbeat_age=None if age is None else round(age, 1),
+        conflict_list=list(status.get("conflicts") or []),
+    )
 
 
 def cluster_rows(reports: Iterable[Mapping[str, Any]], now: float) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from vmpin.core.clusterview import cluster_rows, node_row
+from vmpin.reconcile.clusterview import cluster_rows, node_row
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 
