@@ -136,8 +136,9 @@ class Reconciler:
         #: False: a pass does not apply the journal first (its caller just did, without
         #: waiting for the disk: the agent's pass, the Kata hook's own; Store.ingest)
         self.ingest_first = ingest_first
-        #: a list: the guest maps a pass replaces are held open there until
-        #: :meth:`release_maps` (the agent, after its answers: publish_map's ``hold``)
+        #: a list: the guest maps and node summary a pass replaces are held open there
+        #: until :meth:`release_maps` (the agent, after its answers: publish_map's and
+        #: save_cache's ``hold``)
         self.held_maps: list[int] | None = [] if hold_maps else None
         #: True: the topology read from sysfs is read again
         #: once the online CPU list changes (CPU hotplug), checked at each use: for the
@@ -338,7 +339,9 @@ class Reconciler:
                     # nobody went on without the lock while this pass held it: nothing
                     # applied since this pass observed the node but by this pass
                     if not lock.overtaken():
-                        summarized = summarizer.write(self.last_plan, *inputs)
+                        summarized = summarizer.write(
+                            self.last_plan, *inputs, hold=self.held_maps
+                        )
                         if summarized:
                             break
                 elif store.data_version() == seen:
@@ -463,7 +466,7 @@ class Reconciler:
             self._unlock()
 
     def release_maps(self) -> None:
-        """Close the replaced guest maps held since the last call (``held_maps``): the
+        """Close the replaced guest maps (and summaries) held since the last call: the
         filesystem frees them now, off the path of whoever waited on the pass."""
         held, self.held_maps = self.held_maps, ([] if self.held_maps is not None else None)
         for fd in held or ():

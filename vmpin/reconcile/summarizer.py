@@ -63,10 +63,19 @@ class Summarizer:
             online_text(self.paths.sys) or "",
         )
 
-    def write(self, plan: NodePlan | None, vms: list[str], checkpoint: str, online: str) -> bool:
+    def write(
+        self,
+        plan: NodePlan | None,
+        vms: list[str],
+        checkpoint: str,
+        online: str,
+        hold: list[int] | None = None,
+    ) -> bool:
         """Write the node summary of ``plan``; False when an event this pass did not plan
         with is one the summary would refuse (its hook may have judged by the summary this
-        one replaces: the pass then plans again, with it)."""
+        one replaces: the pass then plans again, with it).  ``hold``: the replaced file is
+        freed when the caller closes what is appended there (the agent: after the answers,
+        with the guest maps it replaced; Reconciler.held_maps)."""
         from vmpin.state import journal, summary
 
         state_dir = self.store.state_dir
@@ -76,7 +85,7 @@ class Summarizer:
         text = summary.to_text(s)
         memo = self._memo
         if memo is None or memo[0] != text or not summary.current(state_dir, memo[1]):
-            summary.write(state_dir, s)
+            summary.write(state_dir, s, hold)
             got = summary.read(state_dir)
             self._memo = None if got is None else (text, got[0])
         try:

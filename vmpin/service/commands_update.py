@@ -12,7 +12,7 @@ from vmpin.core.cpuset import listed as cpus
 from vmpin.core.errors import SpecError, StateError
 from vmpin.service.budget import BUDGET
 from vmpin.service.commands import Ctx, echo, emit
-from vmpin.service.update import parse_update, update_container
+from vmpin.service.update import UnknownContainer, parse_update, update_container
 from vmpin.state.store import Store
 from vmpin.wire import views
 
@@ -28,21 +28,26 @@ def update(
         raise SpecError("give exactly one of --cpuset-cpus LIST or -r FILE|-")
     # no wait on another process past the budget (a stopped agent: vmpin.service.budget)
     deadline = time.monotonic() + BUDGET
-    domain = _update_domain(c, container, cpuset_cpus, resources, deadline)
-    if domain is not None:
+    try:
+        result = update_container(
+            c.paths,
+            container,
+            cpuset_cpus=cpuset_cpus,
+            resources=resources,
+            reconciler_factory=c.reconciler,
+            deadline=deadline,
+        )
+    except UnknownContainer:
+        # a container's name wins over a domain's: looked for only when none is (one store
+        # opened for a container's update, not two; issue 28)
+        domain = _update_domain(c, container, cpuset_cpus, resources, deadline)
+        if domain is None:
+            raise
         if as_json:
             emit(c, domain, "update")
         else:
             echo(f"{domain['id']}: cpus {domain['cpus'] or '-'} (libvirt domain metadata)")
         return 0
-    result = update_container(
-        c.paths,
-        container,
-        cpuset_cpus=cpuset_cpus,
-        resources=resources,
-        reconciler_factory=c.reconciler,
-        deadline=deadline,
-    )
     if as_json:
         emit(c, result, "update")
     else:

@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from vmpin.reconcile.reconciler import Reconciler
 
 
+class UnknownContainer(StateError):
+    """No container of that id (tracked, or journaled by its hook): the command then looks
+    for a libvirt domain of that name (vmpin.service.commands.update)."""
+
+
 def _read_resources(source: str) -> bytes:
     """The ``-r`` document: a regular file (vmpin.linux.files: no FIFO, device or symlink)."""
     if source == "-":
@@ -90,7 +95,7 @@ def update_container(
         store.ingest()
         rec = store.container(container_id)
         if rec is None:
-            raise StateError(f"unknown container {container_id!r} (see `vmpin containers`)")
+            raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
         if cpus is None:
             return views.update(
                 id=rec.id,
@@ -110,8 +115,16 @@ def update_container(
         # and the agent starts ~1 ms sooner on a disk (issue 14).
         store.defer_durability()
         rec = store.set_container_cpus(container_id, cpus, "update")
+        synced_at = [-1]  # the connection's total_changes at its last sync
+
+        def sync() -> None:
+            store.sync()
+            synced_at[0] = store.db.total_changes
+
         try:
-            return _repin(paths, store, rec, old.cpus, reconciler_factory, settings, wait, deadline)
+            return _repin(
+                paths, store, rec, old.cpus, reconciler_factory, settings, wait, deadline, sync
+            )
         except BaseException:
             # Failing means changing nothing: put the old set back before saying so -- if
             # the store still holds this write.  Another update may have been written and
@@ -120,7 +133,10 @@ def update_container(
             store.restore_container_cpus(rec, old.cpus, old.cpus_source or "spec")
             raise
         finally:
-            store.sync()
+            # unless the agent's wait synced it and nothing was written since (two fsyncs
+            # of the WAL and the state dir, and their opens, after the agent's answer)
+            if store.db.total_changes != synced_at[0]:
+                store.sync()
 
 
 def _repin(
@@ -132,12 +148,13 @@ def _repin(
     settings: Settings | None,
     wait: float,
     deadline: float,
+    sync: Callable[[], None],
 ) -> dict[str, Any]:
     from vmpin.service.control import notify
 
     # (the guest's follower polls for its map: the agent answers once the threads are pinned)
     wait = min(wait, max(0.05, deadline - time.monotonic()))  # (what the store left of it)
-    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync, maps_first=False):
+    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=sync, maps_first=False):
         applied = "re-pinned by the agent"
     else:
         # no agent, or none that finished a pass in ``wait``: this process does it (again)

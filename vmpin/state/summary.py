@@ -168,9 +168,11 @@ def current(state_dir: str, ident: Ident) -> bool:
     return identity(path(state_dir)) == ident
 
 
-def write(state_dir: str, s: Summary) -> None:
-    """Replace the summary (a reader sees the old file or the new one; best effort)."""
-    save_cache(path(state_dir), to_text(s).encode("utf-8"))
+def write(state_dir: str, s: Summary, hold: list[int] | None = None) -> None:
+    """Replace the summary (a reader sees the old file or the new one; best effort); with
+    ``hold``, the old one is freed when the caller closes what it appends there
+    (:func:`vmpin.linux.files.save_cache`)."""
+    save_cache(path(state_dir), to_text(s).encode("utf-8"), hold)
 
 
 def remove(state_dir: str) -> None:
