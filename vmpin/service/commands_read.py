@@ -18,6 +18,7 @@ from vmpin.wire import jsonio, views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
     from vmpin.reconcile.observe import Scope
@@ -118,18 +119,26 @@ def fresh_containers(plan: NodePlan) -> list[dict[str, Any]]:
     return rows
 
 
-def containers(c: Ctx, as_json: bool) -> int:
-    text = agent_view(c, "containers")
+def node_rows(c: Ctx, view: str, as_json: bool, build: Callable[[NodePlan], Any]) -> Any:
+    """A node-wide view's rows: the agent's when it answers, else ``build`` over a plan of
+    this process's; None once printed as ``--json`` (the agent's text as it sent it)."""
+    text = agent_view(c, view)
     if text is not None and as_json:
-        emit(c, None, "containers", text)
-        return 0
+        emit(c, None, view, text)
+        return None
     if text is not None:
-        rows = jsonio.loads(text)
-    else:
-        with c.reader() as store:
-            rows = fresh_containers(node_plan(c, store, view_scope("containers")))
+        return jsonio.loads(text)
+    with c.reader() as store:
+        rows = build(node_plan(c, store, view_scope(view)))
     if as_json:
-        emit(c, rows, "containers")
+        emit(c, rows, view)
+        return None
+    return rows
+
+
+def containers(c: Ctx, as_json: bool) -> int:
+    rows = node_rows(c, "containers", as_json, fresh_containers)
+    if rows is None:
         return 0
     table(
         ["id", "sandbox", "name", "cpus", "runtime", "source"],
@@ -195,17 +204,8 @@ def sandbox_rows(plan: NodePlan) -> list[dict[str, Any]]:
 
 
 def sandboxes(c: Ctx, as_json: bool) -> int:
-    text = agent_view(c, "sandboxes")
-    if text is not None and as_json:
-        emit(c, None, "sandboxes", text)
-        return 0
-    if text is not None:
-        out = jsonio.loads(text)
-    else:
-        with c.reader() as store:
-            out = sandbox_rows(node_plan(c, store, view_scope("sandboxes")))
-    if as_json:
-        emit(c, out, "sandboxes")
+    out = node_rows(c, "sandboxes", as_json, sandbox_rows)
+    if out is None:
         return 0
     table(
         ["id", "runtime", "vmm_pid", "mask", "containers"],
