@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,7 @@ from bench_idle_pass import (  # noqa: E402
     vmpin_cmd,
     wait_agent_pass,
 )
-from fakenode import fake_node, make_paths  # noqa: E402
+from fakenode import fake_node, make_paths, stop_agent  # noqa: E402
 
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
@@ -96,15 +95,6 @@ def memory(pid: int) -> dict[str, float]:
 def start_agent(paths: HostPaths) -> subprocess.Popen[bytes]:
     cmd = [*vmpin_cmd(), "serve", "--interval", "3600", "--metrics-port", "0"]
     return subprocess.Popen(cmd, env=env_for(paths), stderr=subprocess.DEVNULL)
-
-
-def stop_agent(agent: subprocess.Popen[bytes]) -> None:
-    agent.send_signal(signal.SIGTERM)
-    try:
-        agent.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        agent.kill()
-        agent.wait()
 
 
 # -- passes ------------------------------------------------------------------------------------

@@ -44,7 +44,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_idle_pass import env_for, vmpin_cmd  # noqa: E402
-from fakenode import make_paths  # noqa: E402
+from fakenode import make_paths, stop_agent  # noqa: E402
 
 from tests.support import fakevmm  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
@@ -483,12 +482,7 @@ def main() -> int:
             )
         return 0 if ok else 1
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
+        stop_agent(agent)
         for v in churn.all_vmms:
             v.kill()
         shutil.rmtree(root, ignore_errors=True)

@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from fakenode import fake_node, sizes, widen  # noqa: E402
+from fakenode import fake_node, sizes, stop_agent, widen  # noqa: E402
 
 from tests.support import fakevmm  # noqa: E402
 from tests.support.counting import CountingAffinity  # noqa: E402
@@ -251,12 +251,7 @@ def real_agent_scaled(
             out["strace_sched_setaffinity_calls"] = len(lines)
         out["rss_kb_end"] = rss_kb(agent.pid)
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
+        stop_agent(agent)
     return out
 
 

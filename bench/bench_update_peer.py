@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_idle_pass import env_for, vmpin_cmd  # noqa: E402
 from bench_update_latency import metrics_text, summary, tids, wait_all_on  # noqa: E402
-from fakenode import make_paths  # noqa: E402
+from fakenode import make_paths, stop_agent  # noqa: E402
 
 from tests.support.qemu_util import launch  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
@@ -217,12 +216,7 @@ def main() -> int:
         return 0
     finally:
         if agent is not None:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
+            stop_agent(agent)
         qemu.kill()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,16 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
+
+
+def stop_agent(agent: subprocess.Popen[bytes]) -> None:
+    """A bench's ``vmpin serve``, stopped by its pid: asked first, killed past 30 s."""
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
 
 
 def make_paths(root: Path) -> HostPaths:
