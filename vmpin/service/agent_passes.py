@@ -300,7 +300,8 @@ class Planner:
             return
         self._settled_at = now
         try:
-            store.settle_journal()
+            # (the WAL started over now, after the answers, not in the next waiter's pass)
+            store.settle_journal(start_over=True)
         except StateError as err:
             self.store_failed(err)
 
