@@ -145,8 +145,9 @@ class Reconciler:
         #: agent, which plans for its whole life; a command's pass lasts milliseconds
         self.follow_hotplug = follow_hotplug
         #: the online list the topology read from sysfs was read after (None: not read
-        #: here, or given to the constructor)
-        self._online_seen: str | None = None
+        #: here, or given to the constructor); the agent's ``audit`` compares it to tell a
+        #: CPU hot(un)plugged since (agent_views)
+        self.online_seen: str | None = None
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
@@ -168,10 +169,10 @@ class Reconciler:
 
     @property
     def topology(self) -> Topology:
-        if self._topology is not None and self._online_seen is not None and self.follow_hotplug:
+        if self._topology is not None and self.online_seen is not None and self.follow_hotplug:
             from vmpin.linux.sysfs import online_text
 
-            if online_text(self.paths.sys) != self._online_seen:
+            if online_text(self.paths.sys) != self.online_seen:
                 self._topology = None  # a CPU came or went: its place is read anew
         if self._topology is None:
             from vmpin.linux.sysfs import online_text, read_topology
@@ -186,14 +187,8 @@ class Reconciler:
                 proc_root=self.paths.proc,
                 save=not self.store.readonly,
             )
-            self._online_seen = seen
+            self.online_seen = seen
         return self._topology
-
-    @property
-    def online_seen(self) -> str | None:
-        """The online CPU list the topology was read after (None: it is not followed): the
-        agent's ``audit`` compares it to tell a CPU hot(un)plugged since (agent_views)."""
-        return self._online_seen
 
     @property
     def observer(self) -> Observer:
@@ -212,16 +207,8 @@ class Reconciler:
         if self._summarizer is None:
             from vmpin.reconcile.summarizer import Summarizer
 
-            self._summarizer = Summarizer(self.paths, self._writer())
+            self._summarizer = Summarizer(self.paths, _writer(self.store))
         return self._summarizer
-
-    def _writer(self) -> Store:
-        """The store as a pass that applies writes it: a :class:`Store` (open_readonly's
-        in-memory copy too, whose records go nowhere); never a read-only view's Reader."""
-        store = self.store
-        if not isinstance(store, Store):
-            raise TypeError(f"{store.path}: opened for reading only: a pass cannot apply")
-        return store
 
     # -- the pass ------------------------------------------------------------------------
     def observe(
@@ -381,7 +368,7 @@ class Reconciler:
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import node_reports
 
-        writer = self._writer() if apply else None
+        writer = _writer(self.store) if apply else None
         if writer is not None and (self.ingest_first or again) and not writer.readonly:
             # events the hooks journaled since this store was opened (planning again: since
             # the first time; the caller's own ingest did not wait for the disk)
@@ -445,7 +432,7 @@ class Reconciler:
                     return None
                 plan = plan_node(obs, self.topology, float_policy=self.float_policy)
                 applier = Applier(self.paths, self.affinity, publish=False)
-                applied = applier.apply(self._writer(), plan)
+                applied = applier.apply(_writer(self.store), plan)
                 return [sandbox_report(sp, applied) for sp in plan.sandboxes]
             finally:
                 self._unlock()
@@ -493,3 +480,11 @@ class Reconciler:
         with _GcPaused():
             obs = self.observe(scope)
             return node_audit(obs, self.plan(obs))
+
+
+def _writer(store: Reader) -> Store:
+    """The store as a pass that applies writes it: a :class:`Store` (open_readonly's
+    in-memory copy too, whose records go nowhere); never a read-only view's Reader."""
+    if not isinstance(store, Store):
+        raise TypeError(f"{store.path}: opened for reading only: a pass cannot apply")
+    return store
