@@ -59,60 +59,33 @@ def map_container(
 ) -> ContainerMap:
     """Translate one container's host CPU set into guest vCPUs under ``plan``."""
     every = CpuSet(range(plan.nvcpus))
-    sid = plan.sandbox_id
-    if plan.nvcpus == 0:
-        return ContainerMap(container_id, sid, host_cpus, every, False, plan.mode, "no vCPU known")
-    if host_cpus is None:
+
+    def mapped(guest: CpuSet, exact: bool, reason: str) -> ContainerMap:
         return ContainerMap(
-            container_id, sid, None, every, False, plan.mode, "container has no CPU set: all vCPUs"
+            container_id, plan.sandbox_id, host_cpus, guest, exact, plan.mode, reason
         )
+
+    if plan.nvcpus == 0:
+        return mapped(every, False, "no vCPU known")
+    if host_cpus is None:
+        return mapped(every, False, "container has no CPU set: all vCPUs")
     if plan.vcpu_map:
         guest = CpuSet(i for i, h in plan.vcpu_map.items() if h in host_cpus)
         covered = CpuSet(h for h in plan.vcpu_map.values())
         missing = host_cpus - covered
         if guest and not missing:
-            return ContainerMap(
-                container_id,
-                sid,
-                host_cpus,
-                guest,
-                True,
-                plan.mode,
-                f"1:1: host CPUs {host_cpus} are guest vCPUs {guest}",
-            )
+            return mapped(guest, True, f"1:1: host CPUs {host_cpus} are guest vCPUs {guest}")
         if guest:
-            return ContainerMap(
-                container_id,
-                sid,
-                host_cpus,
-                guest,
-                False,
-                plan.mode,
-                f"host CPUs {missing} have no vCPU pinned 1:1",
-            )
+            return mapped(guest, False, f"host CPUs {missing} have no vCPU pinned 1:1")
     if float_policy == "proportional" and plan.mask and order:
         share = max(1, round(plan.nvcpus * len(host_cpus & plan.mask) / len(plan.mask)))
         first = min((order.index(c) for c in host_cpus if c in order), default=0)
         start = min(round(first * plan.nvcpus / len(plan.mask)), plan.nvcpus - share)
         guest = CpuSet(range(start, start + share))
-        return ContainerMap(
-            container_id,
-            sid,
-            host_cpus,
-            guest,
-            False,
-            plan.mode,
-            f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs",
+        return mapped(
+            guest, False, f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs"
         )
-    return ContainerMap(
-        container_id,
-        sid,
-        host_cpus,
-        every,
-        False,
-        plan.mode,
-        f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs",
-    )
+    return mapped(every, False, f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs")
 
 
 def guest_siblings(plan: Plan, topology: Topology) -> list[list[int]]:
