@@ -102,8 +102,8 @@ def test_an_admission_waits_for_evicted_connections_to_close(
     t = time.monotonic()
     assert slots.admit(_pair(pairs)[0]) is None  # a slow newcomer may not make a second
     assert EVICT_WAIT <= time.monotonic() - t < 1.0
+    t = time.monotonic()  # (before the timer starts: else a late t makes the wait look short)
     threading.Timer(0.02, slots.release, (first,)).start()
-    t = time.monotonic()
     third = slots.admit(_pair(pairs)[0])  # waits for the release, then evicts the second
     assert third is not None and second.evicted and 0.02 <= time.monotonic() - t < 1.0
     conn, client = _pair(pairs)
