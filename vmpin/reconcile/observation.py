@@ -20,6 +20,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
     from dataclasses import dataclass, field
+    from dataclasses import replace as _made
     from typing import NamedTuple, TypeVar
 
     from vmpin.core.cpuset import CpuSet
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
     _T = TypeVar("_T")
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     from vmpin.lean.records import NamedTuple, dataclass, field
+
+    # (imported once here, not at each call: an event's pass replaces every thread of its
+    # VM in the observation it keeps, Observer.note_applied, issue 28)
+    from vmpin.lean.records import replace as _made
 
 # -- the store's undo records' keys ------------------------------------------------------------
 # Before vmpin first pins a VMM's threads, apply records each thread's affinity (invariant 4:
@@ -284,12 +289,7 @@ class Recorded:
 
 def replace(t: _T, **kw: object) -> _T:
     """``dataclasses.replace`` for these values (made by vmpin.lean.records off mypy's view)."""
-    if TYPE_CHECKING:
-        from dataclasses import replace as made
-    else:
-        from vmpin.lean.records import replace as made
-
-    return made(t, **kw)  # type: ignore[type-var]
+    return _made(t, **kw)  # type: ignore[type-var]
 
 
 __all__ = [

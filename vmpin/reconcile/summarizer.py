@@ -76,6 +76,7 @@ class Summarizer:
         one replaces: the pass then plans again, with it).  ``hold``: the replaced file is
         freed when the caller closes what is appended there (the agent: after the answers,
         with the guest maps it replaced; Reconciler.held_maps)."""
+        from vmpin.linux.files import identity
         from vmpin.state import journal, summary
 
         state_dir = self.store.state_dir
@@ -86,8 +87,10 @@ class Summarizer:
         memo = self._memo
         if memo is None or memo[0] != text or not summary.current(state_dir, memo[1]):
             summary.write(state_dir, s, hold)
-            got = summary.read(state_dir)
-            self._memo = None if got is None else (text, got[0])
+            # (the file this pass just wrote: its identity is all the memo needs -- read back
+            # and parsed, it was ~5% of an event's pass, issue 28)
+            ident = identity(summary.path(state_dir))
+            self._memo = None if ident is None or ident[2] > summary.MAX_BYTES else (text, ident)
         try:
             names = self.store.unapplied(journal.pending(state_dir))
         except StateError:

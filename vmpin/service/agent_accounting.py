@@ -241,8 +241,14 @@ class Accounting:
                 pinned[t.role] = pinned.get(t.role, 0) + 1
         cgroup_fixed = sum(1 for d in r.cgroup_drift if d.get("repaired")) if r.cgroup_drift else 0
         errors = list(r.errors) + [f"tid {t.tid}: {t.error}" for t in failed]
-        for t in pinned_threads:
-            self.metrics.affinity_writes.labels(t.role).inc()
+        if pinned_threads:
+            # (one counter update per role, not per thread: an event's pass over a 37-thread
+            # VM pins them all, issue 28)
+            writes: dict[str, int] = {}
+            for t in pinned_threads:
+                writes[t.role] = writes.get(t.role, 0) + 1
+            for role, n in writes.items():
+                self.metrics.affinity_writes.labels(role).inc(n)
         if failed:
             self.metrics.errors.labels("affinity").inc(len(failed))
         if r.errors:
