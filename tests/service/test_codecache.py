@@ -83,13 +83,18 @@ def run_hook(
     ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": f"cc{n}"}
     (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
     state = {"id": f"cc{n}", "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
-    run_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    run_env.pop("PYTHONPATH", None)
+    return probe(pkg, env, ["hook", "--strict", "prestart"], json.dumps(state), write=write)
+
+
+def probe(
+    pkg: Path, env: dict[str, str], argv: list[str], stdin: str = "", *, write: bool = True
+) -> dict[str, object]:
+    """The launcher run on ``pkg`` with ``argv`` (``stdin`` its input); what the probe saw."""
+    run_env = {k: v for k, v in env.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
     if not write:
         run_env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(pkg), json.dumps(state),
-         json.dumps(["hook", "--strict", "prestart"])],
+        [sys.executable, "-c", PROBE, str(pkg), stdin, json.dumps(argv)],
         capture_output=True, text=True, timeout=60, env=run_env,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADERS ")]
@@ -262,16 +267,7 @@ def test_the_cache_serves_imports_as_importlib_would_and_hands_it_what_it_cannot
 
 def run_command(pkg: Path, env: dict[str, str], *argv: str) -> dict[str, object]:
     """``vmpin ARGV`` run as the console script; what the probe saw."""
-    run_env = {k: v for k, v in env.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(pkg), "", json.dumps(argv)],
-        capture_output=True, text=True, timeout=60, env=run_env,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADERS ")]
-    assert lines, (proc.returncode, proc.stdout, proc.stderr)
-    out: dict[str, object] = json.loads(lines[-1][len("LOADERS ") :])
-    assert out["code"] == 0, proc.stderr
-    return out
+    return probe(pkg, env, list(argv))
 
 
 def test_a_command_is_served_from_the_cache_too(
