@@ -14,7 +14,6 @@ from vmpin.core.errors import SpecError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import hook_event, parse_state
 from vmpin.state.journal import append, journal_dir, pending, sync
-from vmpin.state.schema import SCHEMA_VERSION
 from vmpin.state.store import Store
 from vmpin.wire.hookevent import HookEvent
 
@@ -316,34 +315,3 @@ def test_a_create_looks_its_container_up_by_id_once(paths: HostPaths, tmp_path: 
     assert (len(by_id), len(by_bundle)) == (2, 1), statements  # (put_container's created_at)
     assert [c.id for c in store.containers()] == ["c1"]
     store.close()
-
-
-def _wal_restarts(state_dir: str) -> int:
-    """The WAL header's checkpoint sequence number: it moves each time the WAL starts over
-    (sqlite.org/fileformat2.html, "WAL File Format", bytes 12-15)."""
-    with open(os.path.join(state_dir, "state.db-wal"), "rb") as f:
-        return int.from_bytes(f.read(16)[12:16], "big")
-
-
-@pytest.mark.parametrize("start_over", [False, True])
-def test_the_agent_starts_the_wal_over_after_settling_not_in_the_next_pass(
-    paths: HostPaths, tmp_path: Path, start_over: bool
-) -> None:
-    """SQLite syncs a restarted WAL's header at its first write whatever ``synchronous``
-    says: after the agent's settle (a checkpoint that empties the WAL) that write was the
-    next hook's event, applied while the hook waits.  With ``start_over`` the restart, and
-    its sync, happen in the settle; the next event's write appends to the WAL."""
-    with Store(paths.state_dir, ingest=False) as store:
-        store.defer_durability()
-        append(paths.state_dir, event(paths, "prestart", "c1", bundle(tmp_path, "c1")))
-        assert store.ingest(durable=False) == ["pod"]
-        before = _wal_restarts(paths.state_dir)
-        assert store.settle_journal(start_over=start_over) == 1
-        settled = _wal_restarts(paths.state_dir)
-        assert settled == before + int(start_over)
-        # the next hook's event, in the next pass
-        append(paths.state_dir, event(paths, "prestart", "c2", bundle(tmp_path, "c2")))
-        assert store.ingest(durable=False) == ["pod"]
-        assert _wal_restarts(paths.state_dir) == settled + int(not start_over)
-        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert {c.id for c in store.containers()} == {"c1", "c2"}

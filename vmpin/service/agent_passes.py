@@ -300,8 +300,7 @@ class Planner:
             return
         self._settled_at = now
         try:
-            # (the WAL started over now, after the answers, not in the next waiter's pass)
-            store.settle_journal(start_over=True)
+            store.settle_journal()
         except StateError as err:
             self.store_failed(err)
 

@@ -294,18 +294,11 @@ def _forget(store: Store, ev: HookEvent) -> str | None:
 
 
 # -- durability ----------------------------------------------------------------------------
-def settle_journal(store: Store, *, start_over: bool = False) -> int:
+def settle_journal(store: Store) -> int:
     """Remove the journal files whose events are applied, once a checkpoint has them in
     the database file (see :func:`ingest`); how many were removed.  On a connection that
     defers durability, any write of its own since the last is made durable too (by that
-    checkpoint, or by a sync when no journal file waits).
-
-    ``start_over`` (the agent, after its answers): once that checkpoint has emptied the WAL,
-    start the WAL over here, with a write of nothing.  SQLite syncs a restarted WAL's
-    header at the first write after it, whatever ``synchronous`` says (an out-of-order
-    write after a restart could corrupt the database), and that first write was the next
-    hook's event applied in the agent's pass, with the hook waiting: an fdatasync, ~6.7
-    ms on this disk, in every Kata start after a settled pass (issue 28)."""
+    checkpoint, or by a sync when no journal file waits)."""
     names = journal.pending(store.state_dir)
     # (a deferred connection's own writes since the last settle want to be durable too)
     wrote = store.deferred and store.db.total_changes != store.settled_at
@@ -327,21 +320,7 @@ def settle_journal(store: Store, *, start_over: bool = False) -> int:
     except sqlite3.Error as err:
         raise state_error(store.path, err) from None
     store.settled_at = store.db.total_changes
-    if start_over:
-        _start_wal_over(store)
     return _remove_files(store.state_dir, [n for n in names if n in applied])
-
-
-def _start_wal_over(store: Store) -> None:
-    """A write that changes nothing (the schema version, set to what it is, in one write
-    transaction: a newer vmpin's upgrade is never written back); its commit is the WAL's
-    first frame, and pays the restart's sync now."""
-    try:
-        with store.transaction() as db:
-            version = int(db.execute("PRAGMA user_version").fetchone()[0])
-            db.execute(f"PRAGMA user_version={version}")
-    except sqlite3.Error as err:
-        raise state_error(store.path, err) from None
 
 
 def unapplied(store: Store, names: list[str]) -> list[str]:

@@ -206,9 +206,9 @@ class Store(Writer):
         """:func:`vmpin.state.ingest.ingest`: apply the pending events; the sandboxes touched."""
         return _ingest.ingest(self, budget=budget, batch=batch, consume=consume, durable=durable)
 
-    def settle_journal(self, *, start_over: bool = False) -> int:
+    def settle_journal(self) -> int:
         """:func:`vmpin.state.ingest.settle_journal`: remove the files of applied events."""
-        return _ingest.settle_journal(self, start_over=start_over)
+        return _ingest.settle_journal(self)
 
     def unapplied(self, names: list[str]) -> list[str]:
         """:func:`vmpin.state.ingest.unapplied`: those of ``names`` not applied yet."""
