@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -82,6 +83,26 @@ def run_state(pid: int) -> str:
 def stop(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
     assert wait_until(lambda: run_state(pid) == "T", 10), run_state(pid)
+
+
+def stop_between_writes(pid: int, paths: HostPaths) -> None:
+    """Stop the agent where it holds no write transaction: the tests stop it idle, or give
+    the lock to a holder of their own (stopped just after a hook's answer, the agent may
+    still be writing its pass's bookkeeping; stopped there it would be the holder)."""
+    for _ in range(50):
+        stop(pid)
+        db = sqlite3.connect(os.path.join(paths.state_dir, "state.db"), timeout=0,
+                             isolation_level=None)  # fmt: skip
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+        finally:
+            db.close()
+    raise AssertionError("the agent held the store's write lock at every stop")
 
 
 @contextlib.contextmanager
@@ -156,7 +177,7 @@ def test_hooks_and_update_with_the_agent_stopped(
         kata.create_container(q, ca, "0")
         names = thread_names(q.pid)
         assert pins(q, names) == on(names, "0")
-        stop(agent.proc.pid)
+        stop_between_writes(agent.proc.pid, paths)
         with contextlib.ExitStack() as held:
             if holding != "idle":
                 release = held.enter_context(stopped_holder(holding, paths, env))
