@@ -115,16 +115,8 @@ def update_container(
         # and the agent starts ~1 ms sooner on a disk (issue 14).
         store.defer_durability()
         rec = store.set_container_cpus(container_id, cpus, "update")
-        synced_at = [-1]  # the connection's total_changes at its last sync
-
-        def sync() -> None:
-            store.sync()
-            synced_at[0] = store.db.total_changes
-
         try:
-            return _repin(
-                paths, store, rec, old.cpus, reconciler_factory, settings, wait, deadline, sync
-            )
+            return _repin(paths, store, rec, old.cpus, reconciler_factory, settings, wait, deadline)
         except BaseException:
             # Failing means changing nothing: put the old set back before saying so -- if
             # the store still holds this write.  Another update may have been written and
@@ -135,7 +127,7 @@ def update_container(
         finally:
             # unless the agent's wait synced it and nothing was written since (two fsyncs
             # of the WAL and the state dir, and their opens, after the agent's answer)
-            if store.db.total_changes != synced_at[0]:
+            if store.db.total_changes != store.synced_at:
                 store.sync()
 
 
@@ -148,13 +140,12 @@ def _repin(
     settings: Settings | None,
     wait: float,
     deadline: float,
-    sync: Callable[[], None],
 ) -> dict[str, Any]:
     from vmpin.service.control import notify
 
     # (the guest's follower polls for its map: the agent answers once the threads are pinned)
     wait = min(wait, max(0.05, deadline - time.monotonic()))  # (what the store left of it)
-    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=sync, maps_first=False):
+    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync, maps_first=False):
         applied = "re-pinned by the agent"
     else:
         # no agent, or none that finished a pass in ``wait``: this process does it (again)

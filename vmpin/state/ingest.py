@@ -375,6 +375,7 @@ def sync(store: Store) -> None:
             continue  # no WAL: the last connection's close checkpointed it all
         except OSError as err:
             raise StateError(f"{path}: cannot sync: {err.strerror}") from None
+    store.synced_at = store.db.total_changes
 
 
 def _applied(db: sqlite3.Connection, names: list[str]) -> set[str]:

@@ -55,6 +55,8 @@ class Store(Writer):
     deferred = False
     #: total_changes at the last :meth:`settle_journal`
     settled_at = 0
+    #: total_changes at the last :meth:`sync` (-1: none yet)
+    synced_at = -1
     #: why the last ingest could not write (read-only or full state dir), else None
     write_error: str | None = None
 
