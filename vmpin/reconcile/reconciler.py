@@ -148,6 +148,8 @@ class Reconciler:
         #: here, or given to the constructor); the agent's ``audit`` compares it to tell a
         #: CPU hot(un)plugged since (agent_views)
         self.online_seen: str | None = None
+        #: the online list an applying pass read at its start (:meth:`_online`)
+        self._online_now: str | None = None
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
@@ -169,17 +171,19 @@ class Reconciler:
 
     @property
     def topology(self) -> Topology:
-        if self._topology is not None and self.online_seen is not None and self.follow_hotplug:
-            from vmpin.linux.sysfs import online_text
-
-            if online_text(self.paths.sys) != self.online_seen:
-                self._topology = None  # a CPU came or went: its place is read anew
+        if (
+            self._topology is not None
+            and self.online_seen is not None
+            and self.follow_hotplug
+            and self._online() != self.online_seen
+        ):
+            self._topology = None  # a CPU came or went: its place is read anew
         if self._topology is None:
-            from vmpin.linux.sysfs import online_text, read_topology
+            from vmpin.linux.sysfs import read_topology
 
             # (read before the topology: a CPU that comes or goes meanwhile is seen at the
             # next use)
-            seen = online_text(self.paths.sys) if self.follow_hotplug else None
+            seen = self._online() if self.follow_hotplug else None
             # (a read-only view leaves the state dir as it found it: it reads the cache only)
             self._topology = read_topology(
                 self.paths.sys,
@@ -189,6 +193,16 @@ class Reconciler:
             )
             self.online_seen = seen
         return self._topology
+
+    def _online(self) -> str | None:
+        """The online CPU list: the one this applying pass read at its start, for its node
+        summary (:meth:`_applying`: one read a pass, where the summary, the allocations and
+        the plan each read it), else read now."""
+        if self._online_now is not None:
+            return self._online_now
+        from vmpin.linux.sysfs import online_text
+
+        return online_text(self.paths.sys)
 
     @property
     def observer(self) -> Observer:
@@ -321,6 +335,7 @@ class Reconciler:
             for attempt in range(REPLANS + 1):
                 seen = store.data_version()
                 inputs = summarizer.inputs() if held else None
+                self._online_now = (inputs[2] or None) if inputs is not None else None
                 reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
                 if held and lock is not None and inputs is not None:
                     # nobody went on without the lock while this pass held it: nothing
@@ -334,6 +349,7 @@ class Reconciler:
                 elif store.data_version() == seen:
                     break  # (no lock: nothing committed while this pass ran, so it is current)
         finally:
+            self._online_now = None
             if not summarized:
                 # (went on without the lock, failed, or an event still disagrees with it:
                 # every plain hook beside a VM re-plans until the next pass writes one)
