@@ -320,10 +320,6 @@ class _Kept:
     def __init__(self, inputs: tuple[object, ...], plan: SandboxPlan, records: _Records) -> None:
         self.inputs, self.plan, self.records = inputs, plan, records
 
-    @property
-    def footprint(self) -> tuple[Any, ...] | None:
-        return self.records.footprint
-
 
 def _moved_books(before: SandboxObs, s: SandboxObs) -> bool:
     """Whether ``s`` is ``before`` with its record's bookkeeping moved alone (generation,
@@ -427,8 +423,10 @@ def plan_node(
         if got is None or got.obs is not s or got.alloc != mine or got.taken != taken:
             got = _records(s, alloc, pool, mine, taken)
         firsts[s.id] = got
-        adoptions.extend(got.adoptions)
-        forget.extend(got.forget)
+        if got.adoptions:
+            adoptions.extend(got.adoptions)
+        if got.forget:
+            forget.extend(got.forget)
         live[s.id], cplans[s.id] = got.recs, got.cplans
 
     # Footprints: where each sandbox's threads may run once this plan is applied.
@@ -453,8 +451,13 @@ def plan_node(
         first = firsts[s.id]
         off = crane_others.without(s.id) if crane else EMPTY
         was = last.get(s.id)
-        fp_memo = was.footprint if was is not None else None
-        if fp_memo is None or fp_memo[0] is not first or fp_memo[1] != off or fp_memo[2] != node:
+        fp_memo = was.records.footprint if was is not None else None
+        if (
+            fp_memo is None
+            or fp_memo[0] is not first
+            or (fp_memo[1] is not off and fp_memo[1] != off)
+            or fp_memo[2] != node
+        ):
             fp_memo = (first, off, node, *_footprint(s, first, off, pool, online))
         _, _, _, mask, pinned_by_kata, off_mask, fp = fp_memo
         first.footprint = fp_memo
@@ -509,7 +512,7 @@ def plan_node(
             and before.inputs[3] is masks[s.id]
             and before.inputs[4] is footprint[s.id]
             and before.inputs[9] is kata_pins.get(s.id)
-            and footprint[s.id].isdisjoint(moved_cpus)
+            and (not fp_moved or footprint[s.id].isdisjoint(moved_cpus))
         ):
             plans.append(before.plan)
             if memo is not None:
@@ -904,22 +907,25 @@ def check_node(
     problems = check_global([p.plan for p in plans if p.plan is not None])
     # Which sandboxes' footprints hold each 1:1 CPU: one walk over the footprints, so the
     # check stays linear in the node (each hit found is a problem reported).
-    pinned = {cpu for p in plans for cpu in p.pinned_cpus}
+    pins = [(p, pinned) for p in plans if (pinned := p.pinned_cpus)]
     holders: dict[int, list[str]] = {}
-    if pinned:
-        pinned_set = CpuSet(pinned)
+    if pins:
+        pinned_set = CpuSet(cpu for _, pinned in pins for cpu in pinned)
         for q in plans:
             for cpu in q.footprint & pinned_set:
                 holders.setdefault(cpu, []).append(q.id)
-    foreign: dict[tuple[CpuSet, str | None], int | None] = {}
-    for p in plans:
-        for cpu in p.pinned_cpus:
+    for p, pinned in pins:
+        for cpu in pinned:
             for qid in holders.get(cpu, ()):
                 if qid != p.id:
                     problems.append(f"CPU {cpu}: pinned 1:1 for {p.id}, in {qid}'s footprint")
+    if not exclusive:
+        return problems
+    foreign: dict[tuple[CpuSet, str | None], int | None] = {}
+    for p in plans:
         pod = pods.get(p.id)
         for t in p.threads:
-            if t.desired is None or not exclusive:
+            if t.desired is None:
                 continue
             key = (t.desired, pod)
             if key not in foreign:
