@@ -254,7 +254,7 @@ class Observer:
             vmm = s.vmm
             if vmm is not None and tids:
                 vmm = replace(vmm, threads=tuple(
-                    replace(t, actual=tids[t.tid]) if t.tid in tids else t for t in vmm.threads
+                    t.pinned(tids[t.tid]) if t.tid in tids else t for t in vmm.threads
                 ))  # fmt: skip
             containers = tuple(
                 replace(c, cgroup_cpus=cids[c.rec.id]) if c.rec.id in cids else c

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 WHOLE = 4
 #: sandboxes that moved which are read one by one on any node (a whole read is eight
 #: statements and every thread row: a one-sandbox node's event read them all each pass)
-FEW = 2
+FEW = 1
 
 
 class Tables:
