@@ -585,7 +585,7 @@ def plan_node(
     )
     simple = alloc is NONE and pool is None and not crane and not adoptions and not forget
     if isinstance(memo, PlanMemo) and simple:
-        memo.last = (obs, out)
+        memo.last = (obs, out, any(_pins(p) for p in plans))
     return out
 
 
@@ -614,7 +614,7 @@ def _plan_moved(
     topology: Topology,
     float_policy: str,
     memo: PlanMemo,
-    was: tuple[Observation, NodePlan],
+    was: tuple[Observation, NodePlan, bool],
 ) -> NodePlan | None:
     """:func:`plan_node` of ``obs``, moved from the last call's node (``was``) by the
     sandboxes that are not the very objects they were there, on a node where nothing is
@@ -627,7 +627,7 @@ def _plan_moved(
     footprint, the node's counts moved by them, their plan); every other plan stands, as
     the full walk's ``steady`` rule would keep it (issue 28: an event's pass walked the
     node several times to plan one sandbox)."""
-    then, plan_then = was
+    then, plan_then, pins = was
     prior = memo.node
     sandboxes = obs.sandboxes
     if (
@@ -701,13 +701,21 @@ def _plan_moved(
         sp = _planned(s, before, first, inputs, set())
         memo[s.id] = _Kept(inputs, sp, first)
         plans[i] = sp
+        pins = pins or _pins(sp)
+    # (no plan pins a vCPU 1:1 and no CPU is exclusive: check_node has nothing to find)
+    problems = tuple(check_node(plans, {}, {})) if pins else ()
     out = NodePlan(
-        tuple(plans), (), (), (), tuple(check_node(plans, {}, {})), {}, pool,
-        tuple(obs.originals), obs.scope, masks,
-    )  # fmt: skip
+        tuple(plans), (), (), (), problems, {}, pool, tuple(obs.originals), obs.scope, masks
+    )
     memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
-    memo.last = (obs, out)
+    memo.last = (obs, out, pins)
     return out
+
+
+def _pins(sp: SandboxPlan) -> bool:
+    """Whether ``sp`` pins a vCPU 1:1 (what check_node's rules are about, with exclusive
+    CPUs)."""
+    return sp.plan is not None and bool(sp.plan.vcpu_map)
 
 
 class _Others:
@@ -802,8 +810,9 @@ class PlanMemo(dict[str, _Kept]):
         super().__init__()
         self.node: _NodeMemo | None = None
         #: the last call's observation and plan, when its node had nothing node-wide
-        #: (:func:`_plan_moved` moves it by the sandboxes that moved)
-        self.last: tuple[Observation, NodePlan] | None = None
+        #: (:func:`_plan_moved` moves it by the sandboxes that moved), and whether a plan
+        #: may pin a vCPU 1:1
+        self.last: tuple[Observation, NodePlan, bool] | None = None
 
 
 def _claims(
