@@ -124,7 +124,11 @@ class Observer:
 
     # -- the node ----------------------------------------------------------------------------
     def observe(
-        self, store: Reader, scope: Scope = FULL, fresh: Container[str] | None = None
+        self,
+        store: Reader,
+        scope: Scope = FULL,
+        fresh: Container[str] | None = None,
+        vm_dir: list[str] | None = None,
     ) -> Observation:
         """The node as the host and the store show it now (``scope``: see :class:`Scope`).
 
@@ -134,7 +138,9 @@ class Observer:
         costs its sandboxes' reads, not the node's (issue 28: churn's round trips had grown
         with the node since passes went node-wide).  What the last pass wrote to the host
         is in it (:meth:`note_applied`); what changed behind vmpin's back is read by the next
-        pass without ``fresh`` (the agent's periodic one)."""
+        pass without ``fresh`` (the agent's periodic one).  ``vm_dir``: an event's pass's
+        listing of the VM dir, taken for its node summary just before (a VMM that comes
+        after it is found by the next pass, as one that comes after the observation is)."""
         checkpoint, cp_error = self.checkpoint()
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
         recorded, records, (oci, api), moved = self._read_store(store, scope, fresh is not None)
@@ -161,7 +167,8 @@ class Observer:
                     recorded, policies, rec, checkpoint, scope, last.get(rec.id), reuse
                 )
             )
-        for sid in sandboxes.vm_dir_ids(seen) if scope.vmms else ():
+        listed = vm_dir if fresh is not None else None
+        for sid in sandboxes.vm_dir_ids(seen, listed) if scope.vmms else ():
             before = last.get(sid)
             if fresh is not None and sid not in fresh and before is not None and not before.tracked:
                 out.append(before)

@@ -148,8 +148,10 @@ class Reconciler:
         #: here, or given to the constructor); the agent's ``audit`` compares it to tell a
         #: CPU hot(un)plugged since (agent_views)
         self.online_seen: str | None = None
-        #: the online list an applying pass read at its start (:meth:`_online`)
+        #: the online list an applying pass read at its start (:meth:`_online`), and its
+        #: listing of the VM dir (an event's pass observes with it: Observer.observe)
         self._online_now: str | None = None
+        self._vm_dir_now: list[str] | None = None
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
@@ -231,7 +233,7 @@ class Reconciler:
         """The node now; a read-only view may narrow it (``scope``, see observe.Scope), an
         event's pass read only the sandboxes it names afresh (``fresh``: Observer.observe)."""
         if scope is None:
-            return self.observer.observe(self.store, fresh=fresh)
+            return self.observer.observe(self.store, fresh=fresh, vm_dir=self._vm_dir_now)
         return self.observer.observe(self.store, scope, fresh)
 
     def plan(
@@ -336,6 +338,7 @@ class Reconciler:
                 seen = store.data_version()
                 inputs = summarizer.inputs() if held else None
                 self._online_now = (inputs[2] or None) if inputs is not None else None
+                self._vm_dir_now = inputs[0] if inputs is not None else None
                 reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
                 if held and lock is not None and inputs is not None:
                     # nobody went on without the lock while this pass held it: nothing
@@ -349,7 +352,7 @@ class Reconciler:
                 elif store.data_version() == seen:
                     break  # (no lock: nothing committed while this pass ran, so it is current)
         finally:
-            self._online_now = None
+            self._online_now = self._vm_dir_now = None
             if not summarized:
                 # (went on without the lock, failed, or an event still disagrees with it:
                 # every plain hook beside a VM re-plans until the next pass writes one)
