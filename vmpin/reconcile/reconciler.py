@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Observation, Observer, Scope
     from vmpin.reconcile.plan import NodePlan, PlanMemo
     from vmpin.reconcile.sources import DomainSource
-    from vmpin.reconcile.summarizer import Summarizer
+    from vmpin.reconcile.summarizer import Inputs, Summarizer
     from vmpin.state.reader import Reader
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
@@ -148,10 +148,9 @@ class Reconciler:
         #: here, or given to the constructor); the agent's ``audit`` compares it to tell a
         #: CPU hot(un)plugged since (agent_views)
         self.online_seen: str | None = None
-        #: the online list an applying pass read at its start (:meth:`_online`), and its
-        #: listing of the VM dir (an event's pass observes with it: Observer.observe)
-        self._online_now: str | None = None
-        self._vm_dir_now: list[str] | None = None
+        #: the node summary's inputs an applying pass read at its start: its online list and
+        #: VM dir listing serve the pass too (:meth:`_online`, :meth:`observe`)
+        self._inputs: Inputs | None = None
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
@@ -173,12 +172,8 @@ class Reconciler:
 
     @property
     def topology(self) -> Topology:
-        if (
-            self._topology is not None
-            and self.online_seen is not None
-            and self.follow_hotplug
-            and self._online() != self.online_seen
-        ):
+        following = self.follow_hotplug and self._topology is not None and self.online_seen
+        if following and self._online() != self.online_seen:
             self._topology = None  # a CPU came or went: its place is read anew
         if self._topology is None:
             from vmpin.linux.sysfs import read_topology
@@ -197,14 +192,11 @@ class Reconciler:
         return self._topology
 
     def _online(self) -> str | None:
-        """The online CPU list: the one this applying pass read at its start, for its node
-        summary (:meth:`_applying`: one read a pass, where the summary, the allocations and
-        the plan each read it), else read now."""
-        if self._online_now is not None:
-            return self._online_now
+        """The online list as this applying pass read it for its summary, else read now."""
         from vmpin.linux.sysfs import online_text
 
-        return online_text(self.paths.sys)
+        inputs = self._inputs
+        return (inputs[2] or None) if inputs is not None else online_text(self.paths.sys)
 
     @property
     def observer(self) -> Observer:
@@ -233,7 +225,8 @@ class Reconciler:
         """The node now; a read-only view may narrow it (``scope``, see observe.Scope), an
         event's pass read only the sandboxes it names afresh (``fresh``: Observer.observe)."""
         if scope is None:
-            return self.observer.observe(self.store, fresh=fresh, vm_dir=self._vm_dir_now)
+            listed = self._inputs[0] if self._inputs is not None else None
+            return self.observer.observe(self.store, fresh=fresh, vm_dir=listed)
         return self.observer.observe(self.store, scope, fresh)
 
     def plan(
@@ -337,8 +330,7 @@ class Reconciler:
             for attempt in range(REPLANS + 1):
                 seen = store.data_version()
                 inputs = summarizer.inputs() if held else None
-                self._online_now = (inputs[2] or None) if inputs is not None else None
-                self._vm_dir_now = inputs[0] if inputs is not None else None
+                self._inputs = inputs
                 reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
                 if held and lock is not None and inputs is not None:
                     # nobody went on without the lock while this pass held it: nothing
@@ -352,7 +344,7 @@ class Reconciler:
                 elif store.data_version() == seen:
                     break  # (no lock: nothing committed while this pass ran, so it is current)
         finally:
-            self._online_now = self._vm_dir_now = None
+            self._inputs = None
             if not summarized:
                 # (went on without the lock, failed, or an event still disagrees with it:
                 # every plain hook beside a VM re-plans until the next pass writes one)
@@ -362,17 +354,7 @@ class Reconciler:
     def _note_applied(self, applied: Applied) -> None:
         """What the pass wrote and read back, into the observation an event's pass may give
         again (Observer.note_applied)."""
-        threads = {
-            key: o.actual
-            for key, o in applied.threads.items()
-            if o.action == "pinned" and o.actual is not None
-        }
-        cgroups = {
-            (sid, d["container"]): CpuSet.parse(d["desired"])
-            for sid, drifts in applied.cgroups.items()
-            for d in drifts
-            if d.get("repaired")
-        }
+        threads, cgroups = _written(applied)
         self.last_writes = len(threads) + len(cgroups)
         if threads or cgroups:
             self.observer.note_applied(threads, cgroups)
@@ -499,6 +481,25 @@ class Reconciler:
         with _GcPaused():
             obs = self.observe(scope)
             return node_audit(obs, self.plan(obs))
+
+
+def _written(
+    applied: Applied,
+) -> tuple[dict[tuple[str, int], CpuSet], dict[tuple[str, str], CpuSet]]:
+    """What a pass wrote to the host and read back: thread affinities by (sandbox, tid),
+    cgroup cpusets by (sandbox, container)."""
+    threads = {
+        key: o.actual
+        for key, o in applied.threads.items()
+        if o.action == "pinned" and o.actual is not None
+    }
+    cgroups = {
+        (sid, d["container"]): CpuSet.parse(d["desired"])
+        for sid, drifts in applied.cgroups.items()
+        for d in drifts
+        if d.get("repaired")
+    }
+    return threads, cgroups
 
 
 def _writer(store: Reader) -> Store:
