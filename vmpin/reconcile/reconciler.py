@@ -41,7 +41,7 @@ from vmpin.state.store import Store
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Container
+    from collections.abc import Callable, Collection
     from typing import Any
 
     from vmpin.core.planner import Policy
@@ -220,7 +220,7 @@ class Reconciler:
 
     # -- the pass ------------------------------------------------------------------------
     def observe(
-        self, scope: Scope | None = None, fresh: Container[str] | None = None
+        self, scope: Scope | None = None, fresh: Collection[str] | None = None
     ) -> Observation:
         """The node now; a read-only view may narrow it (``scope``, see observe.Scope), an
         event's pass read only the sandboxes it names afresh (``fresh``: Observer.observe)."""
@@ -233,7 +233,7 @@ class Reconciler:
         self,
         obs: Observation | None = None,
         scope: Scope | None = None,
-        fresh: Container[str] | None = None,
+        fresh: Collection[str] | None = None,
     ) -> NodePlan:
         """The node's plan (of ``obs``, or of a new observation within ``scope``/``fresh``)."""
         from vmpin.reconcile.observation import FULL
@@ -289,7 +289,7 @@ class Reconciler:
         *,
         apply: bool = True,
         scope: Scope | None = None,
-        fresh: Container[str] | None = None,
+        fresh: Collection[str] | None = None,
     ) -> list[SandboxReport]:
         """One node-wide pass; the reports of ``sandbox_ids`` (default: every tracked one).
 
@@ -319,7 +319,7 @@ class Reconciler:
         self.node_lock.release()
 
     def _applying(
-        self, sandbox_ids: list[str] | None, held: bool, fresh: Container[str] | None = None
+        self, sandbox_ids: list[str] | None, held: bool, fresh: Collection[str] | None = None
     ) -> list[SandboxReport]:
         """One pass that applies; planned again while it may have applied an older plan
         than another process did (see the module's docstring), or while a plain container's
@@ -365,7 +365,7 @@ class Reconciler:
         apply: bool,
         scope: Scope | None = None,
         again: bool = False,
-        fresh: Container[str] | None = None,
+        fresh: Collection[str] | None = None,
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import node_reports
 
