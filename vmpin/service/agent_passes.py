@@ -289,6 +289,20 @@ class Planner:
             if all(w.cause == "event" for w in batch):
                 self.metrics.event_pass_cpu.observe(time.thread_time() - cpu)
 
+    def _waited(self, batch: list[Work], pinned: _Pinned | None, answered: float) -> None:
+        """Where the pass's waiters' time went: in the queue (the rest of the pass running
+        when they came), in the pass until its pins, and the planner's time after the
+        answers, which the next requests wait for (issue 28)."""
+        m = self.metrics
+        if pinned is not None:
+            begun = pinned.started
+            for w in batch:
+                if w.first_event is not None:
+                    m.queue_wait.observe(begun - w.first_event)
+            if all(w.cause == "event" for w in batch):
+                m.event_pass.observe(pinned.ended - begun)
+        m.pass_tail.observe(time.monotonic() - answered)
+
     def _batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
         number, later = self.waiters.pass_begins()
         views = self.views
@@ -305,6 +319,7 @@ class Planner:
             self.queue.done_all([w.sandbox_id for w in batch])
             ok = pinned is not None
             maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
+            answered = time.monotonic()
             if views is not None:
                 views.pass_ends(number, ok, store, reconciler)
         if not maps_now:
@@ -321,6 +336,7 @@ class Planner:
         self.accounting.progress(batch)
         # then the pass's journal events made durable, their files removed
         self._settle(store)
+        self._waited(batch, pinned, answered)
 
     def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> _Pinned:
         """One node-wide pass for every sandbox in ``batch``: the pins, and what accounting
