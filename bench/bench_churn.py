@@ -30,12 +30,13 @@ the node shows in the first at once (issue 28: the round trips had grown ~4x unn
 And where a round trip's time goes, so that a wait the agent's design adds shows apart from
 the machine's load: ``update_phases`` splits each update into its exchange with the agent
 (``agent_ms``: connecting, the request, the answer read; the update's sync runs meanwhile)
-and the rest (``own_ms``: the store opened, the journal applied, the write), and the agent's metrics say what the exchange was made of --
-``queue_wait_mean_ms`` (notification -> the start of the pass that takes it: the rest of
-the pass running when it came), ``event_pass_wall_mean_ms`` (that pass's start -> its
-threads pinned; beside ``event_pass_cpu_mean_ms``, the load), ``pass_tail_mean_ms`` (the
-planner's time after the answers, which the next request waits for).  A queue wait near or
-above the pass's wall time means requests wait for whole passes not theirs.
+and the rest (``own_ms``: the store opened, the journal applied, the write); the agent's
+metrics say what the exchange was made of -- ``queue_wait_mean_ms`` (notification -> the
+start of the pass that takes it: the rest of the pass running when it came),
+``event_pass_wall_mean_ms`` (that pass's start -> its threads pinned; over
+``event_pass_cpu_mean_ms``, the CPU contention), ``pass_tail_mean_ms`` (the planner's time
+after the answers, which a request arriving then waits for).  A queue wait near or above
+the pass's wall time means requests wait for whole passes not theirs.
 
 At the end the bench waits until the agent is idle and checks: ``vmpin audit`` exits 0;
 the store holds exactly the live containers, each with the CPU set it was last given (zero
