@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 #: the work item of a full pass that stands for every libvirt domain (not store sandboxes)
 DOMAINS_WORK = "libvirt-domains"
+#: the least time between two settlings while passes keep asking (seconds; see Settler)
+SETTLE_EVERY = 1.0
 #: an event's batch up to this many sandboxes reads their records one by one (an index
 #: lookup each), a bigger one the table
 _BY_ID = 64
@@ -90,9 +92,13 @@ class Settler:
 
     Between two passes, that settling (a checkpoint syncs the WAL and the database file:
     7-12 ms on a disk, more under load) held up every request that arrived meanwhile: it
-    waited for it, then for a pass of its own (issue 28).  Here no pass waits for it; the
-    requests that come while it runs fold into one more.  Its own connection (one is one
-    thread's); a sync is of the files, whichever connection wrote them.
+    waited for it, then for a pass of its own (issue 28).  Here no pass waits for it, and
+    while passes keep asking it settles once per ``every`` seconds (as the planner did
+    while work was queued): each settling is the disk's syncs, which the hooks' and
+    updates' own syncs queue behind, and a thread that runs Python beside the planner's
+    passes takes the GIL from them.  Its own connection (one is one thread's); a sync is of
+    the files, whichever connection wrote them.  Nothing is lost meanwhile: a journal file
+    stays until a checkpoint has its event, and ingest settles past ``SETTLE_AFTER`` of them.
     """
 
     def __init__(
@@ -100,8 +106,10 @@ class Settler:
         state_dir: str,
         failed: Callable[[StateError], None],
         fault: Callable[[str, BaseException], None],
+        every: float = SETTLE_EVERY,
     ) -> None:
         self.state_dir = state_dir
+        self.every = every
         #: a store that cannot be written (Planner.store_failed); any other error it outlives
         self._failed = failed
         self._fault = fault
@@ -134,15 +142,20 @@ class Settler:
     def _run(self) -> None:
         store: Store | None = None
         synced = 0  # the planner's changes made durable so far
+        due = 0.0  # (monotonic) the next settling, not before
         try:
             while True:
                 with self._cond:
-                    while not (self._wanted or self._closed):
-                        self._cond.wait()
+                    while not self._closed:
+                        left = due - time.monotonic()
+                        if self._wanted and left <= 0:
+                            break
+                        self._cond.wait(left if self._wanted else None)
                     if not self._wanted:
                         return
                     self._wanted = False
                     changes = self._changes
+                due = time.monotonic() + self.every
                 try:
                     if store is None:
                         store = Store(self.state_dir, ingest=False)
