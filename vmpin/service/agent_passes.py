@@ -7,9 +7,10 @@ ready entry at once and runs one node-wide pass for the lot.  A pass, in phases:
     begin     Waiters.pass_begins          its number; guest maps now or after the answers
     pass      the store (ingest, the API's policies) -> Reconciler.reconcile (the pins)
     end       DirtyQueue.done_all -> Waiters.pass_ends (answers) -> AgentViews.pass_ends
-    after     Waiters.publish_late -> Accounting.account_pass -> the Kubernetes link (events,
-              the report) -> Accounting.progress -> Reconciler.release_maps
-    settle    Store.settle_journal, on a thread of its own (:class:`Settler`)
+    after     Waiters.publish_late -> Reconciler.release_maps -> Accounting.account_pass
+              -> the Kubernetes link (events, the report) -> Accounting.progress
+    settle    Store.settle_journal, on a thread of its own (:class:`Settler`), at most
+              once a second while passes keep coming
 
 Whoever waits for a pass waits for its pins alone: the bookkeeping (accounting, Kubernetes)
 comes after the answers, and the settling (a checkpoint: the disk's syncs) is not between
