@@ -24,9 +24,7 @@ import time
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError, StateError
-from vmpin.linux.files import read_bytes
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
 from vmpin.wire import views
@@ -49,6 +47,9 @@ class UnknownContainer(StateError):
 
 def _read_resources(source: str) -> bytes:
     """The ``-r`` document: a regular file (vmpin.linux.files: no FIFO, device or symlink)."""
+    from vmpin.linux.files import read_bytes
+    from vmpin.runtimes.oci import MAX_DOC
+
     if source == "-":
         data = sys.stdin.buffer.read(MAX_DOC + 1)
         if len(data) > MAX_DOC:
@@ -68,6 +69,10 @@ def parse_update(cpuset_cpus: str | None, resources: str | None) -> CpuSet | Non
         except CpuSetError as err:
             raise SpecError(f"--cpuset-cpus: {err}") from None
     assert resources is not None
+    # (the OCI document's reader for -r alone: --cpuset-cpus, what CRI runtimes' wrappers
+    # send, does not load it)
+    from vmpin.runtimes.oci import parse_resources_json
+
     where = "stdin" if resources == "-" else resources
     return parse_resources_json(_read_resources(resources), where).cpus
 
