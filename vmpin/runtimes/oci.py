@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from typing import Any, NamedTuple
 
     from vmpin.linux.paths import HostPaths
+    from vmpin.wire.jsonio import Selector
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -95,11 +96,11 @@ def _obj(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _loads(text: str | bytes, where: str) -> Any:
+def _loads(text: str | bytes, where: str, keep: Selector | None = None) -> Any:
     if len(text) > MAX_DOC:
         raise SpecError(f"{where}: {len(text)} bytes, over the limit of {MAX_DOC}")
     # Go's key matching (gojson.Obj keeps repeated keys) on the one depth-limited reader
-    return load_json(text, where, object_pairs_hook=gojson.Obj)
+    return load_json(text, where, object_pairs_hook=gojson.Obj, keep=keep)
 
 
 def _text(value: str, where: str) -> str:
@@ -269,8 +270,21 @@ class Config(NamedTuple):
     annotations: dict[str, str]
 
 
+def _spec_member(key: str) -> Selector | bool | None:
+    """What parse_config reads of a config.json: the annotations and, of every member Go
+    decodes into ``linux``, its ``resources`` -- not the process, mounts, namespaces or
+    seccomp profile, most of a containerd spec's bytes (vmpin.wire.jsonio.loads_members)."""
+    if key == "annotations":
+        return True
+    return _linux_member if gojson.matches(key, "linux", _SPEC_FIELDS) else None
+
+
+def _linux_member(key: str) -> bool | None:
+    return True if gojson.matches(key, "resources", _LINUX_FIELDS) else None
+
+
 def parse_config(text: str | bytes, where: str = "config.json") -> Config:
-    obj = _obj(_loads(text, where), where)
+    obj = _obj(_loads(text, where, _spec_member), where)
     resources = Resources()
     # runc decodes config.json with Go's encoding/json too: "Linux"/"Resources" count.
     for linux in _go_object(obj, "linux", _SPEC_FIELDS, f"{where}:"):
