@@ -618,8 +618,16 @@ def test_a_pid_whose_command_line_names_the_sandbox_is_asked_about_as_its_vmm(
                                                                        "cmdline"), 5)  # fmt: skip
         assert detect_runtime(paths, sid, poser.pid) == "kata"
         assert asked.call_count == 1
+        # the hook's start time, read before: the command line is read once, and a start
+        # time that is not the pid's (reused since) is no VMM
+        start = procfs.start_time(paths.proc, poser.pid)
+        reads = mocker.spy(procfs, "read_text")
+        assert detect_runtime(paths, sid, poser.pid, start) == "kata"
+        assert [c.args[2] for c in reads.call_args_list].count("cmdline") == 1
+        assert detect_runtime(paths, sid, poser.pid, start - 1) == "runc"
+        asked.reset_mock()
         assert detect_runtime(paths, new_id("other"), poser.pid) == "runc"
-        assert asked.call_count == 1  # (its command line does not name that sandbox)
+        asked.assert_not_called()  # (its command line does not name that sandbox)
     finally:
         os.killpg(poser.pid, signal.SIGKILL)
         poser.wait()
