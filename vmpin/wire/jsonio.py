@@ -158,35 +158,44 @@ def _members(
     hook: PairsHook,
 ) -> tuple[Any, int]:
     """The value at ``pos`` with only the members ``keep`` selects, and where it ends
-    (json.decoder.JSONObject's grammar: ValueError or StopIteration where it fails)."""
+    (json.decoder.JSONObject's grammar: ValueError, IndexError or StopIteration where it
+    fails; whitespace skipped in place, no call each)."""
     if text[pos : pos + 1] != "{":
         return scan(text, pos)
     pairs: list[tuple[str, Any]] = []
-    pos = _skip(text, pos + 1)
-    if text[pos : pos + 1] != "}":
-        while True:
-            if text[pos : pos + 1] != '"':
-                raise ValueError("expecting a property name")
-            key, pos = _c.scanstring(text, pos + 1, True)
-            pos = _skip(text, pos)
-            if text[pos : pos + 1] != ":":
-                raise ValueError("expecting ':'")
-            pos = _skip(text, pos + 1)
-            want = keep(key)
-            if not want:
-                pos = skim(text, pos)[1]
-            else:
-                value, pos = scan(text, pos) if want is True else _members(
-                    text, pos, want, scan, skim, hook
-                )  # fmt: skip
-                pairs.append((key, value))
-            pos = _skip(text, pos)
-            if text[pos : pos + 1] == "}":
-                break
-            if text[pos : pos + 1] != ",":
-                raise ValueError("expecting ',' or '}'")
-            pos = _skip(text, pos + 1)
-    return (hook(pairs) if hook is not None else dict(pairs)), pos + 1
+    pos += 1
+    while text[pos] in _WS:
+        pos += 1
+    if text[pos] == "}":
+        return (hook(pairs) if hook is not None else {}), pos + 1
+    while True:
+        if text[pos] != '"':
+            raise ValueError("expecting a property name")
+        key, pos = _c.scanstring(text, pos + 1, True)
+        while text[pos] in _WS:
+            pos += 1
+        if text[pos] != ":":
+            raise ValueError("expecting ':'")
+        pos += 1
+        while text[pos] in _WS:
+            pos += 1
+        want = keep(key)
+        if not want:
+            pos = skim(text, pos)[1]
+        else:
+            value, pos = scan(text, pos) if want is True else _members(
+                text, pos, want, scan, skim, hook
+            )  # fmt: skip
+            pairs.append((key, value))
+        while text[pos] in _WS:
+            pos += 1
+        if text[pos] == "}":
+            return (hook(pairs) if hook is not None else dict(pairs)), pos + 1
+        if text[pos] != ",":
+            raise ValueError("expecting ',' or '}'")
+        pos += 1
+        while text[pos] in _WS:
+            pos += 1
 
 
 def _default(o: object) -> Any:
