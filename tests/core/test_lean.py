@@ -68,7 +68,7 @@ def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
     """Records of one shape share __init__'s code, renamed: each still sets its own fields."""
     import dataclasses
 
-    from vmpin.lean.records import FrozenInstanceError, dataclass, field, replace
+    from vmpin.lean.dataclass import FrozenInstanceError, dataclass, field, replace
 
     @dataclass(frozen=True)
     class F:
@@ -179,8 +179,8 @@ def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
     import pkgutil
 
     import vmpin
-    from vmpin.lean import records as _lean
     from vmpin.lean import shapes as _shapes
+    from vmpin.lean.dataclass import _Factory
 
     missing = []
     for info in pkgutil.walk_packages(vmpin.__path__, "vmpin."):
@@ -191,7 +191,7 @@ def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
             if not isinstance(cls, type) or cls.__module__ != mod.__name__:
                 continue
             if "_lean_defaults" in cls.__dict__:
-                kinds = tuple("f" if isinstance(d, _lean._Factory) else "="
+                kinds = tuple("f" if isinstance(d, _Factory) else "="
                               for d in cls.__dict__["_lean_defaults"].values())  # fmt: skip
                 key: tuple[object, ...] = ("init", "__delattr__" in cls.__dict__, kinds)
             elif issubclass(cls, tuple) and "_field_defaults" in cls.__dict__:
