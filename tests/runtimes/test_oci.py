@@ -303,6 +303,20 @@ def test_parse_config_reads_only_its_members() -> None:
         parse_config(json.dumps(_containerd_spec({}, {}))[:-1] + ', "mounts": [1,]}')
 
 
+@pytest.mark.parametrize(
+    ("annotations", "names"),
+    [({"ok": "x", "k": "\ud800"}, "annotation 'k'"), ({"\udc00": "v"}, "annotation key"),
+     ({"a": "b", "long": "x" * ((64 << 10) + 1)}, "annotation 'long'"),
+     ({"x" * ((64 << 10) + 1): "v"}, "annotation key")],
+)  # fmt: skip
+def test_annotations_refused_are_named(annotations: dict[str, str], names: str) -> None:
+    """The annotation refused is the one named."""
+    with pytest.raises(SpecError, match=names):
+        parse_config(json.dumps({"annotations": annotations}), where="/b/config.json")
+    ok = {"a": "é", "b": "x" * (64 << 10)}
+    assert parse_config(json.dumps({"annotations": ok})).annotations == ok
+
+
 def test_read_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(_spec({"cpus": "1"}, {"a": "b"}))
     config = read_config(str(tmp_path))
