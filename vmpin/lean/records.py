@@ -232,11 +232,16 @@ _DATACLASS_NAMES = frozenset({"FrozenInstanceError", "dataclass", "field", "repl
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DATACLASS_NAMES:
-        from vmpin.lean import dataclass as half
+    if name not in _DATACLASS_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import vmpin.lean.dataclass
 
-        return getattr(half, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # here from now on: the next module's import finds them without this call
+    half = vmpin.lean.dataclass.__dict__
+    names = globals()
+    for each in _DATACLASS_NAMES:
+        names[each] = half[each]
+    return names[name]
 
 
 if __name__ == "__main__":
