@@ -130,6 +130,25 @@ def test_shapes_module_is_generated_and_current() -> None:
             code.co_code, code.co_consts, code.co_names, code.co_varnames)  # fmt: skip
 
 
+def test_namedtuples_alone_load_no_dataclass_half() -> None:
+    """A process that makes NamedTuples only (a plain container's hook) does not load the
+    dataclass half (vmpin.lean.dataclass)."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys
+from vmpin.lean.records import NamedTuple
+class P(NamedTuple):
+    a: int
+    b: str = "x"
+assert P(1) == (1, "x")
+print(sorted(m for m in sys.modules if m.startswith("vmpin.lean.")))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['vmpin.lean.records', 'vmpin.lean.shapes']"
+
+
 def test_records_compile_nothing_for_known_shapes_and_the_rest_on_first_use() -> None:
     """In a fresh interpreter: defining records compiles nothing; the first instance of a
     shape with a factory compiles its template once, and the class then has the real
