@@ -67,7 +67,9 @@ class ProtocolAgent:
 
 class OneReplyAgent:
     """A control socket that answers one request with ``reply`` (a stand-in for the agent's
-    side of the blocking ``dirty``, which another part of the agent implements)."""
+    side of the blocking ``dirty``, which another part of the agent implements).  It is an
+    agent from before the ``update`` request: it refuses that one, as those did (unknown op),
+    and answers the next."""
 
     def __init__(self, path: str, reply: dict[str, object]) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -75,13 +77,24 @@ class OneReplyAgent:
         self.sock.listen(1)
         self.reply = reply
         self.request: dict[str, object] = {}
+        self.refused: list[dict[str, object]] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
+    def _accept(self) -> tuple[socket.socket, dict[str, Any]]:
+        """The first connection whose request is not an ``update`` (those refused)."""
+        while True:
+            conn, _ = self.sock.accept()
+            msg = read_line(conn)
+            if msg.get("op") != "update":
+                return conn, msg
+            with conn:
+                self.refused.append(msg)
+                send_line(conn, {"ok": False, "error": "unknown op 'update'"})
+
     def _serve(self) -> None:
-        conn, _ = self.sock.accept()
+        conn, self.request = self._accept()
         with conn:
-            self.request = read_line(conn)
             send_line(conn, self.reply)
 
     def close(self) -> None:
@@ -99,9 +112,8 @@ class SyncWatchingAgent(OneReplyAgent):
         super().__init__(path, {"ok": True, "queued": 1, "done": True})
 
     def _serve(self) -> None:
-        conn, _ = self.sock.accept()
+        conn, self.request = self._accept()
         with conn:
-            self.request = read_line(conn)
             self.events.append("request")
             self.synced.clear()
             done = self.synced.wait(10)

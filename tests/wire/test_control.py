@@ -66,7 +66,7 @@ def test_a_raw_object_is_sent_as_it_is() -> None:
     [
         (b"{broken", "not JSON"),
         (b"[]", "not a JSON object"),
-        (b'{"op": "nope"}', "unknown op 'nope' (dirty, status, reconcile, view)"),
+        (b'{"op": "nope"}', "unknown op 'nope' (dirty, status, reconcile, view, update)"),
         (b'{"op": "dirty", "sandboxes": "x"}', "must be a list of ids"),
         (b'{"op": "dirty", "sandboxes": ["../x"]}', "invalid id"),
         (b'{"op": "dirty", "sandboxes": [], "wait": 0}', "'wait' must be"),

@@ -90,6 +90,7 @@ from vmpin.service import limits
 from vmpin.service.agent_accounting import Accounting
 from vmpin.service.agent_passes import Planner, ReconcilerFactory
 from vmpin.service.agent_protocol import ControlProtocol, Waiters
+from vmpin.service.agent_updates import AgentUpdates
 from vmpin.service.agent_views import AgentViews
 from vmpin.service.logs import HOST_FAULTS, Faults, log_event, setup_logging
 from vmpin.service.metrics import Metrics, MetricsServer
@@ -247,6 +248,9 @@ class Agent:
             self.queue, self.waiters, self.metrics, self.accounting,
             status=self.status, request_pass=self.request_pass, views=self.views.answer,
         )  # fmt: skip
+        #: ``vmpin update`` written and re-pinned here (its own store connection)
+        self.updates = AgentUpdates(paths, self.control.update_and_wait)
+        self.control.updates = self.updates.answer
         self.handle = self.control.handle
         self.notify = self.control.notify
         self.notify_and_wait = self.control.notify_and_wait
@@ -438,6 +442,7 @@ class Agent:
         if self._store is not None:
             self._store.close()
         self.views.close()
+        self.updates.close()
         self._release_lock()
         if self._wakeup_fd_set:  # (before the fd is closed and its number reused)
             signal.set_wakeup_fd(-1)

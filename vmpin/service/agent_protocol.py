@@ -23,7 +23,7 @@ from vmpin.service.logs import Throttle, log_event
 from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
-from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, View, refused
+from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, Update, View, refused
 from vmpin.wire.control import request_from_json as read_request
 
 #: the least time between two log lines about bad requests
@@ -33,10 +33,16 @@ BAD_LOG_EVERY = 60.0
 class _Waiter:
     """A blocking ``dirty`` request: the pass it waits for, and how to answer it."""
 
-    __slots__ = ("answer", "maps_first", "queued", "reply", "target")
+    __slots__ = ("answer", "done", "maps_first", "queued", "reply", "target")
 
-    def __init__(self, answer: Reply | None, maps_first: bool = True) -> None:
+    def __init__(
+        self, answer: Reply | None, maps_first: bool = True, done: dict[str, Any] | None = None
+    ) -> None:
         self.answer = answer
+        #: the reply when the pass ended well (an update's: vmpin.service.agent_updates),
+        #: and the waiter's own thread answers otherwise (it puts the old set back first);
+        #: None, a ``dirty``'s
+        self.done = done
         #: answered only once the pass's guest maps are published (a Kata hook: the guest
         #: hook of the container about to start reads its entry); False for ``vmpin
         #: update``, whose map the guest's follower picks up whenever it comes
@@ -82,9 +88,12 @@ class Waiters:
         answer: Reply | None = None,
         *,
         maps_first: bool = True,
+        done: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Queue the request's work (``queue_work``: how many entries it queued), then reply
         once a node pass that started after now has ended, or after ``wait`` seconds.
+        ``done``: the reply when that pass ended well, which only then goes out on
+        ``answer`` (an update's; else the reply is returned, not sent).
 
         Runs on the request's own connection thread (:class:`ControlServer` serves each
         connection on one), so the accept loop and other clients go on meanwhile.  A pass
@@ -93,7 +102,7 @@ class Waiters:
         pass publishes its guest maps before answering (else after).
         """
         deadline = time.monotonic() + wait
-        waiter = _Waiter(answer, maps_first)
+        waiter = _Waiter(answer, maps_first, done)
         with self._cond:
             # passes are numbered in the order they start, and one runs at a time: the first
             # to start from now on is number started + 1 (it ingests and reads the store
@@ -101,7 +110,13 @@ class Waiters:
             waiter.target = self._started + 1
             if not maps_first:
                 self._maps_after_coming += 1  # (a pass that starts now defers its maps)
-        waiter.queued = queue_work()
+        try:
+            waiter.queued = queue_work()
+        except BaseException:
+            with self._cond:
+                if not maps_first:
+                    self._maps_after_coming -= 1
+            raise
         with self._cond:
             # registered once complete, so the planner answers it whole; a pass that ended
             # meanwhile is caught by the loop's first test
@@ -127,7 +142,14 @@ class Waiters:
         """Reply to one waiter (under ``_cond``): done when its pass ended well."""
         if waiter in self._waiters:
             self._waiters.remove(waiter)
-        waiter.reply = DirtyReply(waiter.queued, self._ok >= waiter.target).to_obj()
+        ok = self._ok >= waiter.target
+        if waiter.done is None:
+            waiter.reply = DirtyReply(waiter.queued, ok).to_obj()
+        elif ok and waiter.done.get("done"):
+            waiter.reply = waiter.done
+        else:
+            waiter.reply = DirtyReply(waiter.queued, False).to_obj()
+            return  # (the waiter's thread answers, once it has put the old set back)
         if waiter.answer is not None:
             waiter.answer.send(waiter.reply)
 
@@ -196,6 +218,7 @@ class ControlProtocol:
         status: Callable[[str | None], dict[str, Any]],
         request_pass: Callable[[], None],
         views: Callable[[View], dict[str, Any] | bytes] | None = None,
+        updates: Callable[[Update, Reply | None], dict[str, Any] | None] | None = None,
     ) -> None:
         self.queue = queue
         self.waiters = waiters
@@ -207,6 +230,8 @@ class ControlProtocol:
         self.request_pass = request_pass
         #: a read command's view (vmpin.service.agent_views: AgentViews.answer)
         self.views = views
+        #: ``vmpin update`` done here (vmpin.service.agent_updates: AgentUpdates.answer)
+        self.updates = updates
         #: bad requests, said once a minute: whoever sends a flood of them must not fill
         #: the log too
         self._bad_said = Throttle(BAD_LOG_EVERY)
@@ -233,6 +258,12 @@ class ControlProtocol:
         if isinstance(msg, View):
             # (on this connection's thread: the planner only hands its plan over)
             return refused("view: not served") if self.views is None else self.views(msg)
+        if isinstance(msg, Update):
+            # (on this connection's thread, which waits for the planner's pass as a
+            # blocking ``dirty``'s does)
+            return refused("update: not served") if self.updates is None else self.updates(
+                msg, answer
+            )
         assert isinstance(msg, Reconcile)
         self.request_pass()
         return dict(OK)
@@ -265,13 +296,32 @@ class ControlProtocol:
         answer: Reply | None = None,
         *,
         maps_first: bool = True,
+        done: dict[str, Any] | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> dict[str, Any]:
         """The blocking ``dirty``: reply once a node pass that started after now has ended
-        (:meth:`Waiters.wait`)."""
+        (:meth:`Waiters.wait`; ``done``: see there).  ``meanwhile`` runs once the work is
+        queued, before the wait (an update's sync, while the pass runs)."""
 
         def queue_work() -> int:
             queued = self.notify(sandbox_ids, urgent=True)
             self.queue.kick()  # a pass even if every id folded into one running, or none given
+            if meanwhile is not None:
+                meanwhile()
             return queued
 
-        return self.waiters.wait(queue_work, wait, answer, maps_first=maps_first)
+        return self.waiters.wait(queue_work, wait, answer, maps_first=maps_first, done=done)
+
+    def update_and_wait(
+        self,
+        sandbox_id: str,
+        wait: float,
+        answer: Reply | None,
+        done: dict[str, Any],
+        meanwhile: Callable[[], object],
+    ) -> dict[str, Any]:
+        """An update's re-pin (vmpin.service.agent_updates): its sandbox's blocking
+        ``dirty``, whose guest map may come after the answer (the guest's follower polls)."""
+        return self.notify_and_wait(
+            [sandbox_id], wait, answer, maps_first=False, done=done, meanwhile=meanwhile
+        )

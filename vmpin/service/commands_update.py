@@ -13,7 +13,6 @@ from vmpin.core.errors import SpecError, StateError
 from vmpin.service.budget import BUDGET
 from vmpin.service.commands import Ctx, echo, emit
 from vmpin.service.update import UnknownContainer, parse_update, update_container
-from vmpin.state.store import Store
 from vmpin.wire import views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -65,6 +64,8 @@ def _update_domain(
     the node is re-planned.  None when ``key`` is a tracked container or no domain."""
     # (no journal applied here: a container only journaled is no domain either, and
     # update_container applies it)
+    from vmpin.state.store import Store
+
     with Store(c.paths.state_dir, ingest=False, deadline=deadline) as store:
         if store.container(key) is not None:
             return None

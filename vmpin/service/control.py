@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any
 
-    from vmpin.wire.control import Request, View, ViewReply
+    from vmpin.wire.control import Request, Update, UpdateReply, View, ViewReply
 
 
 #: how long a full backlog is waited out (seconds; at most the request's timeout)
@@ -199,3 +199,24 @@ def notify(
         return DirtyReply.from_obj(request(paths, message, timeout)) is not None
     got = DirtyReply.from_obj(request(paths, Dirty(sandbox_ids, wait, maps_first), wait, meanwhile))
     return bool(got and got.done)
+
+
+def update(paths: HostPaths, message: Update) -> tuple[UpdateReply | None, bool]:
+    """``vmpin update`` written and re-pinned by the agent (``message``: vmpin.wire.control.
+    Update): its answer, and whether any came.  (None, True): the agent refused (an old one
+    that does not know the request, other host roots); (None, False): no agent, or none that
+    answered by ``message.until`` -- the caller does it itself, and waits for that agent no
+    more.  An answer not done says the agent wrote nothing (or put its write back), so the
+    caller may go on at once; with none, it is ``until`` that ends the exchange, and the
+    agent writes nothing past it."""
+    if _agent_socket(paths) is None:
+        return None, False
+    left = message.until - time.monotonic()
+    if left <= 0:
+        return None, False
+    from vmpin.wire.control import UpdateReply, reply_from_json
+
+    buf = _send(paths, message, left, answer=True)
+    if not buf:
+        return None, False
+    return UpdateReply.from_obj(reply_from_json(buf)), True

@@ -1,11 +1,14 @@
 """``vmpin update``: CRI UpdateContainerResources, as vmpin hears it.
 
 Validation happens before anything is written: an unknown container, a malformed list or
-JSON, or CPUs that are not online leave the state exactly as it was.  Then the re-pin: the
-agent's blocking reply (:func:`vmpin.service.control.notify` with ``wait``: it answers once a
-pass that saw this write has finished), else a pass in this process; a failure puts the old
-set back.  The reconciler is only imported on that second path: with an agent, the command
-costs a store write and one round trip on top of its start-up (issue 14).
+JSON, or CPUs that are not online leave the state exactly as it was (:func:`record_update`,
+the checks and the write, whoever makes them).  With an agent, the agent does it all: the
+command sends the set (:func:`vmpin.service.control.update`), the agent writes it and
+answers once a pass planned from it has pinned (vmpin.service.agent_updates), and the
+command imports no store (issue 28: its cost is its start-up and one round trip).  Without
+one (or an older agent, or one that did not answer in time) this process writes and
+re-pins, asking an older agent to re-pin (:func:`vmpin.service.control.notify` with
+``wait``) before doing it itself; a failure puts the old set back.
 
 Never stalled by another process (issue 26): the agent's answer is waited for ``wait``
 seconds (1 s by default), SQLite's write lock and the node's plan lock for what is left of
@@ -21,13 +24,9 @@ import time
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError, StateError
-from vmpin.linux.files import read_bytes
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.oci import MAX_DOC, parse_resources_json
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
-from vmpin.state.records import ContainerRec
-from vmpin.state.store import Store
 from vmpin.wire import views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -37,6 +36,8 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vmpin.reconcile.reconciler import Reconciler
+    from vmpin.state.records import ContainerRec
+    from vmpin.state.store import Store
 
 
 class UnknownContainer(StateError):
@@ -46,6 +47,9 @@ class UnknownContainer(StateError):
 
 def _read_resources(source: str) -> bytes:
     """The ``-r`` document: a regular file (vmpin.linux.files: no FIFO, device or symlink)."""
+    from vmpin.linux.files import read_bytes
+    from vmpin.runtimes.oci import MAX_DOC
+
     if source == "-":
         data = sys.stdin.buffer.read(MAX_DOC + 1)
         if len(data) > MAX_DOC:
@@ -65,8 +69,45 @@ def parse_update(cpuset_cpus: str | None, resources: str | None) -> CpuSet | Non
         except CpuSetError as err:
             raise SpecError(f"--cpuset-cpus: {err}") from None
     assert resources is not None
+    # (the OCI document's reader for -r alone: --cpuset-cpus, what CRI runtimes' wrappers
+    # send, does not load it)
+    from vmpin.runtimes.oci import parse_resources_json
+
     where = "stdin" if resources == "-" else resources
     return parse_resources_json(_read_resources(resources), where).cpus
+
+
+class Late(StateError):
+    """The agent had an update's request past its ``until``: the caller does it itself."""
+
+
+def record_update(
+    store: Store, paths: HostPaths, container_id: str, cpus: CpuSet, until: float | None = None
+) -> tuple[ContainerRec, ContainerRec]:
+    """An update's checks and its write, the container's record (before, after): the one
+    home of both, for the command's own path and the agent's (vmpin.service.agent_updates).
+
+    Checked before anything is written: the container (its hook's journal applied first:
+    an event not yet in the store would otherwise land after this write and undo it), a set
+    not empty, every CPU online.  ``until`` (``time.monotonic()``): the write happens only
+    before it, checked under SQLite's write lock (:class:`Late`): the agent's, whose caller
+    writes the set itself once ``until`` has passed (vmpin.wire.control.Update)."""
+    # (raised, not printed and gone past: the write below would meet the same lock)
+    store.ingest()
+    old = store.container(container_id)
+    if old is None:
+        raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
+    if not cpus:
+        raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
+    from vmpin.linux.sysfs import read_topology
+
+    topo = read_topology(paths.sys, cache=paths.topology_cache, proc_root=paths.proc)
+    topo.check_online(cpus, f"container {container_id}")
+    with store.transaction():
+        if until is not None and time.monotonic() >= until:
+            raise Late(f"update of {container_id}: the caller's deadline has passed")
+        new = store.set_container_cpus(container_id, cpus, "update")
+    return old, new
 
 
 def update_container(
@@ -80,8 +121,8 @@ def update_container(
     wait: float = AGENT_WAIT,
     deadline: float | None = None,
 ) -> dict[str, Any]:
-    """Record the new set, then re-pin: through the agent when one answers (its reply comes
-    once a pass that saw this write has finished, so that the command returning means the
+    """Record the new set, then re-pin: by the agent when one answers (it writes the set
+    and answers once a pass planned from it has pinned: the command returning means the
     threads moved; ``wait`` bounds that), else in this process (a node-wide pass: another
     sandbox's plan may depend on this set).
 
@@ -90,33 +131,54 @@ def update_container(
     if deadline is None:
         deadline = time.monotonic() + wait + (BUDGET - AGENT_WAIT)
     cpus = parse_update(cpuset_cpus, resources)
+    ask = True  # whether this process's pass asks the agent first (the old protocol's)
+    if cpus:  # (None, nothing to do, and the empty set's error: this process says them)
+        wait = min(wait, max(0.05, deadline - time.monotonic()))
+        from vmpin.service.control import update as agent_update
+        from vmpin.wire.control import Update
+
+        until = time.monotonic() + wait
+        roots = dict(paths._asdict())
+        by_agent, answered = agent_update(paths, Update(container_id, cpus.to_list(), until,
+                                                        wait, roots))  # fmt: skip
+        if by_agent is not None and by_agent.done:
+            return views.update(
+                id=by_agent.id,
+                sandbox=by_agent.sandbox,
+                cpus=by_agent.cpus,
+                applied_by="re-pinned by the agent",
+            )
+        # An agent that refused the request (an older one) is asked the old way (this
+        # process writes, the agent re-pins); one that answered not done is alive but could
+        # not (the error is this process's to say), and one that did not answer by
+        # ``until`` is not waited for twice: this process re-pins.
+        ask = answered and by_agent is None
+    from vmpin.state.store import Store
+
     with Store(paths.state_dir, ingest=False, deadline=deadline) as store:
-        # (raised, not printed and gone past: the write below would meet the same lock)
-        store.ingest()
-        rec = store.container(container_id)
-        if rec is None:
-            raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
         if cpus is None:
+            store.ingest()
+            rec = store.container(container_id)
+            if rec is None:
+                raise UnknownContainer(
+                    f"unknown container {container_id!r} (see `vmpin containers`)"
+                )
             return views.update(
                 id=rec.id,
                 sandbox=rec.sandbox_id,
                 cpus=None if rec.cpus is None else rec.cpus.to_list(),
                 applied_by="nothing to do: no cpu.cpus given",
             )
-        if not cpus:
-            raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
-        from vmpin.linux.sysfs import read_topology
-
-        topo = read_topology(paths.sys, cache=paths.topology_cache, proc_root=paths.proc)
-        topo.check_online(cpus, f"container {container_id}")
-        old = rec
         # Committed without waiting for the disk, and synced while the agent's pass runs
         # (vmpin.state.store.Store.sync): durable before the command answers all the same,
         # and the agent starts ~1 ms sooner on a disk (issue 14).
         store.defer_durability()
-        rec = store.set_container_cpus(container_id, cpus, "update")
+        old, rec = record_update(store, paths, container_id, cpus)
         try:
-            return _repin(paths, store, rec, old.cpus, reconciler_factory, settings, wait, deadline)
+            return _repin(
+                paths, store, rec, old.cpus, reconciler_factory, settings, wait if ask else None,
+                deadline,
+            )  # fmt: skip
         except BaseException:
             # Failing means changing nothing: put the old set back before saying so -- if
             # the store still holds this write.  Another update may have been written and
@@ -138,14 +200,19 @@ def _repin(
     old: CpuSet | None,
     reconciler_factory: Callable[..., Reconciler] | None,
     settings: Settings | None,
-    wait: float,
+    wait: float | None,
     deadline: float,
 ) -> dict[str, Any]:
+    """The re-pin of a write this process made: the agent's (asked with ``wait``: an agent
+    that takes only the old request), else this process's."""
     from vmpin.service.control import notify
 
+    if wait is not None:
+        wait = min(wait, max(0.05, deadline - time.monotonic()))  # (what the store left)
     # (the guest's follower polls for its map: the agent answers once the threads are pinned)
-    wait = min(wait, max(0.05, deadline - time.monotonic()))  # (what the store left of it)
-    if notify(paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync, maps_first=False):
+    if wait is not None and notify(
+        paths, [rec.sandbox_id], wait=wait, meanwhile=store.sync, maps_first=False
+    ):
         applied = "re-pinned by the agent"
     else:
         # no agent, or none that finished a pass in ``wait``: this process does it (again)

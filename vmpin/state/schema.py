@@ -101,11 +101,16 @@ def state_error(path: str, err: BaseException) -> StateError:
     return StateError(f"{path}: {text}: {hint}")
 
 
-def connect(target: str, timeout: float, *, uri: bool = False) -> sqlite3.Connection:
+def connect(
+    target: str, timeout: float, *, uri: bool = False, shared: bool = False
+) -> sqlite3.Connection:
     """A connection as the store uses them: autocommit (transactions are the store's own,
     :meth:`vmpin.state.writer.Writer.transaction`), ``timeout`` for another's write lock, a
-    small page cache."""
-    db = sqlite3.connect(target, uri=uri, timeout=timeout, isolation_level=None)
+    small page cache.  ``shared``: used from several threads, one at a time (the caller
+    serialises them)."""
+    db = sqlite3.connect(
+        target, uri=uri, timeout=timeout, isolation_level=None, check_same_thread=not shared
+    )
     try:
         db.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
         db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")

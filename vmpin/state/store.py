@@ -67,9 +67,11 @@ class Store(Writer):
         timeout: float = 30.0,
         ingest: bool = True,
         deadline: float | None = None,
+        shared: bool = False,
     ) -> None:
         """Open (creating if needed) the state in ``state_dir``; with ``ingest``, first apply
         whatever the hooks journaled since, so every reader sees every recorded event.
+        ``shared``: used by several threads, one at a time (the agent's updates).
 
         ``timeout``: how long a write waits for another connection's write lock.  With
         ``deadline`` (``time.monotonic()``) instead, no such wait goes past it (each gets
@@ -103,7 +105,7 @@ class Store(Writer):
             # SQLite would follow a symlink planted here and write wherever it points
             raise StateError(f"{path}: not a regular file (a symlink?): refused")
         try:
-            super().__init__(state_dir, schema.connect(path, timeout))
+            super().__init__(state_dir, schema.connect(path, timeout, shared=shared))
             schema.ensure(self)
         except sqlite3.Error as err:
             try:  # noqa: SIM105 (contextlib stays off the hook's path)

@@ -12,6 +12,14 @@ cannot drift.  One JSON object per line each way, version :data:`VERSION`::
                                                    bookkeeping when asked; the agent's own
                                                    object, ``vmpin status`` prints it)
     {"op":"reconcile"}                          -> {"ok":true}: a full pass now
+    {"op":"update","container":id,"cpus":LIST,"until":t,"wait":s,"roots":{key:path}}
+                                                -> {"ok":true,"done":true,"id":id,
+                                                   "sandbox":id,"cpus":LIST}
+                                                   or {"ok":true,"done":false,"error":TEXT}
+        (``vmpin update`` written by the agent: the set is written only before "until",
+        CLOCK_MONOTONIC seconds, checked inside the write transaction; "done" once a pass
+        planned from it has pinned; not done, the set is as before: the caller does it
+        itself.  Refused when "roots" are not the agent's host roots)
     {"op":"view","view":NAME[,"sandbox":id][,"fresh":true][,"max_age":s],"wait":s,
      "settings":{key:value}}                    -> {"ok":true,"view":NAME,"age_s":s,
                                                    "pass":n,"text":TEXT}
@@ -54,7 +62,7 @@ MAX_AGE = 86400.0
 MAX_REPLY = 32 << 20
 #: the views the agent answers from its plan (vmpin.service.agent_views)
 VIEW_NAMES = ("containers", "sandboxes", "show", "audit")
-OPS = ("dirty", "status", "reconcile", "view")
+OPS = ("dirty", "status", "reconcile", "view", "update")
 
 
 class Dirty(NamedTuple):
@@ -127,8 +135,37 @@ class View(NamedTuple):
         return obj
 
 
+class Update(NamedTuple):
+    """``vmpin update``, written and re-pinned by the agent (vmpin.service.agent_updates):
+    the command then opens no store, and waits for one pass instead of a write, a sync and
+    a pass.
+
+    ``until`` (``time.monotonic()``, the caller's): the agent writes only before it, and
+    checks that inside the write transaction, so that a caller that gave up at ``until``
+    and wrote the set itself can never be overwritten by an agent that was stopped with
+    the request in hand (issue 26).  ``wait``: the caller's wait, which ``until`` must not
+    lie beyond (an agent whose monotonic clock is not the caller's refuses).  ``roots``:
+    the caller's host roots (HostPaths), which must be the agent's."""
+
+    container: str
+    cpus: str
+    until: float
+    wait: float
+    roots: dict[str, str]
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "op": "update",
+            "container": self.container,
+            "cpus": self.cpus,
+            "until": self.until,
+            "wait": self.wait,
+            "roots": self.roots,
+        }
+
+
 if TYPE_CHECKING:
-    Request: TypeAlias = Dirty | Status | Reconcile | View
+    Request: TypeAlias = Dirty | Status | Reconcile | View | Update
 
 
 class DirtyReply(NamedTuple):
@@ -176,6 +213,37 @@ class ViewReply(NamedTuple):
         return cls(view, text, float(age), number)
 
 
+class UpdateReply(NamedTuple):
+    """The agent's answer to :class:`Update`: ``done`` with the container's sandbox and set
+    as written, or not done with why (the set then is as it was, bar a later writer's)."""
+
+    done: bool
+    id: str = ""
+    sandbox: str = ""
+    cpus: str | None = None
+    error: str | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        if not self.done:
+            return {"ok": True, "done": False, "error": self.error or "not done"}
+        return {"ok": True, "done": True, "id": self.id, "sandbox": self.sandbox,
+                "cpus": self.cpus}  # fmt: skip
+
+    @classmethod
+    def from_obj(cls, reply: Mapping[str, Any] | None) -> UpdateReply | None:
+        """The answer in a reply; None when the agent did not take the request (an old
+        agent, a refusal, a reply of another shape)."""
+        if not reply or reply.get("ok") is not True or not isinstance(reply.get("done"), bool):
+            return None
+        if not reply["done"]:
+            error = reply.get("error")
+            return cls(False, error=error if isinstance(error, str) else None)
+        cid, sid, cpus = reply.get("id"), reply.get("sandbox"), reply.get("cpus")
+        if not isinstance(cid, str) or not isinstance(sid, str):
+            return None
+        return cls(True, cid, sid, cpus if isinstance(cpus, str) else None)
+
+
 def view_reply_to_json(view: str, text_json: str, age_s: float, number: int) -> bytes:
     """The reply line of a :class:`View`, around its text already written as a JSON string
     (the agent writes a plan's view once, for every reader of that plan)."""
@@ -193,7 +261,7 @@ def refused(error: str) -> dict[str, Any]:
 
 def request_to_json(message: Request | Mapping[str, Any]) -> bytes:
     """A request line (``message`` a request, or a raw object: tests and probes send any)."""
-    if isinstance(message, (Dirty, Status, Reconcile, View)):
+    if isinstance(message, (Dirty, Status, Reconcile, View, Update)):
         message = message.to_obj()
     return dumps(message).encode() + b"\n"
 
@@ -232,6 +300,8 @@ def request_from_json(line: bytes | str) -> Request:
         return Reconcile()
     if op == "view":
         return _view_from(msg)
+    if op == "update":
+        return _update_from(msg)
     raise WireError(f"unknown op {op!r} ({', '.join(OPS)})")
 
 
@@ -270,6 +340,27 @@ def _view_from(msg: Mapping[str, Any]) -> View:
     if wait is None:
         raise WireError("view: 'wait' is needed")
     return View(view, settings, wait, sandbox, fresh, _seconds(msg, "max_age", MAX_AGE))
+
+
+def _update_from(msg: Mapping[str, Any]) -> Update:
+    try:
+        cid = check_id(msg.get("container", ""), "container id")
+    except IdError as err:
+        raise WireError(f"update: {err}") from None
+    cpus, until, roots = msg.get("cpus"), msg.get("until"), msg.get("roots")
+    if not isinstance(cpus, str):
+        raise WireError("update: 'cpus' must be a CPU list")
+    # (NaN and infinity fail: a deadline no clock reaches would be no deadline)
+    if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 < until < 1e12:
+        raise WireError("update: 'until' must be a time of CLOCK_MONOTONIC in seconds")
+    wait = _seconds(msg, "wait", MAX_WAIT)
+    if wait is None:
+        raise WireError("update: 'wait' is needed")
+    if not isinstance(roots, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in roots.items()
+    ):
+        raise WireError("update: 'roots' must be an object of strings")
+    return Update(cid, cpus, float(until), wait, roots)
 
 
 def reply_to_json(reply: Mapping[str, Any]) -> bytes:
