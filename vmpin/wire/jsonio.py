@@ -23,6 +23,8 @@ limit handles it).  Hostile input costs an import of :mod:`json`; well-formed in
 
 from __future__ import annotations
 
+import sys
+
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -42,27 +44,9 @@ _WS = " \t\n\r"
 _CONSTANTS = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}
 
 
-class _Context:
-    """What ``_json.make_scanner`` reads off a ``json.JSONDecoder``: json's defaults."""
-
-    __slots__ = (
-        "memo",
-        "object_hook",
-        "object_pairs_hook",
-        "parse_constant",
-        "parse_float",
-        "parse_int",
-        "strict",
-    )
-
-    def __init__(self, object_pairs_hook: PairsHook) -> None:
-        self.strict = True
-        self.object_hook = None
-        self.object_pairs_hook = object_pairs_hook
-        self.parse_float = float
-        self.parse_int = int
-        self.parse_constant = _CONSTANTS.__getitem__
-        self.memo: dict[str, str] = {}
+#: types.SimpleNamespace, without importing types: the object _json.make_scanner reads its
+#: settings off (a class of our own for it was ~0.1 M instructions of every hook)
+_Namespace: Any = type(sys.implementation)
 
 
 _scanners: dict[object, Callable[[str, int], tuple[Any, int]]] = {}
@@ -71,9 +55,13 @@ _scanners: dict[object, Callable[[str, int], tuple[Any, int]]] = {}
 def _scanner(object_pairs_hook: PairsHook) -> Callable[[str, int], tuple[Any, int]]:
     scan = _scanners.get(object_pairs_hook)
     if scan is None:
-        # typeshed wants a JSONDecoder: any object with its attributes is what _json reads
-        context = _Context(object_pairs_hook)
-        scan = _scanners[object_pairs_hook] = _c.make_scanner(context)  # type: ignore[arg-type]
+        # what _json reads off a json.JSONDecoder (typeshed wants one: any object with its
+        # attributes will do), with json's defaults
+        context = _Namespace(
+            strict=True, object_hook=None, object_pairs_hook=object_pairs_hook,
+            parse_float=float, parse_int=int, parse_constant=_CONSTANTS.__getitem__, memo={},
+        )  # fmt: skip
+        scan = _scanners[object_pairs_hook] = _c.make_scanner(context)
     return scan
 
 
@@ -220,7 +208,7 @@ def dumps(
             out: list[str] = []
             _indented(obj, quote_, " " * indent, "\n", out, set(), sort_keys)
             return "".join(out)
-        except _Unusual:
+        except NotImplementedError:  # (a value the indented writer leaves to json)
             pass  # json does it (keys that are not strings, subclasses, ...)
     if _c is None or indent is not None:
         import json
@@ -237,10 +225,6 @@ def dumps(
     return "".join(encode(obj, 0))
 
 
-class _Unusual(Exception):
-    """A value the indented writer leaves to json (its text would differ otherwise)."""
-
-
 def _indented(
     o: object,
     quote: Callable[[str], str],
@@ -252,11 +236,13 @@ def _indented(
 ) -> None:
     """json.dumps(o, indent=..., sort_keys=...)'s text, for the plain types json's own writer
     takes; a cycle is left to json (its ValueError).  (json sorts a dict's items before it
-    looks at their keys: with str keys only, which is all this writes, that is by key.)"""
+    looks at their keys: with str keys only, which is all this writes, that is by key.)
+    NotImplementedError for a value it leaves to json (its text would differ otherwise):
+    a builtin's, not a class of ours, which every hook would build for nothing."""
     t = type(o)
     if t is list or t is tuple or t is dict:
         if id(o) in seen:
-            raise _Unusual
+            raise NotImplementedError
         seen.add(id(o))
     if t is str:
         out.append(quote(o))  # type: ignore[arg-type]
@@ -301,11 +287,11 @@ def _indented(
         items: Iterable[tuple[object, object]] = d.items()
         if sort_keys:
             if any(type(k) is not str for k in d):
-                raise _Unusual
+                raise NotImplementedError
             items = sorted(d.items())  # (by key: keys are unique, values never compared)
         for k, v in items:
             if type(k) is not str:
-                raise _Unusual
+                raise NotImplementedError
             append(inner if first else comma)
             first = False
             append(quote(k))
@@ -325,4 +311,4 @@ def _indented(
         append(nl + "}")
         seen.discard(id(o))
     else:
-        raise _Unusual
+        raise NotImplementedError
