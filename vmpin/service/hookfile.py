@@ -60,6 +60,7 @@ HOOK_MODULES = (
     "vmpin/entry.py",
     "vmpin/core/__init__.py",
     "vmpin/lean/__init__.py",
+    "vmpin/lean/dataclass.py",
     "vmpin/lean/records.py",
     "vmpin/lean/shapes.py",
     "vmpin/core/allocate.py",
