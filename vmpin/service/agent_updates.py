@@ -81,13 +81,14 @@ class AgentUpdates:
 
         def sync() -> None:
             # the write made durable while the planner's pass runs (the answer waits for
-            # both); a disk that fails it makes the answer that failure, whoever sends it
-            with self._lock:
-                try:
-                    store.sync()
-                except VmpinError as err:
-                    done.clear()
-                    done.update(UpdateReply(False, error=str(err)).to_obj())
+            # both); a disk that fails it makes the answer that failure, whoever sends it.
+            # Outside the lock: a sync is of the files (the next update's write need not
+            # wait for this one's fsyncs), and it syncs whatever was written before it.
+            try:
+                store.sync()
+            except (VmpinError, sqlite3.Error) as err:
+                done.clear()
+                done.update(UpdateReply(False, error=str(err)).to_obj())
 
         reply = self.wait_for(new.sandbox_id, left, answer, done, sync)
         if reply.get("done"):
