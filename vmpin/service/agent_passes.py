@@ -108,9 +108,12 @@ class Settler:
         failed: Callable[[StateError], None],
         fault: Callable[[str, BaseException], None],
         every: float = SETTLE_EVERY,
+        write_lock: threading.Lock | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.every = every
+        #: the agent's writers' lock (Planner.write_lock)
+        self.write_lock = write_lock
         #: a store that cannot be written (Planner.store_failed); any other error it outlives
         self._failed = failed
         self._fault = fault
@@ -160,6 +163,7 @@ class Settler:
                 try:
                     if store is None:
                         store = Store(self.state_dir, ingest=False)
+                        store.local_lock = self.write_lock
                     store.settle_journal()
                     if changes != synced:
                         store.sync()
@@ -216,6 +220,10 @@ class Planner:
         self._api_policy_version = -1
         #: the thread that settles the store after the passes, while :meth:`run` runs
         self.settler: Settler | None = None
+        #: the agent's writers queue on this rather than on SQLite's sleeping busy handler:
+        #: the planner's, the settler's, the updates' and the main thread's connections
+        #: (vmpin.state.writer.Writer.local_lock)
+        self.write_lock = threading.Lock()
 
     # -- full passes (the main thread) -----------------------------------------------------
     def full_pass(self, store: Store, cause: str) -> bool:
@@ -246,6 +254,7 @@ class Planner:
         while True:
             try:
                 store = Store(self.paths.state_dir)
+                store.local_lock = self.write_lock
                 try:
                     reconciler = self._setup(store)
                 except BaseException:
@@ -263,7 +272,9 @@ class Planner:
                 self.metrics.errors.labels("internal").inc()
                 self.fatal()
                 return
-        settler = self.settler = Settler(self.paths.state_dir, self.store_failed, self.fault)
+        settler = self.settler = Settler(
+            self.paths.state_dir, self.store_failed, self.fault, write_lock=self.write_lock
+        )
         settler.start()
         try:
             with store:

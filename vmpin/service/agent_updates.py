@@ -48,9 +48,13 @@ class AgentUpdates:
     """The agent's side of ``update``: one store connection for every request (opened at the
     first), used by one request at a time."""
 
-    def __init__(self, paths: HostPaths, wait_for: WaitFor) -> None:
+    def __init__(
+        self, paths: HostPaths, wait_for: WaitFor, write_lock: threading.Lock | None = None
+    ) -> None:
         self.paths = paths
         self.wait_for = wait_for
+        #: the agent's writers' lock (vmpin.state.writer.Writer.local_lock)
+        self.write_lock = write_lock
         self._roots = dict(paths._asdict())
         self._lock = threading.Lock()
         self._store: Store | None = None
@@ -108,6 +112,7 @@ class AgentUpdates:
     def _open(self) -> Store:
         if self._store is None:
             store = Store(self.paths.state_dir, ingest=False, shared=True)
+            store.local_lock = self.write_lock
             # commits do not wait for the disk: each update is synced while its pass runs
             store.defer_durability()
             self._store = store
