@@ -23,8 +23,9 @@ from vmpin.service.logs import Throttle, log_event
 from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
-from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, Update, View, refused
-from vmpin.wire.control import request_from_json as read_request
+from vmpin.wire.control import OK, Dirty, DirtyReply, refused
+from vmpin.wire.control_commands import Reconcile, Status, Update, View
+from vmpin.wire.control_commands import request_from_json as read_request
 
 #: the least time between two log lines about bad requests
 BAD_LOG_EVERY = 60.0

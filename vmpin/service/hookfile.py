@@ -126,6 +126,7 @@ HOOK_MODULES = (
     "vmpin/wire/__init__.py",
     "vmpin/wire/argv.py",
     "vmpin/wire/control.py",
+    "vmpin/wire/control_commands.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
