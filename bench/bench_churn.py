@@ -27,6 +27,17 @@ planner thread's CPU time per node pass run for events alone -- load does not mo
 the node shows in the first at once (issue 28: the round trips had grown ~4x unnoticed);
 ``bench/bench_event_pass.py`` measures that pass at 60 / 500 / 2,000 sandboxes.
 
+And where a round trip's time goes, so that a wait the agent's design adds shows apart from
+the machine's load: ``update_phases`` splits each update into its exchange with the agent
+(``agent_ms``: connecting, the request, the answer read; the update's sync runs meanwhile)
+and the rest (``own_ms``: the store opened, the journal applied, the write); the agent's
+metrics say what the exchange was made of -- ``queue_wait_mean_ms`` (notification -> the
+start of the pass that takes it: the rest of the pass running when it came),
+``event_pass_wall_mean_ms`` (that pass's start -> its threads pinned; over
+``event_pass_cpu_mean_ms``, the CPU contention), ``pass_tail_mean_ms`` (the planner's time
+after the answers, which a request arriving then waits for).  A queue wait near or above
+the pass's wall time means requests wait for whole passes not theirs.
+
 At the end the bench waits until the agent is idle and checks: ``vmpin audit`` exits 0;
 the store holds exactly the live containers, each with the CPU set it was last given (zero
 lost events); every thread of every VMM is inside its sandbox's mask; no sandbox is dirty;
@@ -53,6 +64,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -69,6 +81,20 @@ from vmpin.service.update import update_container  # noqa: E402
 from vmpin.state.store import Store  # noqa: E402
 
 CHOICES = ("0", "1", "0-1")
+#: seconds each update thread spent exchanging with the agent (control._send, wrapped below)
+_EXCHANGE = threading.local()
+_send = control._send
+
+
+def _timed_send(*args: Any, **kw: Any) -> bytes | None:
+    t0 = time.perf_counter()
+    try:
+        return _send(*args, **kw)
+    finally:
+        _EXCHANGE.seconds = getattr(_EXCHANGE, "seconds", 0.0) + time.perf_counter() - t0
+
+
+control._send = _timed_send  # (every request, notify and post of this process goes through it)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -108,6 +134,9 @@ class Churn:
         self.serial = 0
         self.hook_ms: list[float] = []
         self.update_ms: list[float] = []
+        #: each update's exchange with the agent, and the rest of it (ms)
+        self.agent_ms: list[float] = []
+        self.own_ms: list[float] = []
         self.counts = {
             "updates": 0,
             "creates": 0,
@@ -228,12 +257,16 @@ class Churn:
     def update(self, sb: Sandbox) -> None:
         cid = self.rng.choice([sb.id, f"{sb.id}-app"])
         cpus = self.rng.choice(CHOICES)
+        _EXCHANGE.seconds = 0.0
         t0 = time.perf_counter()
         result = update_container(self.paths, cid, cpuset_cpus=cpus)
         ms = (time.perf_counter() - t0) * 1000
+        agent_ms = _EXCHANGE.seconds * 1000
         with self.lock:
             self.want[cid] = cpus
             self.update_ms.append(ms)
+            self.agent_ms.append(agent_ms)
+            self.own_ms.append(ms - agent_ms)
             self.counts["updates"] += 1
             if "agent" not in result["applied_by"]:
                 self.counts["updates_applied_in_process"] += 1
@@ -390,6 +423,10 @@ def main() -> int:
         lat_n = delta("vmpin_pin_latency_seconds_count")
         ev_n = delta("vmpin_event_pass_cpu_seconds_count")
         events = delta("vmpin_events_total")
+
+        def mean_ms(histogram: str) -> float | None:
+            n = delta(f"{histogram}_count")
+            return round(1000 * delta(f"{histogram}_sum") / n, 2) if n else None
         result = {
             "benchmark": "churn",
             "sandboxes": args.sandboxes,
@@ -400,6 +437,10 @@ def main() -> int:
             "settle_s": round(settle_s, 2),
             "operations": dict(churn.counts),
             "update_round_trip": summary(churn.update_ms),
+            "update_phases": {
+                "agent_ms": summary(churn.agent_ms),
+                "own_ms": summary(churn.own_ms),
+            },
             "hook_wall": summary(churn.hook_ms),
             "agent": {
                 "events": delta("vmpin_events_total"),
@@ -415,6 +456,10 @@ def main() -> int:
                 if ev_n
                 else None,
                 "event_passes": ev_n,
+                # where a waiter's time goes (see the module's docstring)
+                "queue_wait_mean_ms": mean_ms("vmpin_queue_wait_seconds"),
+                "event_pass_wall_mean_ms": mean_ms("vmpin_event_pass_seconds"),
+                "pass_tail_mean_ms": mean_ms("vmpin_pass_tail_seconds"),
                 "node_passes_per_event": round(delta("vmpin_node_passes_total") / events, 3)
                 if events
                 else None,

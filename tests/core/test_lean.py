@@ -68,7 +68,7 @@ def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
     """Records of one shape share __init__'s code, renamed: each still sets its own fields."""
     import dataclasses
 
-    from vmpin.lean.records import FrozenInstanceError, dataclass, field, replace
+    from vmpin.lean.dataclass import FrozenInstanceError, dataclass, field, replace
 
     @dataclass(frozen=True)
     class F:
@@ -130,6 +130,25 @@ def test_shapes_module_is_generated_and_current() -> None:
             code.co_code, code.co_consts, code.co_names, code.co_varnames)  # fmt: skip
 
 
+def test_namedtuples_alone_load_no_dataclass_half() -> None:
+    """A process that makes NamedTuples only (a plain container's hook) does not load the
+    dataclass half (vmpin.lean.dataclass)."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys
+from vmpin.lean.records import NamedTuple
+class P(NamedTuple):
+    a: int
+    b: str = "x"
+assert P(1) == (1, "x")
+print(sorted(m for m in sys.modules if m.startswith("vmpin.lean.")))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['vmpin.lean.records', 'vmpin.lean.shapes']"
+
+
 def test_records_compile_nothing_for_known_shapes_and_the_rest_on_first_use() -> None:
     """In a fresh interpreter: defining records compiles nothing; the first instance of a
     shape with a factory compiles its template once, and the class then has the real
@@ -179,8 +198,8 @@ def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
     import pkgutil
 
     import vmpin
-    from vmpin.lean import records as _lean
     from vmpin.lean import shapes as _shapes
+    from vmpin.lean.dataclass import _Factory
 
     missing = []
     for info in pkgutil.walk_packages(vmpin.__path__, "vmpin."):
@@ -191,7 +210,7 @@ def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
             if not isinstance(cls, type) or cls.__module__ != mod.__name__:
                 continue
             if "_lean_defaults" in cls.__dict__:
-                kinds = tuple("f" if isinstance(d, _lean._Factory) else "="
+                kinds = tuple("f" if isinstance(d, _Factory) else "="
                               for d in cls.__dict__["_lean_defaults"].values())  # fmt: skip
                 key: tuple[object, ...] = ("init", "__delattr__" in cls.__dict__, kinds)
             elif issubclass(cls, tuple) and "_field_defaults" in cls.__dict__:

@@ -260,6 +260,63 @@ def test_backwards_cpus_names_field_and_input() -> None:
         parse_config(_spec({"cpus": "9-2"}))
 
 
+def _containerd_spec(cpu: dict[str, Any], annotations: dict[str, str]) -> dict[str, Any]:
+    """A spec shaped as containerd's CRI writes one: most of its bytes are the process, the
+    mounts and the seccomp profile, none of which parse_config reads."""
+    spec: dict[str, Any] = json.loads(_spec(cpu, annotations))
+    spec["process"] = {"args": ["/bin/sh"], "env": [f"V{i}=x" for i in range(20)],
+                       "capabilities": {"bounding": ["CAP_CHOWN", "CAP_KILL"]}}  # fmt: skip
+    spec["mounts"] = [{"destination": f"/m{i}", "type": "bind", "source": f"/s{i}",
+                       "options": ["rbind", "ro"]} for i in range(10)]  # fmt: skip
+    spec["linux"]["seccomp"] = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+        {"names": [f"sys{i}" for i in range(300)], "action": "SCMP_ACT_ALLOW"},
+        {"names": ["personality"], "action": "SCMP_ACT_ALLOW",
+         "args": [{"index": 0, "value": 8, "op": "SCMP_CMP_EQ"}]},
+    ]}  # fmt: skip
+    spec["linux"]["maskedPaths"] = ["/proc/kcore"]
+    return spec
+
+
+def test_parse_config_reads_only_its_members() -> None:
+    """The members parse_config reads are what a whole read gives, in a containerd-sized
+    spec, with Go's key matching (a "Linux" after "linux" is read too: its resources are the
+    last ones); what it does not read is only checked to be JSON: nested past the depth
+    limit there is no error (runc reads it), in the resources it is."""
+    spec = _containerd_spec({"cpus": "2-3", "mems": "0", "quota": 200000, "period": 100000},
+                            {"io.kubernetes.cri.sandbox-id": "sb1"})  # fmt: skip
+    config = parse_config(json.dumps(spec).encode())
+    assert config.resources == Resources(CpuSet([2, 3]), "0", 200000, 100000)
+    assert config.annotations == {"io.kubernetes.cri.sandbox-id": "sb1"}
+    text = json.dumps(spec)[:-1] + ', "Linux": {"Resources": {"cpu": {"mems": "1"}}}}'
+    assert parse_config(text).resources == Resources(None, "1")
+    text = json.dumps(spec)[:-1] + ', "Linux": {"namespaces": []}}'
+    assert parse_config(text).resources == config.resources
+    deep: Any = "x"
+    for _ in range(100):
+        deep = [deep]
+    spec["linux"]["seccomp"]["x"] = spec["process"]["x"] = deep
+    assert parse_config(json.dumps(spec)).resources.cpus == CpuSet([2, 3])
+    spec["linux"]["resources"]["x"] = deep
+    with pytest.raises(SpecError, match="nested too deeply"):
+        parse_config(json.dumps(spec))
+    with pytest.raises(SpecError, match="malformed JSON"):
+        parse_config(json.dumps(_containerd_spec({}, {}))[:-1] + ', "mounts": [1,]}')
+
+
+@pytest.mark.parametrize(
+    ("annotations", "names"),
+    [({"ok": "x", "k": "\ud800"}, "annotation 'k'"), ({"\udc00": "v"}, "annotation key"),
+     ({"a": "b", "long": "x" * ((64 << 10) + 1)}, "annotation 'long'"),
+     ({"x" * ((64 << 10) + 1): "v"}, "annotation key")],
+)  # fmt: skip
+def test_annotations_refused_are_named(annotations: dict[str, str], names: str) -> None:
+    """The annotation refused is the one named."""
+    with pytest.raises(SpecError, match=names):
+        parse_config(json.dumps({"annotations": annotations}), where="/b/config.json")
+    ok = {"a": "é", "b": "x" * (64 << 10)}
+    assert parse_config(json.dumps({"annotations": ok})).annotations == ok
+
+
 def test_read_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(_spec({"cpus": "1"}, {"a": "b"}))
     config = read_config(str(tmp_path))
@@ -575,8 +632,16 @@ def test_a_pid_whose_command_line_names_the_sandbox_is_asked_about_as_its_vmm(
                                                                        "cmdline"), 5)  # fmt: skip
         assert detect_runtime(paths, sid, poser.pid) == "kata"
         assert asked.call_count == 1
+        # the hook's start time, read before: the command line is read once, and a start
+        # time that is not the pid's (reused since) is no VMM
+        start = procfs.start_time(paths.proc, poser.pid)
+        reads = mocker.spy(procfs, "read_text")
+        assert detect_runtime(paths, sid, poser.pid, start) == "kata"
+        assert [c.args[2] for c in reads.call_args_list].count("cmdline") == 1
+        assert detect_runtime(paths, sid, poser.pid, start - 1) == "runc"
+        asked.reset_mock()
         assert detect_runtime(paths, new_id("other"), poser.pid) == "runc"
-        assert asked.call_count == 1  # (its command line does not name that sandbox)
+        asked.assert_not_called()  # (its command line does not name that sandbox)
     finally:
         os.killpg(poser.pid, signal.SIGKILL)
         poser.wait()

@@ -25,7 +25,8 @@ from vmpin.service.agent_updates import AgentUpdates
 from vmpin.service.update import update_container
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
-from vmpin.wire.control import Update, UpdateReply, request_from_json, request_to_json
+from vmpin.wire.control import request_to_json
+from vmpin.wire.control_commands import Update, UpdateReply, request_from_json
 
 
 def _container(paths: HostPaths, cpus: str = "0") -> str:

@@ -34,7 +34,8 @@ from vmpin.service.agent_views import AgentViews, _Plan
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.settings import Settings
 from vmpin.state.store import Store
-from vmpin.wire.control import MAX_REPLY, View
+from vmpin.wire.control import MAX_REPLY
+from vmpin.wire.control_commands import View
 
 COMMANDS = [
     ["containers"],

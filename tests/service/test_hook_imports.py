@@ -147,10 +147,12 @@ def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) ->
     assert_lean(loaded, reconciled=False)
     assert "socket" not in loaded  # no socket file: not even imported
     # ...nor control's module; and the state pid (this process: its command line does not
-    # name the sandbox) is told from a VMM without vmm's module (vmpin.runtimes.oci._names)
+    # name the sandbox) is told from a VMM without vmm's module (vmpin.runtimes.oci._cmdline)
     assert "vmpin.service.control" not in loaded
     assert "vmpin.runtimes.vmm" not in loaded
     assert "errno" not in loaded  # (procfs tells errors by OSError's subclasses)
+    # NamedTuples only: the dataclass half of vmpin.lean.records stays unloaded (~0.3 M)
+    assert "vmpin.lean.dataclass" not in loaded
     # ...and the event it journaled is in the store for the next reader
     listed = subprocess.run(
         [sys.executable, "-m", "vmpin", "--state-dir", paths.state_dir, "containers", "--json"],

@@ -85,12 +85,18 @@ class OneReplyAgent:
         """The first connection whose request is not an ``update`` (those refused)."""
         while True:
             conn, _ = self.sock.accept()
+            self._accepted()
             msg = read_line(conn)
             if msg.get("op") != "update":
                 return conn, msg
             with conn:
                 self.refused.append(msg)
+                self._accepted(refused=True)
                 send_line(conn, {"ok": False, "error": "unknown op 'update'"})
+
+    def _accepted(self, refused: bool = False) -> None:
+        """A connection came (its request may still be on its way); called again with
+        ``refused`` once its request was an ``update`` and refused."""
 
     def _serve(self) -> None:
         conn, self.request = self._accept()
@@ -111,11 +117,18 @@ class SyncWatchingAgent(OneReplyAgent):
         self.synced, self.events = synced, events
         super().__init__(path, {"ok": True, "queued": 1, "done": True})
 
+    def _accepted(self, refused: bool = False) -> None:
+        # from the connection on: the caller may sync as soon as its line is sent, before
+        # this thread has read it (a sync before the connection does not count)
+        if refused:  # (the caller writes nothing before it has the refusal)
+            self.events.remove("request")
+            return
+        self.events.append("request")
+        self.synced.clear()
+
     def _serve(self) -> None:
         conn, self.request = self._accept()
         with conn:
-            self.events.append("request")
-            self.synced.clear()
             done = self.synced.wait(10)
             self.events.append("reply" if done else "no sync while waiting")
             send_line(conn, self.reply)

@@ -12,15 +12,17 @@ from vmpin.wire.control import (
     MAX_WAIT,
     Dirty,
     DirtyReply,
+    refused,
+    reply_from_json,
+    reply_to_json,
+    request_to_json,
+)
+from vmpin.wire.control_commands import (
     Reconcile,
     Status,
     View,
     ViewReply,
-    refused,
-    reply_from_json,
-    reply_to_json,
     request_from_json,
-    request_to_json,
     view_reply_to_json,
 )
 

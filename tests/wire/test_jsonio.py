@@ -116,6 +116,73 @@ def test_hostile_inputs_behave_as_json(data: bytes | str) -> None:
     assert outcome(jsonio.loads) == outcome(json.loads)
 
 
+def _prune(value: object, keep: jsonio.Selector) -> object:
+    """What loads_members should give: ``value`` with only the selected members."""
+    if not isinstance(value, dict):
+        return value
+    pairs = [(k, v if want is True else _prune(v, want)) for k, v in value.pairs  # type: ignore[attr-defined]
+             for want in [keep(k)] if want is not None]  # fmt: skip
+    return Obj(pairs)
+
+
+def _keep_a(key: str) -> jsonio.Selector | bool | None:
+    return True if key == "a" else None
+
+
+def _keep_top(key: str) -> jsonio.Selector | bool | None:
+    """"a" whole, of "b" only its "a", nothing else (a config.json's shape)."""
+    return {"a": True, "b": _keep_a}.get(key)  # type: ignore[return-value]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", ""]), values, max_size=6),
+       st.sampled_from(["", " ", "\n\t "]))  # fmt: skip
+def test_members_are_the_documents(value: dict[str, object], ws: str) -> None:
+    """The members kept are what loads gives for them, in order, repeated keys and all."""
+    text = json.dumps(value, separators=("," + ws, ":" + ws))
+    # repeated keys, as Go reads them, and a value the selector would walk into
+    rest = f",{text[1:]}" if value else "}"
+    text = f"{ws}{{{ws}\"b\"{ws}:{ws}{{\"a\": 1, \"c\": [{{}}]}}{ws}{rest}{ws}"
+    whole = jsonio.loads(text, object_pairs_hook=Obj)
+    got = jsonio.loads_members(text, _keep_top, object_pairs_hook=Obj)
+    assert got.pairs == _prune(whole, _keep_top).pairs  # type: ignore[attr-defined]
+    assert type(jsonio.loads_members(text, _keep_top)) is dict
+
+
+@given(st.text(max_size=30) | st.binary(max_size=30))
+def test_members_same_outcome_on_any_input(data: str | bytes) -> None:
+    """Accepted or refused as json accepts or refuses it, with json's error."""
+    try:
+        expected: object = ("ok", _prune(json.loads(data, object_pairs_hook=Obj), _keep_top))
+    except (ValueError, TypeError) as err:
+        expected = (type(err), str(err))
+    try:
+        got: object = ("ok", jsonio.loads_members(data, _keep_top, object_pairs_hook=Obj))
+    except (ValueError, TypeError) as err:
+        got = (type(err), str(err))
+    if expected[0] == "ok" and isinstance(expected[1], float) and math.isnan(expected[1]):
+        assert got[0] == "ok" and math.isnan(got[1])  # type: ignore[index,arg-type]
+    else:
+        assert repr(got) == repr(expected)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"{", b'{"a": 1} x', b'{"a": 1,}', b'{"c": [1,]}', b'{"c" 1}', b'{"b": {"a": }}',
+     b'{"c": "\x01"}', b'{c: 1}', b'{"b": 1, "a": [1, 2]}', b'{"b": null}', b"[1]", b'"x"',
+     b'{"b": [{"a": 1}]}', b" {} ", b'{"c": ' + b"[" * 5000 + b"]" * 5000 + b"}"],
+)  # fmt: skip
+def test_members_hostile_inputs_behave_as_json(data: bytes) -> None:
+    def outcome(f: object) -> object:
+        try:
+            return ("ok", repr(f()))  # type: ignore[operator]
+        except (ValueError, TypeError, RecursionError) as err:
+            return (type(err), str(err))
+
+    want = outcome(lambda: _prune(json.loads(data, object_pairs_hook=Obj), _keep_top))
+    assert outcome(lambda: jsonio.loads_members(data, _keep_top, object_pairs_hook=Obj)) == want
+
+
 def test_unserializable_is_jsons_type_error() -> None:
     with pytest.raises(TypeError, match="Object of type set is not JSON serializable"):
         jsonio.dumps({"a": {1}})

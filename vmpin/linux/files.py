@@ -27,7 +27,7 @@ import stat
 import time
 
 from vmpin.core.errors import PermissionDenied, SpecError, UnsafeFile
-from vmpin.wire.jsonio import loads
+from vmpin.wire.jsonio import loads, loads_members
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vmpin.core.errors import VmpinError
+    from vmpin.wire.jsonio import Selector
 
 #: default size limit: every file vmpin reads this way is a few KiB (a Kata config.json with
 #: all its annotations is ~20 KiB; a 1,000-pod kubelet checkpoint ~200 KiB).
@@ -264,12 +265,21 @@ def load_json(
     *,
     max_depth: int = MAX_DEPTH,
     object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+    keep: Selector | None = None,
 ) -> Any:
     """Parse untrusted JSON; :class:`SpecError` naming ``where`` for anything malformed,
     undecodable or nested deeper than ``max_depth``. ``object_pairs_hook`` as for
-    :func:`json.loads` (vmpin.core.gojson keeps repeated keys as Go's decoder sees them)."""
+    :func:`json.loads` (vmpin.core.gojson keeps repeated keys as Go's decoder sees them).
+
+    ``keep``: only these members of the document's object are kept
+    (:func:`vmpin.wire.jsonio.loads_members`); the depth limit then holds for what is kept,
+    the rest is only checked to be JSON (the C scanner's own limit, ~1000 levels: beyond it
+    the same SpecError)."""
     try:
-        doc = loads(data, object_pairs_hook=object_pairs_hook)
+        if keep is None:
+            doc = loads(data, object_pairs_hook=object_pairs_hook)
+        else:
+            doc = loads_members(data, keep, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise SpecError(f"{where}: JSON nested too deeply (limit {max_depth})") from None
     except (ValueError, UnicodeDecodeError) as err:

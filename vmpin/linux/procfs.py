@@ -88,7 +88,11 @@ def comm(proc: str, pid: int, tid: int | None = None) -> str:
 
 
 def cmdline(proc: str, pid: int) -> list[str]:
-    raw = read_text(proc, pid, "cmdline")
+    return split_cmdline(read_text(proc, pid, "cmdline"))
+
+
+def split_cmdline(raw: str) -> list[str]:
+    """The arguments in a ``cmdline`` file's text (NUL-terminated, or not after a rewrite)."""
     return [arg for arg in raw.split("\0")[:-1]] if raw.endswith("\0") else raw.split("\0")
 
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from typing import Any, NamedTuple
 
     from vmpin.linux.paths import HostPaths
+    from vmpin.wire.jsonio import Selector
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -95,11 +96,11 @@ def _obj(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _loads(text: str | bytes, where: str) -> Any:
+def _loads(text: str | bytes, where: str, keep: Selector | None = None) -> Any:
     if len(text) > MAX_DOC:
         raise SpecError(f"{where}: {len(text)} bytes, over the limit of {MAX_DOC}")
     # Go's key matching (gojson.Obj keeps repeated keys) on the one depth-limited reader
-    return load_json(text, where, object_pairs_hook=gojson.Obj)
+    return load_json(text, where, object_pairs_hook=gojson.Obj, keep=keep)
 
 
 def _text(value: str, where: str) -> str:
@@ -269,8 +270,21 @@ class Config(NamedTuple):
     annotations: dict[str, str]
 
 
+def _spec_member(key: str) -> Selector | bool | None:
+    """What parse_config reads of a config.json: the annotations and, of every member Go
+    decodes into ``linux``, its ``resources`` -- not the process, mounts, namespaces or
+    seccomp profile, most of a containerd spec's bytes (vmpin.wire.jsonio.loads_members)."""
+    if key == "annotations":
+        return True
+    return _linux_member if gojson.matches(key, "linux", _SPEC_FIELDS) else None
+
+
+def _linux_member(key: str) -> bool | None:
+    return True if gojson.matches(key, "resources", _LINUX_FIELDS) else None
+
+
 def parse_config(text: str | bytes, where: str = "config.json") -> Config:
-    obj = _obj(_loads(text, where), where)
+    obj = _obj(_loads(text, where, _spec_member), where)
     resources = Resources()
     # runc decodes config.json with Go's encoding/json too: "Linux"/"Resources" count.
     for linux in _go_object(obj, "linux", _SPEC_FIELDS, f"{where}:"):
@@ -375,30 +389,38 @@ def identity(state: State, annotations: dict[str, str]) -> Identity:
     return ident
 
 
-def detect_runtime(paths: HostPaths, sandbox_id: str, hint_pid: int | None) -> str:
-    """Kata when the sandbox has a VM dir or the state pid is its QEMU; plain otherwise."""
+def detect_runtime(
+    paths: HostPaths, sandbox_id: str, hint_pid: int | None, hint_start: int | None = None
+) -> str:
+    """Kata when the sandbox has a VM dir or the state pid is its QEMU; plain otherwise.
+    ``hint_start``: the pid's start time, when the caller read it (before this call)."""
     if os.path.isdir(os.path.join(paths.vm_dir, sandbox_id)):
         return "kata"
-    if hint_pid and _names(paths, hint_pid, sandbox_id):
-        from vmpin.runtimes import vmm
+    raw = _cmdline(paths, hint_pid) if hint_pid else None
+    if hint_pid is None or raw is None or sandbox_id not in raw:
+        return "runc"
+    from vmpin.linux import procfs
+    from vmpin.runtimes import vmm
 
-        if vmm.is_vmm_of(paths, hint_pid, sandbox_id):
-            return "kata"
-    return "runc"
+    # the command line read here is not read again; the start time, read before it, is
+    # compared after it (vmm._read_vmm: the pid was not reused meanwhile)
+    known = None if hint_start is None else (hint_start, procfs.split_cmdline(raw))
+    return "kata" if vmm.is_vmm_of(paths, hint_pid, sandbox_id, known) else "runc"
 
 
-def _names(paths: HostPaths, pid: int, sandbox_id: str) -> bool:
-    """Whether ``pid``'s command line holds ``sandbox_id`` at all: a sandbox's QEMU names it
-    (``-name sandbox-<id>``, the id verbatim since ids hold no ``,`` for QEMU to escape), so
-    a pid whose command line does not -- a runc container's init, at every plain start -- is
-    told apart with this one read, without vmpin.runtimes.vmm's module and its four (0.8 M of
-    the runc hook's 46.6 M instructions, a bare interpreter 38.6 M: docs/benchmarks.md)."""
+def _cmdline(paths: HostPaths, pid: int) -> str | None:
+    """``pid``'s command line as text; None when it is gone.  Whether it holds the sandbox's
+    id at all tells most pids apart: a sandbox's QEMU names it (``-name sandbox-<id>``, the id
+    verbatim since ids hold no ``,`` for QEMU to escape), so a pid whose command line does not
+    -- a runc container's init, at every plain start -- is told apart with this one read,
+    without vmpin.runtimes.vmm's module and its four (0.8 M of the runc hook's 46.6 M
+    instructions, a bare interpreter 38.6 M: docs/benchmarks.md)."""
     from vmpin.linux import procfs
 
     try:
-        return sandbox_id in procfs.read_text(paths.proc, pid, "cmdline")
+        return procfs.read_text(paths.proc, pid, "cmdline")
     except VmpinError:
-        return False  # (gone: not a VMM either)
+        return None  # (gone: not a VMM either)
 
 
 def _start_time(paths: HostPaths, pid: int) -> int | None:
@@ -452,7 +474,9 @@ def hook_event(paths: HostPaths, stage: str, state: State | bytes) -> HookEvent:
         if stage in CREATE_STAGES:
             raise
         ident = None  # poststop/poststart: the store may know it by bundle
-    runtime = None if ident is None else detect_runtime(paths, ident.sandbox_id, host_pid)
+    runtime = (
+        None if ident is None else detect_runtime(paths, ident.sandbox_id, host_pid, pid_start)
+    )
     return HookEvent(
         stage, state.id, state.bundle, state.annotations, host_pid, pid_start, ident, cpus,
         mems, runtime, has_config, limit,

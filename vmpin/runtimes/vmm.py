@@ -164,8 +164,12 @@ def runner_uid(paths: HostPaths, sandbox_id: str) -> int:
         return os.geteuid()
 
 
-def _read_vmm(paths: HostPaths, pid: int, sandbox_id: str) -> Vmm | None:
+def _read_vmm(
+    paths: HostPaths, pid: int, sandbox_id: str, known: tuple[int, list[str]] | None = None
+) -> Vmm | None:
     """The Vmm at ``pid`` if it is ``sandbox_id``'s QEMU, else None (gone, other process).
+    ``known``: its start time and then its command line, as the caller read them (in that
+    order: the start time read here after them tells a reuse of the pid between).
 
     A command line is anyone's to write: a process counts as the sandbox's QEMU only when it
     also runs as the sandbox's runner (:func:`runner_uid`).  Before (issue 26), once a QEMU
@@ -175,8 +179,11 @@ def _read_vmm(paths: HostPaths, pid: int, sandbox_id: str) -> Vmm | None:
     if pid <= 0:
         return None
     try:
-        start = procfs.start_time(paths.proc, pid)
-        args = tuple(procfs.cmdline(paths.proc, pid))
+        if known is None:
+            start = procfs.start_time(paths.proc, pid)
+            args = tuple(procfs.cmdline(paths.proc, pid))
+        else:
+            start, args = known[0], tuple(known[1])
         # /proc/PID is owned by the process's effective uid
         uid = os.stat(os.path.join(paths.proc, str(pid))).st_uid
         # the pid could have been reused between the reads: the start time tells.
@@ -285,9 +292,12 @@ def still_running(paths: HostPaths, sandbox_id: str, pid: int, start: int) -> bo
         return False
 
 
-def is_vmm_of(paths: HostPaths, pid: int, sandbox_id: str) -> bool:
-    """True when ``pid`` is, right now, the QEMU of ``sandbox_id`` (e.g. an OCI state pid)."""
-    return _read_vmm(paths, pid, sandbox_id) is not None
+def is_vmm_of(
+    paths: HostPaths, pid: int, sandbox_id: str, known: tuple[int, list[str]] | None = None
+) -> bool:
+    """True when ``pid`` is, right now, the QEMU of ``sandbox_id`` (e.g. an OCI state pid).
+    ``known``: its start time and command line, read in that order (the hook has both)."""
+    return _read_vmm(paths, pid, sandbox_id, known) is not None
 
 
 def is_same(paths: HostPaths, vmm: Vmm, sandbox_id: str | None = None) -> bool:

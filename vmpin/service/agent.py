@@ -248,9 +248,6 @@ class Agent:
             self.queue, self.waiters, self.metrics, self.accounting,
             status=self.status, request_pass=self.request_pass, views=self.views.answer,
         )  # fmt: skip
-        #: ``vmpin update`` written and re-pinned here (its own store connection)
-        self.updates = AgentUpdates(paths, self.control.update_and_wait)
-        self.control.updates = self.updates.answer
         self.handle = self.control.handle
         self.notify = self.control.notify
         self.notify_and_wait = self.control.notify_and_wait
@@ -260,6 +257,12 @@ class Agent:
             interval=interval, domains=domains is not None,
         )  # fmt: skip
         self.planner.views = self.views
+        #: ``vmpin update`` written and re-pinned here (its own store connection, whose
+        #: writes queue with the planner's on its lock)
+        self.updates = AgentUpdates(
+            paths, self.control.update_and_wait, write_lock=self.planner.write_lock
+        )
+        self.control.updates = self.updates.answer
         self.metrics.track_state(self.accounting.snapshot)
         self.metrics.track_queue(self.queue.depth, self.queue.running)
         self.metrics.track_journal(
@@ -293,6 +296,7 @@ class Agent:
         self.caps = limits.caps(nofile)
         try:
             self._store = Store(self.paths.state_dir)
+            self._store.local_lock = self.planner.write_lock
             self._open_socket()
             if self.metrics_port:
                 try:

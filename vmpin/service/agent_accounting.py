@@ -149,15 +149,17 @@ class Accounting:
         recs: Mapping[str, SandboxRec],
         reports: Mapping[str, SandboxReport],
         started: float,
+        ended: float | None = None,
     ) -> tuple[list[str], list[tuple[SandboxRec, SandboxReport, bool]]]:
-        """A node pass that began at ``started`` (``time.monotonic()``) has planned ``plan``
-        for ``batch``: its conflicts, its metrics, and each sandbox's bookkeeping from
-        ``recs`` (the store before the pass) and ``reports``.
+        """A node pass that began at ``started`` and had its threads pinned at ``ended``
+        (``time.monotonic()``; default now) has planned ``plan`` for ``batch``: its
+        conflicts, its metrics, and each sandbox's bookkeeping from ``recs`` (the store
+        before the pass) and ``reports``.  (Its waiters may have their answers already.)
 
         The sandboxes that are gone (deleted, or a libvirt domain: the pass undid their pins),
         and the others' record, report and whether the pass repaired drift."""
         self._note_conflicts(plan)
-        end = time.monotonic()
+        end = time.monotonic() if ended is None else ended
         self.metrics.sandbox_pass.observe(end - started)
         self.metrics.node_passes.inc()
         with self._lock:

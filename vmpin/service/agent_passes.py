@@ -5,10 +5,17 @@ the journal and queues every sandbox; :meth:`Planner.run` (the one planner threa
 ready entry at once and runs one node-wide pass for the lot.  A pass, in phases::
 
     begin     Waiters.pass_begins          its number; guest maps now or after the answers
-    pass      the store (ingest, the API's policies) -> Reconciler.reconcile
-              -> Accounting.account_pass -> the Kubernetes link (events, the report)
-    end       DirtyQueue.done_all -> Accounting.progress -> Waiters.pass_ends (answers)
-    after     Waiters.publish_late -> Reconciler.release_maps -> Store.settle_journal
+    pass      the store (ingest, the API's policies) -> Reconciler.reconcile (the pins)
+    end       DirtyQueue.done_all -> Waiters.pass_ends (answers) -> AgentViews.pass_ends
+    after     Waiters.publish_late -> Reconciler.release_maps -> Accounting.account_pass
+              -> the Kubernetes link (events, the report) -> Accounting.progress
+    settle    Store.settle_journal, on a thread of its own (:class:`Settler`), at most
+              once a second while passes keep coming
+
+Whoever waits for a pass waits for its pins alone: the bookkeeping (accounting, Kubernetes)
+comes after the answers, and the settling (a checkpoint: the disk's syncs) is not between
+passes at all -- a request that arrived meanwhile waited for both, then a pass of its own
+(issue 28: under churn most requests arrive while a pass runs).
 
 The planner's :class:`~vmpin.reconcile.reconciler.Reconciler` is built once, for the agent's
 whole life, by the factory the agent is given (:class:`ReconcilerFactory`).
@@ -18,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from vmpin.core.errors import StateError, VmpinError
 from vmpin.core.ids import valid_id
@@ -32,15 +40,18 @@ from vmpin.service.logs import HOST_FAULTS, log, log_event
 from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue, Work
 from vmpin.state.locks import WAIT
+from vmpin.state.records import SandboxRec
 from vmpin.state.store import Store
 
 if TYPE_CHECKING:
+    from vmpin.reconcile.plan import NodePlan
+    from vmpin.reconcile.reconciler import SandboxReport
     from vmpin.service.agent_views import AgentViews
     from vmpin.service.kube import KubeLink
 
 #: the work item of a full pass that stands for every libvirt domain (not store sandboxes)
 DOMAINS_WORK = "libvirt-domains"
-#: seconds a pass's settling may wait while more work is queued (see Planner._settle)
+#: the least time between two settlings while passes keep asking (seconds; see Settler)
 SETTLE_EVERY = 1.0
 #: an event's batch up to this many sandboxes reads their records one by one (an index
 #: lookup each), a bigger one the table
@@ -60,6 +71,110 @@ class ReconcilerFactory(Protocol):
         hold_maps: bool = ...,
         follow_hotplug: bool = ...,
     ) -> Reconciler: ...
+
+
+class _Pinned(NamedTuple):
+    """A node pass's outcome, for its bookkeeping after the answers (:meth:`Planner._account`)."""
+
+    plan: NodePlan | None
+    #: the batch's records before the pass, and their reports
+    recs: dict[str, SandboxRec]
+    reports: dict[str, SandboxReport]
+    #: when the pass began, and when its pins were done (``time.monotonic()``)
+    started: float
+    ended: float
+
+
+class Settler:
+    """The store settled after the passes, on a thread of its own: the journal files of
+    applied events removed once a checkpoint has their events in the database file
+    (:meth:`Store.settle_journal`), and the planner's own commits, which do not wait for
+    the disk (:meth:`Store.defer_durability`), synced (:meth:`Store.sync`).
+
+    Between two passes, that settling (a checkpoint syncs the WAL and the database file:
+    7-12 ms on a disk, more under load) held up every request that arrived meanwhile: it
+    waited for it, then for a pass of its own (issue 28).  Here no pass waits for it, and
+    while passes keep asking it settles once per ``every`` seconds (as the planner did
+    while work was queued): each settling is the disk's syncs, which the hooks' and
+    updates' own syncs queue behind, and a thread that runs Python beside the planner's
+    passes takes the GIL from them.  Its own connection (one is one thread's); a sync is of
+    the files, whichever connection wrote them.  Nothing is lost meanwhile: a journal file
+    stays until a checkpoint has its event, and ingest settles past ``SETTLE_AFTER`` of them.
+    """
+
+    def __init__(
+        self,
+        state_dir: str,
+        failed: Callable[[StateError], None],
+        fault: Callable[[str, BaseException], None],
+        every: float = SETTLE_EVERY,
+        write_lock: threading.Lock | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.every = every
+        #: the agent's writers' lock (Planner.write_lock)
+        self.write_lock = write_lock
+        #: a store that cannot be written (Planner.store_failed); any other error it outlives
+        self._failed = failed
+        self._fault = fault
+        self._cond = threading.Condition()  # guards the three below
+        self._wanted = False
+        #: the planner's connection's changes when it last asked (Connection.total_changes)
+        self._changes = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="vmpin-settler", daemon=True)
+        self._thread.start()
+
+    def want(self, changes: int) -> None:
+        """A pass ended; ``changes``: the planner's connection's ``total_changes`` then."""
+        with self._cond:
+            self._wanted = True
+            self._changes = changes
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Settle what was asked for, then end the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        store: Store | None = None
+        synced = 0  # the planner's changes made durable so far
+        due = 0.0  # (monotonic) the next settling, not before
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed:
+                        left = due - time.monotonic()
+                        if self._wanted and left <= 0:
+                            break
+                        self._cond.wait(left if self._wanted else None)
+                    if not self._wanted:
+                        return
+                    self._wanted = False
+                    changes = self._changes
+                due = time.monotonic() + self.every
+                try:
+                    if store is None:
+                        store = Store(self.state_dir, ingest=False)
+                        store.local_lock = self.write_lock
+                    store.settle_journal()
+                    if changes != synced:
+                        store.sync()
+                        synced = changes
+                except StateError as err:
+                    self._failed(err)
+                except Exception as err:  # (EMFILE, ENOMEM ...: the next pass asks again)
+                    self._fault("settling", err)
+        finally:
+            if store is not None:
+                store.close()
 
 
 class Planner:
@@ -103,8 +218,12 @@ class Planner:
         #: None until the first pass reads them), and the link's version they came from
         self._api_policies: dict[str, dict[str, str]] | None = None
         self._api_policy_version = -1
-        #: when the last pass settled the store (monotonic; see _settle)
-        self._settled_at = 0.0
+        #: the thread that settles the store after the passes, while :meth:`run` runs
+        self.settler: Settler | None = None
+        #: the agent's writers queue on this rather than on SQLite's sleeping busy handler:
+        #: the planner's, the settler's, the updates' and the main thread's connections
+        #: (vmpin.state.writer.Writer.local_lock)
+        self.write_lock = threading.Lock()
 
     # -- full passes (the main thread) -----------------------------------------------------
     def full_pass(self, store: Store, cause: str) -> bool:
@@ -135,6 +254,7 @@ class Planner:
         while True:
             try:
                 store = Store(self.paths.state_dir)
+                store.local_lock = self.write_lock
                 try:
                     reconciler = self._setup(store)
                 except BaseException:
@@ -152,15 +272,23 @@ class Planner:
                 self.metrics.errors.labels("internal").inc()
                 self.fatal()
                 return
-        with store:
-            while True:
-                batch = self.queue.take_batch()
-                if batch is None:
-                    return
-                try:
-                    self._run_batch(batch, store, reconciler)
-                except Exception as err:  # after the pass (maps, settling): the next one runs
-                    self.fault("planner", err)
+        settler = self.settler = Settler(
+            self.paths.state_dir, self.store_failed, self.fault, write_lock=self.write_lock
+        )
+        settler.start()
+        try:
+            with store:
+                while True:
+                    batch = self.queue.take_batch()
+                    if batch is None:
+                        return
+                    try:
+                        self._run_batch(batch, store, reconciler)
+                    except Exception as err:  # after the answers (maps, bookkeeping): go on
+                        self.fault("planner", err)
+        finally:
+            self.settler = None
+            settler.close()  # (what the last pass asked for, settled)
 
     def _setup(self, store: Store) -> Reconciler:
         # a waiting hook or `vmpin update` gets its answer before any sync: the pass's
@@ -186,54 +314,58 @@ class Planner:
             if all(w.cause == "event" for w in batch):
                 self.metrics.event_pass_cpu.observe(time.thread_time() - cpu)
 
+    def _waited(self, batch: list[Work], pinned: _Pinned | None, answered: float) -> None:
+        """Where the pass's waiters' time went: in the queue (the rest of the pass running
+        when they came), in the pass until its pins, and the planner's time after the
+        answers, which the next requests wait for (issue 28)."""
+        m = self.metrics
+        if pinned is not None:
+            begun = pinned.started
+            for w in batch:
+                if w.first_event is not None:
+                    m.queue_wait.observe(begun - w.first_event)
+            if all(w.cause == "event" for w in batch):
+                m.event_pass.observe(pinned.ended - begun)
+        m.pass_tail.observe(time.monotonic() - answered)
+
     def _batch(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
         number, later = self.waiters.pass_begins()
         views = self.views
         if views is not None:
             views.pass_begins(number)
         reconciler.maps_later = [] if later else None
-        ok = False
+        pinned: _Pinned | None = None
         try:
-            self._node_pass(batch, store, reconciler)
-            ok = True
-        except HOST_FAULTS as err:  # EMFILE, ENOMEM, EIO: said once a minute, not per pass
-            self.accounting.count_error()
-            self.fault("node pass", err)
+            pinned = self._node_pass(batch, store, reconciler)
         except Exception as err:  # the planner must survive any one pass
-            self.metrics.errors.labels("internal").inc()
-            self.accounting.count_error()
-            if isinstance(err, sqlite3.OperationalError):  # full (or gone read-only)
-                if self.store_error is None:
-                    log_event(logging.ERROR, "cannot write the store", error=str(err))
-                self.store_error = f"{store.path}: {err}"
-            log.error(
-                "node pass failed",
-                # the database failing (full, read-only, corrupt) is one line, not a
-                # traceback per pass
-                exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
-                extra={
-                    "fields": {
-                        "sandboxes": [w.sandbox_id for w in batch[:20]],
-                        "batch": len(batch),
-                        "error": str(err),
-                    }
-                },
-            )
+            self._failed("node pass", err, batch, store)
         finally:
+            # the answers as soon as the pins are done: a waiter waits for nothing else
             self.queue.done_all([w.sandbox_id for w in batch])
-            self.accounting.progress(batch)
+            ok = pinned is not None
             maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
+            answered = time.monotonic()
             if views is not None:
                 views.pass_ends(number, ok, store, reconciler)
         if not maps_now:
             self.waiters.publish_late(number, reconciler.publish_maps)
         # the maps the pass replaced, freed now that no one waits (Reconciler.held_maps)
         reconciler.release_maps()
+        # then the bookkeeping no one waits for: what the pass did, for status, metrics, logs
+        # and the Kubernetes API
+        if pinned is not None:
+            try:
+                self._account(batch, pinned)
+            except Exception as err:
+                self._failed("pass bookkeeping", err, batch, store)
+        self.accounting.progress(batch)
         # then the pass's journal events made durable, their files removed
         self._settle(store)
+        self._waited(batch, pinned, answered)
 
-    def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> None:
-        """One node-wide pass for every sandbox in ``batch``, then each one's accounting.
+    def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> _Pinned:
+        """One node-wide pass for every sandbox in ``batch``: the pins, and what accounting
+        them takes (:meth:`_account`, after the answers).
 
         The journal is applied without waiting for the disk, and settled after the pass,
         once its waiters have their answer (:meth:`_settle`; issue 14: a Kata hook waits for
@@ -256,6 +388,7 @@ class Planner:
         else:
             recs = {rec.id: rec for rec in store.sandboxes()}
         reports = {r.id: r for r in reconciler.reconcile(ids, fresh=fresh)}
+        ended = time.monotonic()
         if reconciler.node_lock.went_unlocked:
             # another process held the node's plan lock past its wait (stopped, or stuck):
             # this pass went on without it, and either side plans again when needed
@@ -267,7 +400,14 @@ class Planner:
         # the node's plan (with the observation it holds) is not needed between passes: do
         # not keep every sandbox's plan alive until the next one (agent RSS, issue #14)
         plan, reconciler.last_plan = reconciler.last_plan, None
-        gone, accounted = self.accounting.account_pass(plan, batch, recs, reports, t0)
+        return _Pinned(plan, recs, reports, t0, ended)
+
+    def _account(self, batch: list[Work], pinned: _Pinned) -> None:
+        """Each sandbox of the pass accounted, and told to the Kubernetes link (events, the
+        node's report)."""
+        gone, accounted = self.accounting.account_pass(
+            pinned.plan, batch, pinned.recs, pinned.reports, pinned.started, pinned.ended
+        )
         kube = self.kube
         if kube is None:
             return
@@ -276,6 +416,31 @@ class Planner:
         for rec, report, drift in accounted:
             kube.after_pass(rec, report, drift=drift, publish=False)
         kube.publish()
+
+    def _failed(self, what: str, err: Exception, batch: list[Work], store: Store) -> None:
+        """A pass (or its bookkeeping) that raised: counted, and said."""
+        self.accounting.count_error()
+        if isinstance(err, HOST_FAULTS):  # EMFILE, ENOMEM, EIO: said once a minute, not per pass
+            self.fault(what, err)
+            return
+        self.metrics.errors.labels("internal").inc()
+        if isinstance(err, sqlite3.OperationalError):  # full (or gone read-only)
+            if self.store_error is None:
+                log_event(logging.ERROR, "cannot write the store", error=str(err))
+            self.store_error = f"{store.path}: {err}"
+        log.error(
+            f"{what} failed",
+            # the database failing (full, read-only, corrupt) is one line, not a
+            # traceback per pass
+            exc_info=not isinstance(err, (sqlite3.Error, VmpinError)),
+            extra={
+                "fields": {
+                    "sandboxes": [w.sandbox_id for w in batch[:20]],
+                    "batch": len(batch),
+                    "error": str(err),
+                }
+            },
+        )
 
     # -- the store ---------------------------------------------------------------------------
     def _ingest(self, store: Store, durable: bool = True) -> None:
@@ -290,15 +455,13 @@ class Planner:
 
     def _settle(self, store: Store) -> None:
         """The pass's journal events made durable and their files removed, and the store's
-        own writes checkpointed -- unless more work waits and the last settling is recent:
-        a checkpoint syncs the WAL and the database file (7-12 ms here, a pass's worth at 500
-        sandboxes), and the next waiter's pass would wait behind it (issue 28).  The last
-        pass of a run of them settles; nothing is lost meanwhile (a journal file stays until
-        a checkpoint has its event, and ingest settles past ``SETTLE_AFTER`` of them)."""
-        now = time.monotonic()
-        if self.queue.depth() and now - self._settled_at < SETTLE_EVERY:
+        own writes made durable: by the :class:`Settler`'s thread when the planner runs
+        one (a checkpoint syncs the WAL and the database file: 7-12 ms here, more under
+        load, and a request that arrived meanwhile waited for it, issue 28), else here."""
+        settler = self.settler
+        if settler is not None:
+            settler.want(store.db.total_changes)
             return
-        self._settled_at = now
         try:
             store.settle_journal()
         except StateError as err:

@@ -23,8 +23,9 @@ from vmpin.service.logs import Throttle, log_event
 from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
-from vmpin.wire.control import OK, Dirty, DirtyReply, Reconcile, Status, Update, View, refused
-from vmpin.wire.control import request_from_json as read_request
+from vmpin.wire.control import OK, Dirty, DirtyReply, refused
+from vmpin.wire.control_commands import Reconcile, Status, Update, View
+from vmpin.wire.control_commands import request_from_json as read_request
 
 #: the least time between two log lines about bad requests
 BAD_LOG_EVERY = 60.0
@@ -142,7 +143,10 @@ class Waiters:
         """Reply to one waiter (under ``_cond``): done when its pass ended well."""
         if waiter in self._waiters:
             self._waiters.remove(waiter)
-        ok = self._ok >= waiter.target
+        # (done: its pass ended well, and published its maps when the waiter needs them first)
+        ok = self._ok >= waiter.target and (
+            not waiter.maps_first or self._maps_done >= waiter.target
+        )
         if waiter.done is None:
             waiter.reply = DirtyReply(waiter.queued, ok).to_obj()
         elif ok and waiter.done.get("done"):
@@ -171,22 +175,31 @@ class Waiters:
 
     def pass_ends(self, number: int, ok: bool, publish: Callable[[], object]) -> bool:
         """Pass ``number`` ended (``ok``: without raising): the waiters it satisfies are
-        answered, after ``publish`` has published its guest maps when one of them needs
-        them first (a Kata hook: its container's guest hook reads the map once it returns).
-        Whether the maps were published."""
+        answered -- those that do not need its guest maps first (``vmpin update``) at once,
+        the others once ``publish`` has published them (a Kata hook: its container's guest
+        hook reads the map once it returns).  The maps are written outside the condition, so
+        a request arriving meanwhile registers without waiting for them.  Whether the maps
+        were published."""
         with self._cond:
             self._finished = number
             if ok:
                 self._ok = number
             due = [w for w in self._waiters if w.target <= number]
-            maps_now = any(w.maps_first for w in due)
-            if maps_now:
-                self._publish(number, publish)
             # answered from here, before their threads wake (Reply)
             for waiter in due:
-                self._answer(waiter)
+                if not waiter.maps_first:
+                    self._answer(waiter)
+            rest = [w for w in due if w.maps_first]
             self._cond.notify_all()
-        return maps_now
+        if not rest:
+            return False
+        self._publish(number, publish)
+        with self._cond:
+            for waiter in rest:
+                if waiter.reply is None:  # (not answered by its own thread meanwhile)
+                    self._answer(waiter)
+            self._cond.notify_all()
+        return True
 
     def publish_late(self, number: int, publish: Callable[[], object]) -> None:
         """After the answers: the maps no waiter needed first (an update's: the guest's

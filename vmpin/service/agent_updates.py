@@ -31,7 +31,8 @@ from vmpin.linux.paths import HostPaths
 from vmpin.service.server import Reply
 from vmpin.service.update import record_update
 from vmpin.state.store import Store
-from vmpin.wire.control import Update, UpdateReply, refused
+from vmpin.wire.control import refused
+from vmpin.wire.control_commands import Update, UpdateReply
 
 #: how far past the caller's wait its ``until`` may seem to lie by the agent's clock before
 #: the agent takes the two clocks for different ones (another time namespace) and refuses
@@ -48,9 +49,13 @@ class AgentUpdates:
     """The agent's side of ``update``: one store connection for every request (opened at the
     first), used by one request at a time."""
 
-    def __init__(self, paths: HostPaths, wait_for: WaitFor) -> None:
+    def __init__(
+        self, paths: HostPaths, wait_for: WaitFor, write_lock: threading.Lock | None = None
+    ) -> None:
         self.paths = paths
         self.wait_for = wait_for
+        #: the agent's writers' lock (vmpin.state.writer.Writer.local_lock)
+        self.write_lock = write_lock
         self._roots = dict(paths._asdict())
         self._lock = threading.Lock()
         self._store: Store | None = None
@@ -81,13 +86,14 @@ class AgentUpdates:
 
         def sync() -> None:
             # the write made durable while the planner's pass runs (the answer waits for
-            # both); a disk that fails it makes the answer that failure, whoever sends it
-            with self._lock:
-                try:
-                    store.sync()
-                except VmpinError as err:
-                    done.clear()
-                    done.update(UpdateReply(False, error=str(err)).to_obj())
+            # both); a disk that fails it makes the answer that failure, whoever sends it.
+            # Outside the lock: a sync is of the files (the next update's write need not
+            # wait for this one's fsyncs), and it syncs whatever was written before it.
+            try:
+                store.sync()
+            except (VmpinError, sqlite3.Error) as err:
+                done.clear()
+                done.update(UpdateReply(False, error=str(err)).to_obj())
 
         reply = self.wait_for(new.sandbox_id, left, answer, done, sync)
         if reply.get("done"):
@@ -107,6 +113,7 @@ class AgentUpdates:
     def _open(self) -> Store:
         if self._store is None:
             store = Store(self.paths.state_dir, ingest=False, shared=True)
+            store.local_lock = self.write_lock
             # commits do not wait for the disk: each update is synced while its pass runs
             store.defer_durability()
             self._store = store

@@ -2,8 +2,8 @@
 the planner's plan, so that a read command does not observe and plan the node again (issue
 28: at 500 sandboxes ``sandboxes`` spent 44 of its 78 ms observing and 25 ms planning).
 
-A read command asks with ``{"op":"view",...}`` (:class:`vmpin.wire.control.View`) and prints
-the data it gets exactly as it would print its own; without an answer it observes in-process
+A read command asks with ``{"op":"view",...}`` (:class:`vmpin.wire.control_commands.View`) and
+prints the data it gets exactly as it would print its own; without an answer it observes in-process
 as before.  What answers:
 
 - **the current plan**, when nothing can have changed since the pass that made it: that pass
@@ -65,7 +65,8 @@ from vmpin.service.logs import log_event
 from vmpin.state import journal
 from vmpin.state.schema import uri_path
 from vmpin.wire import jsonio
-from vmpin.wire.control import View, refused, view_reply_to_json
+from vmpin.wire.control import refused
+from vmpin.wire.control_commands import View, view_reply_to_json
 
 if TYPE_CHECKING:
     from vmpin.reconcile.observation import Observation

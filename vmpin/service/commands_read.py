@@ -49,7 +49,7 @@ def agent_view(c: Ctx, view: str, sandbox: str | None = None) -> str | None:
     it was made."""
     # (here: topology and explain never ask)
     from vmpin.service.control import view as ask
-    from vmpin.wire.control import View
+    from vmpin.wire.control_commands import View
 
     fresh = view == "audit"
     request = View(

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any
 
-    from vmpin.wire.control import Request, Update, UpdateReply, View, ViewReply
+    from vmpin.wire.control_commands import Request, Update, UpdateReply, View, ViewReply
 
 
 #: how long a full backlog is waited out (seconds; at most the request's timeout)
@@ -147,12 +147,13 @@ def request(
 
 
 def view(paths: HostPaths, message: View, timeout: float) -> ViewReply | None:
-    """A read command's view from the agent's plan (``message``: vmpin.wire.control.View);
+    """A read command's view from the agent's plan (``message``: vmpin.wire.control_commands.View);
     None when no agent answered it (none, an old one, a refusal, past ``timeout``, a reply
     longer than MAX_REPLY): the command then observes in-process."""
     if _agent_socket(paths) is None:
         return None
-    from vmpin.wire.control import MAX_REPLY, ViewReply, reply_from_json
+    from vmpin.wire.control import MAX_REPLY, reply_from_json
+    from vmpin.wire.control_commands import ViewReply
 
     buf = _send(paths, message, timeout, answer=True, limit=MAX_REPLY)
     return ViewReply.from_obj(reply_from_json(buf), message.view) if buf else None
@@ -202,19 +203,20 @@ def notify(
 
 
 def update(paths: HostPaths, message: Update) -> tuple[UpdateReply | None, bool]:
-    """``vmpin update`` written and re-pinned by the agent (``message``: vmpin.wire.control.
-    Update): its answer, and whether any came.  (None, True): the agent refused (an old one
-    that does not know the request, other host roots); (None, False): no agent, or none that
-    answered by ``message.until`` -- the caller does it itself, and waits for that agent no
-    more.  An answer not done says the agent wrote nothing (or put its write back), so the
-    caller may go on at once; with none, it is ``until`` that ends the exchange, and the
-    agent writes nothing past it."""
+    """``vmpin update`` written and re-pinned by the agent (``message``: a vmpin.wire.
+    control_commands.Update): its answer, and whether any came.  (None, True): the agent
+    refused (an old one that does not know the request, other host roots); (None, False):
+    no agent, or none that answered by ``message.until`` -- the caller does it itself, and
+    waits for that agent no more.  An answer not done says the agent wrote nothing (or put
+    its write back), so the caller may go on at once; with none, it is ``until`` that ends
+    the exchange, and the agent writes nothing past it."""
     if _agent_socket(paths) is None:
         return None, False
     left = message.until - time.monotonic()
     if left <= 0:
         return None, False
-    from vmpin.wire.control import UpdateReply, reply_from_json
+    from vmpin.wire.control import reply_from_json
+    from vmpin.wire.control_commands import UpdateReply
 
     buf = _send(paths, message, left, answer=True)
     if not buf:

@@ -46,8 +46,19 @@ What is exported, and what question each answers:
                                        apply, verify; the name is older than the batching)
 ``vmpin_event_pass_cpu_seconds``       the planner thread's CPU time for one node pass
                                        whose every sandbox came from an event (ingest,
-                                       pass, answers, maps, settling): what an update costs
-                                       the agent, whatever the machine's load (issue 28)
+                                       pass, answers, maps, bookkeeping; the settling is
+                                       another thread's): what an update costs the agent,
+                                       whatever the machine's load (issue 28)
+``vmpin_event_pass_seconds``           ... its wall time, from its start to its threads
+                                       pinned (what its waiters wait for, once it started)
+``vmpin_queue_wait_seconds``           from a dirty notification to the start of the node
+                                       pass that takes it: the rest of the pass running
+                                       when it came, a hold-off (with the pass's own time:
+                                       ``vmpin_pin_latency_seconds``)
+``vmpin_pass_tail_seconds``            from a node pass's answers to the planner free for
+                                       the next one (guest maps published late, the
+                                       bookkeeping): what a request arriving then waits
+                                       for before its own pass starts
 ``vmpin_full_pass_seconds``            one periodic pass over every sandbox (wall time)
 ``vmpin_full_pass_cpu_seconds``        CPU time of the last periodic pass (the whole process)
 ``vmpin_last_full_pass_timestamp``     when the last periodic pass finished (unix time)
@@ -476,6 +487,25 @@ class Metrics:
         self.event_pass_cpu = Histogram(
             "vmpin_event_pass_cpu_seconds",
             "The planner thread's CPU time for one node pass run for events alone",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.event_pass = Histogram(
+            "vmpin_event_pass_seconds",
+            "Wall time of one node pass run for events alone, from its start to its threads"
+            " pinned",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "vmpin_queue_wait_seconds",
+            "From a dirty notification to the start of the node pass that takes it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pass_tail = Histogram(
+            "vmpin_pass_tail_seconds",
+            "From a node pass's answers to the planner free for the next pass",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -91,7 +91,7 @@ def record_update(
     an event not yet in the store would otherwise land after this write and undo it), a set
     not empty, every CPU online.  ``until`` (``time.monotonic()``): the write happens only
     before it, checked under SQLite's write lock (:class:`Late`): the agent's, whose caller
-    writes the set itself once ``until`` has passed (vmpin.wire.control.Update)."""
+    writes the set itself once ``until`` has passed (vmpin.wire.control_commands.Update)."""
     # (raised, not printed and gone past: the write below would meet the same lock)
     store.ingest()
     old = store.container(container_id)
@@ -135,7 +135,7 @@ def update_container(
     if cpus:  # (None, nothing to do, and the empty set's error: this process says them)
         wait = min(wait, max(0.05, deadline - time.monotonic()))
         from vmpin.service.control import update as agent_update
-        from vmpin.wire.control import Update
+        from vmpin.wire.control_commands import Update
 
         until = time.monotonic() + wait
         roots = dict(paths._asdict())

@@ -9,6 +9,8 @@ and the OCI hook runs on every container start.  The work is done by the same C 
   ``json.JSONDecoder`` would (``strict``, the hooks, ``parse_float``/``parse_int``/
   ``parse_constant`` as json's defaults, ``memo``), skips JSON whitespace by hand and refuses
   trailing data, so it accepts exactly what ``json.loads`` accepts and returns the same value;
+  :func:`loads_members` accepts the same texts and keeps only the members a reader selects
+  (the hook's config.json: its annotations and ``linux.resources``);
 - :func:`dumps` drives ``_json.make_encoder`` with json's defaults and the same separators,
   so its text is byte for byte ``json.dumps``'s.
 
@@ -21,12 +23,16 @@ limit handles it).  Hostile input costs an import of :mod:`json`; well-formed in
 
 from __future__ import annotations
 
+import sys
+
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from typing import Any
 
     PairsHook = Callable[[list[tuple[str, Any]]], Any] | None
+    #: what loads_members keeps of an object's member, by its key (see there)
+    Selector = Callable[[str], "Selector | bool | None"]
 
 try:
     import _json as _c
@@ -38,27 +44,9 @@ _WS = " \t\n\r"
 _CONSTANTS = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}
 
 
-class _Context:
-    """What ``_json.make_scanner`` reads off a ``json.JSONDecoder``: json's defaults."""
-
-    __slots__ = (
-        "memo",
-        "object_hook",
-        "object_pairs_hook",
-        "parse_constant",
-        "parse_float",
-        "parse_int",
-        "strict",
-    )
-
-    def __init__(self, object_pairs_hook: PairsHook) -> None:
-        self.strict = True
-        self.object_hook = None
-        self.object_pairs_hook = object_pairs_hook
-        self.parse_float = float
-        self.parse_int = int
-        self.parse_constant = _CONSTANTS.__getitem__
-        self.memo: dict[str, str] = {}
+#: types.SimpleNamespace, without importing types: the object _json.make_scanner reads its
+#: settings off (a class of our own for it was ~0.1 M instructions of every hook)
+_Namespace: Any = type(sys.implementation)
 
 
 _scanners: dict[object, Callable[[str, int], tuple[Any, int]]] = {}
@@ -67,22 +55,29 @@ _scanners: dict[object, Callable[[str, int], tuple[Any, int]]] = {}
 def _scanner(object_pairs_hook: PairsHook) -> Callable[[str, int], tuple[Any, int]]:
     scan = _scanners.get(object_pairs_hook)
     if scan is None:
-        # typeshed wants a JSONDecoder: any object with its attributes is what _json reads
-        context = _Context(object_pairs_hook)
-        scan = _scanners[object_pairs_hook] = _c.make_scanner(context)  # type: ignore[arg-type]
+        # what _json reads off a json.JSONDecoder (typeshed wants one: any object with its
+        # attributes will do), with json's defaults
+        context = _Namespace(
+            strict=True, object_hook=None, object_pairs_hook=object_pairs_hook,
+            parse_float=float, parse_int=int, parse_constant=_CONSTANTS.__getitem__, memo={},
+        )  # fmt: skip
+        scan = _scanners[object_pairs_hook] = _c.make_scanner(context)
     return scan
 
 
-def _fast_loads(data: str | bytes, object_pairs_hook: PairsHook) -> Any:
+def _text(data: str | bytes) -> str:
     if isinstance(data, (bytes, bytearray)):
         # json.detect_encoding: anything but plain UTF-8 (a BOM, UTF-16/32) goes to json
         if not data or data[0] in (0, 0xEF, 0xFE, 0xFF) or (len(data) > 1 and data[1] == 0):
             raise ValueError("not plain UTF-8")
-        text = data.decode("utf-8", "surrogatepass")
-    elif isinstance(data, str):
-        text = data
-    else:
-        raise TypeError(type(data).__name__)
+        return data.decode("utf-8", "surrogatepass")
+    if isinstance(data, str):
+        return data
+    raise TypeError(type(data).__name__)
+
+
+def _fast_loads(data: str | bytes, object_pairs_hook: PairsHook) -> Any:
+    text = _text(data)
     start = len(text) - len(text.lstrip(_WS))
     value, end = _scanner(object_pairs_hook)(text, start)
     # a JSON value never ends in whitespace: anything but whitespace after it is extra data
@@ -103,6 +98,92 @@ def loads(data: str | bytes, *, object_pairs_hook: PairsHook = None) -> Any:
     import json
 
     return json.loads(data, object_pairs_hook=object_pairs_hook)
+
+
+def loads_members(
+    data: str | bytes, keep: Selector, *, object_pairs_hook: PairsHook = None
+) -> Any:
+    """``loads(data, object_pairs_hook=...)`` of a JSON object, keeping only the members
+    ``keep`` selects: ``keep(key)`` is None (or False) to leave the member out, True to keep
+    it whole, or another selector to keep only some of the members of its value (when that
+    is an object; any other value is kept whole).
+
+    For a reader that needs a few members of a large document (the hook reads a
+    config.json's annotations and ``linux.resources``: containerd's is ~15-40 KiB, most of
+    it the seccomp profile, and building every object of it through a Python hook, then
+    walking it for its depth, was ~3 M instructions of a 45 M hook at 14 KiB).  A member
+    left out is still scanned by the C scanner (without the hook, its value dropped), so
+    the text is accepted or refused exactly as :func:`loads` would, with json's errors."""
+    if _c is not None:
+        try:
+            text = _text(data)
+            scan, skim = _scanner(object_pairs_hook), _scanner(None)
+            value, end = _members(text, _skip(text, 0), keep, scan, skim, object_pairs_hook)
+            if _skip(text, end) != len(text):
+                raise ValueError("extra data")
+            return value
+        except RecursionError:
+            raise
+        except Exception:
+            pass  # loads redoes it: json's own error (or the whole document)
+    return loads(data, object_pairs_hook=object_pairs_hook)
+
+
+def _skip(text: str, pos: int) -> int:
+    """The first position from ``pos`` on that is not JSON whitespace."""
+    n = len(text)
+    while pos < n and text[pos] in _WS:
+        pos += 1
+    return pos
+
+
+def _members(
+    text: str,
+    pos: int,
+    keep: Selector,
+    scan: Callable[[str, int], tuple[Any, int]],
+    skim: Callable[[str, int], tuple[Any, int]],
+    hook: PairsHook,
+) -> tuple[Any, int]:
+    """The value at ``pos`` with only the members ``keep`` selects, and where it ends
+    (json.decoder.JSONObject's grammar: ValueError, IndexError or StopIteration where it
+    fails; whitespace skipped in place, no call each)."""
+    if text[pos : pos + 1] != "{":
+        return scan(text, pos)
+    pairs: list[tuple[str, Any]] = []
+    pos += 1
+    while text[pos] in _WS:
+        pos += 1
+    if text[pos] == "}":
+        return (hook(pairs) if hook is not None else {}), pos + 1
+    while True:
+        if text[pos] != '"':
+            raise ValueError("expecting a property name")
+        key, pos = _c.scanstring(text, pos + 1, True)
+        while text[pos] in _WS:
+            pos += 1
+        if text[pos] != ":":
+            raise ValueError("expecting ':'")
+        pos += 1
+        while text[pos] in _WS:
+            pos += 1
+        want = keep(key)
+        if not want:
+            pos = skim(text, pos)[1]
+        else:
+            value, pos = scan(text, pos) if want is True else _members(
+                text, pos, want, scan, skim, hook
+            )  # fmt: skip
+            pairs.append((key, value))
+        while text[pos] in _WS:
+            pos += 1
+        if text[pos] == "}":
+            return (hook(pairs) if hook is not None else dict(pairs)), pos + 1
+        if text[pos] != ",":
+            raise ValueError("expecting ',' or '}'")
+        pos += 1
+        while text[pos] in _WS:
+            pos += 1
 
 
 def _default(o: object) -> Any:
@@ -127,7 +208,7 @@ def dumps(
             out: list[str] = []
             _indented(obj, quote_, " " * indent, "\n", out, set(), sort_keys)
             return "".join(out)
-        except _Unusual:
+        except NotImplementedError:  # (a value the indented writer leaves to json)
             pass  # json does it (keys that are not strings, subclasses, ...)
     if _c is None or indent is not None:
         import json
@@ -144,10 +225,6 @@ def dumps(
     return "".join(encode(obj, 0))
 
 
-class _Unusual(Exception):
-    """A value the indented writer leaves to json (its text would differ otherwise)."""
-
-
 def _indented(
     o: object,
     quote: Callable[[str], str],
@@ -159,11 +236,13 @@ def _indented(
 ) -> None:
     """json.dumps(o, indent=..., sort_keys=...)'s text, for the plain types json's own writer
     takes; a cycle is left to json (its ValueError).  (json sorts a dict's items before it
-    looks at their keys: with str keys only, which is all this writes, that is by key.)"""
+    looks at their keys: with str keys only, which is all this writes, that is by key.)
+    NotImplementedError for a value it leaves to json (its text would differ otherwise):
+    a builtin's, not a class of ours, which every hook would build for nothing."""
     t = type(o)
     if t is list or t is tuple or t is dict:
         if id(o) in seen:
-            raise _Unusual
+            raise NotImplementedError
         seen.add(id(o))
     if t is str:
         out.append(quote(o))  # type: ignore[arg-type]
@@ -208,11 +287,11 @@ def _indented(
         items: Iterable[tuple[object, object]] = d.items()
         if sort_keys:
             if any(type(k) is not str for k in d):
-                raise _Unusual
+                raise NotImplementedError
             items = sorted(d.items())  # (by key: keys are unique, values never compared)
         for k, v in items:
             if type(k) is not str:
-                raise _Unusual
+                raise NotImplementedError
             append(inner if first else comma)
             first = False
             append(quote(k))
@@ -232,4 +311,4 @@ def _indented(
         append(nl + "}")
         seen.discard(id(o))
     else:
-        raise _Unusual
+        raise NotImplementedError

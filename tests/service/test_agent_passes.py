@@ -1,0 +1,136 @@
+"""The planner's order (vmpin.service.agent_passes): a waiter waits for the pins alone.
+
+Issue 28: under churn most requests arrive while a pass runs, and each then waited for the
+rest of it -- its bookkeeping, its settling (a checkpoint: the disk's syncs) -- before a pass
+of its own began.  The bookkeeping now comes after the answers, and the settling is a thread
+of its own (:class:`~vmpin.service.agent_passes.Settler`); these tests hold each of them up
+and see the answers come regardless.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import fakevmm
+from tests.support.qemu_util import wait_until
+from tests.support.session import new_id
+from vmpin.core.cpuset import CpuSet
+from vmpin.linux.paths import HostPaths
+from vmpin.reconcile.reconciler import Reconciler
+from vmpin.service.agent import Agent
+from vmpin.state.records import ContainerRec, SandboxRec
+from vmpin.state.store import Store
+
+
+@pytest.fixture
+def sandbox(paths: HostPaths, vm_dir: Path) -> Iterator[str]:
+    """One Kata sandbox on a fake VMM, its workload container on CPU 0."""
+    sid = new_id("passes")
+    vmm = fakevmm.start(vm_dir, sid, vcpus=2)
+    try:
+        with Store(paths.state_dir) as store:
+            store.put_sandbox(SandboxRec(sid, "kata"))
+            store.put_container(ContainerRec(sid, sid, True, name="pause"))
+            store.put_container(
+                ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse("0"))
+            )
+        yield sid
+    finally:
+        vmm.kill()
+
+
+@pytest.fixture
+def agent(paths: HostPaths) -> Iterator[Agent]:
+    a = Agent(paths, partial(Reconciler, paths), interval=3600, metrics_port=0)
+    a.start()
+    try:
+        assert wait_until(lambda: a.status()["passes"] == 1 and not a.status()["pass_running"], 10)
+        yield a
+    finally:
+        a.request_stop()
+        assert a.shutdown() == 0
+
+
+def update(paths: HostPaths, sid: str, cpus: str) -> None:
+    with Store(paths.state_dir) as store:
+        store.set_container_cpus(f"{sid}-app", CpuSet.parse(cpus), "update")
+
+
+class StuckLink:
+    """A Kubernetes link whose report hangs until released: the bookkeeping after a pass."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def policies(self, version: int) -> None:
+        return None
+
+    def forget_sandbox(self, sid: str, publish: bool = True) -> None:
+        pass
+
+    def after_pass(self, rec: Any, report: Any, *, drift: bool, publish: bool = True) -> None:
+        pass
+
+    def publish(self) -> None:
+        self.entered.set()
+        self.release.wait(30)
+
+    def stop(self) -> None:
+        self.release.set()
+
+
+@pytest.mark.multi_cpu
+def test_the_answer_does_not_wait_for_the_bookkeeping(
+    paths: HostPaths, sandbox: str, agent: Agent
+) -> None:
+    link = StuckLink()
+    agent.kube = link  # type: ignore[assignment]
+    try:
+        update(paths, sandbox, "1")
+        reply = agent.notify_and_wait([sandbox], 10.0)
+        assert reply["done"] is True
+        # answered while the pass's bookkeeping still hangs in the link's report
+        assert link.entered.wait(10) and not link.release.is_set()
+    finally:
+        link.release.set()
+    # ... which then ends, and says where the waiter's time went
+    value = agent.metrics.registry.get_sample_value
+    assert wait_until(lambda: (value("vmpin_pass_tail_seconds_count") or 0) >= 2, 10)
+    for name in ("vmpin_queue_wait_seconds", "vmpin_event_pass_seconds"):
+        assert (value(f"{name}_count") or 0) >= 1, name
+
+
+@pytest.mark.multi_cpu
+def test_no_pass_waits_for_the_settling(
+    paths: HostPaths, sandbox: str, agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A settling that hangs (a disk's sync) holds up neither the answers nor the next pass;
+    the passes' requests to settle meanwhile fold into one more."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+    real: Callable[[Store], int] = Store.settle_journal
+
+    def stuck(store: Store) -> int:
+        calls.append(threading.current_thread().name)
+        entered.set()
+        release.wait(30)
+        return real(store)
+
+    monkeypatch.setattr(Store, "settle_journal", stuck)
+    try:
+        for cpus in ("1", "0", "0-1"):
+            update(paths, sandbox, cpus)
+            assert agent.notify_and_wait([sandbox], 10.0)["done"] is True
+        assert entered.wait(10)
+        assert calls == ["vmpin-settler"]  # held up in the first; the next ones wait for it
+    finally:
+        release.set()
+    wait_until(lambda: len(calls) == 2, 2)  # (the requests that came meanwhile: one more)
+    assert len(calls) <= 2 and set(calls) == {"vmpin-settler"}
