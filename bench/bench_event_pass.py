@@ -25,6 +25,13 @@ the largest N.
 Run (as root)::
 
     python bench/bench_event_pass.py [--sandboxes 60,500,2000] [--updates 30] [--json OUT]
+
+On a loaded machine ``cpu_ms`` moves with the load; instructions per pass do not: run one
+size under callgrind with ``--updates 41`` and with ``--updates 1`` (``VMPIN_LIBVIRT=none``)
+and divide the difference of the two "Collected" figures by 40::
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        python bench/bench_event_pass.py --sandboxes 500 --updates 41
 """
 
 from __future__ import annotations

@@ -114,6 +114,29 @@ def test_a_sandbox_whose_records_changed_is_read_afresh(
         assert SchedAffinity().get(b_pid) == CpuSet.parse("0")
 
 
+def test_an_event_pass_looks_again_at_what_it_names_what_moved_and_what_failed(
+    tmp_path: Path,
+) -> None:
+    """Every other sandbox is given as last observed without walking the node (Observer's
+    _given); one never observed, or too many to look at, make it walk every record."""
+    from vmpin.core.planner import Policy
+    from vmpin.reconcile.observe import GIVEN, Observer, SandboxObs
+
+    observer = Observer(HostPaths(state_dir=str(tmp_path)), Policy())
+    ids = ["a", "b", "c", "d", "e"]
+    last = {sid: SandboxObs(sid, "kata", Policy(), None) for sid in ids}
+    observer._last = dict(last)
+    observer._bad = {"d"}  # (observed with an error last time)
+    given = observer._given(ids, {"a"}, {"c", "gone"})
+    assert given is not None
+    out, walk = given
+    assert out == [last[sid] for sid in ids]
+    assert walk == [0, 2, 3]  # a named, c moved, d failed; "gone" is no longer a record
+    assert observer._given([*ids, "new"], {"a"}, set()) is None  # never observed
+    many = {f"m{i}" for i in range(GIVEN + 1)}
+    assert observer._given(ids, {"a"}, many) is None
+
+
 # -- what an event's pass touches does not grow with the node (issue 28) ---------------------
 class _Cursor:
     def __init__(self, cur: sqlite3.Cursor, touched: _Touched) -> None:

@@ -69,3 +69,52 @@ def test_a_memo_plans_what_a_fresh_plan_plans(seed: int) -> None:
         assert planned == fresh, (seed, step)
         counts.update(planned)
         assert counts.summary(planned, [], "", "") == summarize(fresh, [], "", ""), (seed, step)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("size", [4, 24])
+def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
+    seed: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node with nothing node-wide (no kubelet pool, no allocation, no Crane pod): the memo
+    walks only the sandboxes that moved (plan._plan_moved), and still plans what a plan made
+    from nothing plans, whatever moved -- a container's CPUs, a VMM's pins, bookkeeping."""
+    from vmpin.reconcile import plan as plan_module
+
+    moved: list[bool] = []
+    real = plan_module._plan_moved
+
+    def spy(*args: object, **kw: object) -> object:
+        got = real(*args, **kw)  # type: ignore[arg-type]
+        moved.append(got is not None)
+        return got
+
+    monkeypatch.setattr(plan_module, "_plan_moved", spy)
+    rng = random.Random(seed)
+    machine = topo("amd-epyc-7313-2s")
+    node: dict[str, SandboxObs] = {f"k{i:02d}": _kata(rng, i) for i in range(size)}
+    for i in range(size // 6 + 1):  # (runc's cpuset as last seen there: nothing to adopt)
+        s = runc(f"r{i}", rng.choice(CPUS), "0-15", 5000 + i)
+        c = s.containers[0]
+        seen = c.rec._replace(runtime_seen=c.runc_cpus)
+        node[s.id] = replace(s, containers=(replace(c, rec=seen),))
+    memo = PlanMemo()
+    for step in range(80):
+        for sid in rng.sample(sorted(node), rng.choice((1, 1, 2))):
+            s = node[sid]
+            what = rng.random()
+            if what < 0.5 and s.runtime == "kata":
+                app = s.containers[1]
+                rec = app.rec._replace(cpus=cs(rng.choice(CPUS)))
+                node[sid] = replace(s, containers=(s.containers[0], replace(app, rec=rec)))
+            elif what < 0.8 and s.vmm is not None:
+                pin = cs(rng.choice(CPUS))
+                threads = tuple(replace(t, actual=pin) for t in s.vmm.threads)
+                node[sid] = replace(s, vmm=replace(s.vmm, threads=threads))
+            elif s.record is not None:
+                rec = s.record
+                node[sid] = replace(s, record=rec._replace(done_gen=rec.gen + step))
+        obs = Observation(tuple(node[k] for k in sorted(node)), None)
+        planned = plan_node(obs, machine, memo=memo)
+        assert planned == plan_node(obs, machine), (seed, step)
+    assert sum(moved) > 10, moved  # (the walk took the short way, many times)

@@ -10,6 +10,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.reconcile.observation import FULL, VmmKey
 from vmpin.reconcile.tables import Tables
 from vmpin.state import changes
+from vmpin.state.schema import SCHEMA_VERSION
 from vmpin.state.store import ContainerRec, SandboxRec, Store, ThreadRec
 
 
@@ -87,3 +88,62 @@ def test_tables_followed_are_the_tables_read_whole(tmp_path: Path) -> None:
         # nothing moved: nothing read again
         assert followed.follow(store.version())
         assert followed.moved == set()
+
+
+def test_a_sandboxs_row_names_the_table_written(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        _sandbox(store, "b")
+        seq = changes.top(store.db)
+        other.set_container_cpus("b-app", CpuSet.parse("1"), "update")
+        other.save_threads("a", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
+        delta = changes.since(store.db, seq)
+        assert delta is not None
+        assert "containers" in delta.tables["b"] and "threads" not in delta.tables["b"]
+        assert "threads" in delta.tables["a"] and "containers" not in delta.tables["a"]
+        seq = delta.top
+        other.mark_done("b", 1)
+        delta = changes.since(store.db, seq)
+        assert delta is not None and delta.tables == {"b": {"sandboxes"}}
+
+
+def test_an_update_reads_its_sandboxs_row_and_containers_again_not_its_threads(
+    tmp_path: Path,
+) -> None:
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        store.save_threads("a", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
+        followed = Tables(store, FULL)
+        other.set_container_cpus("a-app", CpuSet.parse("0-1"), "update")
+        sql: list[str] = []
+        store.db.set_trace_callback(sql.append)
+        try:
+            assert followed.follow(store.version())  # (a one-sandbox node: followed too)
+        finally:
+            store.db.set_trace_callback(None)
+        assert followed.moved == {"a"}
+        assert not [s for s in sql if "FROM threads" in s or "FROM meta" in s], sql
+        assert _whole(followed) == _whole(Tables(store, FULL))
+
+
+def test_schema_4s_log_is_read_as_any_table_and_its_triggers_replaced(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store:
+        _sandbox(store, "a")
+        seq = changes.top(store.db)
+        # what a schema-4 store holds: a trigger whose row names no table
+        with store.transaction():
+            store.db.execute("DROP TRIGGER changes_threads_ins")
+            store.db.execute(
+                "CREATE TRIGGER changes_threads_ins AFTER INSERT ON threads"
+                " BEGIN INSERT INTO changes(sandbox_id) VALUES (new.sandbox_id); END"
+            )
+            store.db.execute("PRAGMA user_version=4")
+        store.save_threads("a", 10, 20, [ThreadRec(11, "vcpu", 0, "CPU 0/KVM", "names")])
+        delta = changes.since(store.db, seq)
+        assert delta is not None and delta.tables == {"a": set(changes.TABLES)}
+    with Store(str(tmp_path)) as store:  # (opened again: brought to this schema)
+        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        seq = changes.top(store.db)
+        store.save_threads("a", 10, 20, [ThreadRec(12, "vcpu", 0, "CPU 0/KVM", "names")])
+        delta = changes.since(store.db, seq)
+        assert delta is not None and delta.tables == {"a": {"threads"}}

@@ -92,3 +92,29 @@ def test_the_file_round_trips_and_anything_else_is_no_summary(tmp_path: Path) ->
     summary.remove(str(tmp_path))
     assert summary.read(str(tmp_path)) is None
     assert not summary.current(str(tmp_path), got[0])
+
+
+def test_the_vm_dir_is_listed_again_once_it_changed(tmp_path: Path) -> None:
+    """A pass's summary inputs take the VM dir's names from the last listing while the
+    directory is that version (one stat), and list it again once an entry came or went."""
+    import os
+    import time
+
+    from vmpin.linux.files import SETTLE_NS
+    from vmpin.linux.paths import HostPaths
+    from vmpin.reconcile.summarizer import Summarizer
+    from vmpin.state.store import Store
+
+    vm = tmp_path / "vm"
+    (vm / "a").mkdir(parents=True)
+    paths = HostPaths(state_dir=str(tmp_path / "state"), vm_dir=str(vm))
+    with Store(paths.state_dir) as store:
+        summarizer = Summarizer(paths, store)
+        assert summarizer.inputs()[0] == ["a"]
+        time.sleep(2 * SETTLE_NS / 1e9)  # (settled: kept from now on)
+        listed = summarizer.inputs()[0]
+        assert summarizer.inputs()[0] is listed  # the same version: not listed again
+        (vm / "b").mkdir()
+        assert summarizer.inputs()[0] == ["a", "b"]  # (even within the kernel's tick)
+        os.rmdir(vm / "a")
+        assert summarizer.inputs()[0] == ["b"]

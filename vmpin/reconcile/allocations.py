@@ -107,12 +107,16 @@ def settle(
     table's node row, for ``audit``."""
     if store.readonly:
         return False
-    if getattr(store, _SETTLED, None) == store.version():
+    version = store.version()
+    if getattr(store, _SETTLED, None) == version:
         return False  # nothing moved since this store's last settle: nothing to decide
     asks = _asking(store)
-    held = any(a.sandbox_id != NODE_ROW for a in table.read(store.db))
+    found = tuple(table.read(store.db))
+    # (what the pass's observation reads next, at this version: recorded())
+    setattr(store, _READ, (version, found))
+    held = any(a.sandbox_id != NODE_ROW for a in found)
     if not asks and not held and not table.present(store.state_dir):
-        setattr(store, _SETTLED, store.version())
+        setattr(store, _SETTLED, version)
         return False
     options, config_notes = Options(), list[str]()
     if kubelet_config:

@@ -120,6 +120,14 @@ class ThreadObs:
     def gone(self) -> bool:
         return self.actual is None and self.error is None
 
+    def pinned(self, actual: CpuSet) -> ThreadObs:
+        """This thread with the affinity a pass wrote and read back (Observer.note_applied,
+        every thread of an event's VM: :func:`replace` gathers every field by name first)."""
+        return ThreadObs(
+            self.tid, self.role, self.index, self.label, self.layer, self.name, actual,
+            self.original, self.error,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class VmmObs:

@@ -208,16 +208,22 @@ class SandboxObserver:
         return not s.notes and self.vmms.still(rec, s.vmm)
 
     # -- the VM dir's other sandboxes ----------------------------------------------------------
-    def vm_dir_ids(self, tracked: Container[str] = ()) -> list[str]:
+    def vm_dir_ids(
+        self, tracked: Container[str] = (), listed: list[str] | None = None
+    ) -> list[str]:
         """The sandbox dirs in the VM dir, but for ``tracked`` ones (observed from the store:
-        not checked here, one stat per sandbox saved)."""
+        not checked here, one stat per sandbox saved); ``listed``: the VM dir's names, sorted,
+        as the caller listed them already (vmpin.linux.files.listing)."""
         from vmpin.core.errors import IdError
         from vmpin.core.ids import check_id
 
-        try:
-            names = sorted(os.listdir(self.paths.vm_dir))
-        except OSError:
-            return []
+        if listed is not None:
+            names = listed
+        else:
+            try:
+                names = sorted(os.listdir(self.paths.vm_dir))
+            except OSError:
+                return []
         out = []
         for n in names:
             if n in tracked:

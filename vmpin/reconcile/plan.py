@@ -35,8 +35,8 @@ from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
 from vmpin.core.topology import Topology
+from vmpin.reconcile.allocations import NONE, Overlay, overlay
 from vmpin.reconcile.allocations import SOURCE as ALLOC
-from vmpin.reconcile.allocations import Overlay, overlay
 from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import (
     FULL,
@@ -52,7 +52,7 @@ from vmpin.state.records import ContainerRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Collection, Mapping
     from dataclasses import dataclass, field
     from typing import Any
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
@@ -320,10 +320,6 @@ class _Kept:
     def __init__(self, inputs: tuple[object, ...], plan: SandboxPlan, records: _Records) -> None:
         self.inputs, self.plan, self.records = inputs, plan, records
 
-    @property
-    def footprint(self) -> tuple[Any, ...] | None:
-        return self.records.footprint
-
 
 def _moved_books(before: SandboxObs, s: SandboxObs) -> bool:
     """Whether ``s`` is ``before`` with its record's bookkeeping moved alone (generation,
@@ -405,7 +401,18 @@ def plan_node(
     same node-wide inputs (its mask, footprint, the others' footprints and exclusive CPUs,
     the pool...), gets that plan back -- ``_plan_sandbox`` is a function of those alone.  An
     event's pass (Observer.observe's ``fresh``) gives most sandboxes as they were: it plans
-    the ones that moved (issue 28).  Refilled with this node's sandboxes only."""
+    the ones that moved (issue 28).  Refilled with this node's sandboxes only.
+
+    A :class:`PlanMemo` also keeps the last call's node: on a node where nothing is
+    node-wide (no kubelet pool, allocations, Crane pods or adoptions) the sandboxes that
+    are not the very objects of that call are all it walks (:func:`_plan_moved`)."""
+    if isinstance(memo, PlanMemo):
+        # (taken out first: a call that fails on the way leaves none behind)
+        then, memo.last = memo.last, None
+        if then is not None:
+            moved = _plan_moved(obs, topology, float_policy, memo, then)
+            if moved is not None:
+                return moved
     online = topology.online
     # vmpin's own allocations (issue 30; none under kubelet's static policy) shrink the pool
     alloc = overlay(obs, topology)
@@ -427,8 +434,10 @@ def plan_node(
         if got is None or got.obs is not s or got.alloc != mine or got.taken != taken:
             got = _records(s, alloc, pool, mine, taken)
         firsts[s.id] = got
-        adoptions.extend(got.adoptions)
-        forget.extend(got.forget)
+        if got.adoptions:
+            adoptions.extend(got.adoptions)
+        if got.forget:
+            forget.extend(got.forget)
         live[s.id], cplans[s.id] = got.recs, got.cplans
 
     # Footprints: where each sandbox's threads may run once this plan is applied.
@@ -452,9 +461,14 @@ def plan_node(
     for s in obs.sandboxes:
         first = firsts[s.id]
         off = crane_others.without(s.id) if crane else EMPTY
-        was = last.get(s.id)
-        fp_memo = was.footprint if was is not None else None
-        if fp_memo is None or fp_memo[0] is not first or fp_memo[1] != off or fp_memo[2] != node:
+        kept_was = last.get(s.id)
+        fp_memo = kept_was.records.footprint if kept_was is not None else None
+        if (
+            fp_memo is None
+            or fp_memo[0] is not first
+            or (fp_memo[1] is not off and fp_memo[1] != off)
+            or fp_memo[2] != node
+        ):
             fp_memo = (first, off, node, *_footprint(s, first, off, pool, online))
         _, _, _, mask, pinned_by_kata, off_mask, fp = fp_memo
         first.footprint = fp_memo
@@ -509,7 +523,7 @@ def plan_node(
             and before.inputs[3] is masks[s.id]
             and before.inputs[4] is footprint[s.id]
             and before.inputs[9] is kata_pins.get(s.id)
-            and footprint[s.id].isdisjoint(moved_cpus)
+            and (not fp_moved or footprint[s.id].isdisjoint(moved_cpus))
         ):
             plans.append(before.plan)
             if memo is not None:
@@ -530,16 +544,7 @@ def plan_node(
             topology, float_policy, obs.scope, masks[s.id], footprint[s.id], others, excl, pool,
             s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
         )  # fmt: skip
-        if before is not None and before.plan.obs is s and before.inputs == inputs:
-            sp = before.plan
-        elif before is not None and before.inputs == inputs and _moved_books(before.plan.obs, s):
-            sp = _replace(before.plan, obs=s)  # (its threads, containers and map: the same)
-        else:
-            sp = _plan_sandbox(
-                s, topology, masks[s.id], live[s.id], cplans[s.id], footprint[s.id], others,
-                excl, pool, float_policy, conflicted, obs.scope, kata_pins.get(s.id),
-                alloc.reserved, alloc.uncore,
-            )  # fmt: skip
+        sp = _planned(s, before, firsts[s.id], inputs, conflicted)
         if memo is not None:
             kept[s.id] = _Kept(inputs, sp, firsts[s.id])
         plans.append(sp)
@@ -566,7 +571,7 @@ def plan_node(
         for p in plans
     ]
     problems = check_node(plans, exclusive, pods)
-    return NodePlan(
+    out = NodePlan(
         tuple(plans),
         tuple(adoptions),
         tuple(forget),
@@ -578,6 +583,139 @@ def plan_node(
         obs.scope,
         masks,
     )
+    simple = alloc is NONE and pool is None and not crane and not adoptions and not forget
+    if isinstance(memo, PlanMemo) and simple:
+        memo.last = (obs, out, any(_pins(p) for p in plans))
+    return out
+
+
+def _planned(
+    s: SandboxObs,
+    before: _Kept | None,
+    first: _Records,
+    inputs: tuple[Any, ...],
+    conflicted: set[str],
+) -> SandboxPlan:
+    """The plan of ``s`` from ``inputs`` (plan_node's, in its order): the one kept in the
+    memo when it was made from the same."""
+    if before is not None and before.plan.obs is s and before.inputs == inputs:
+        return before.plan
+    if before is not None and before.inputs == inputs and _moved_books(before.plan.obs, s):
+        return _replace(before.plan, obs=s)  # (its threads, containers and map: the same)
+    topology, float_policy, scope, mask, fp, others, excl, pool, _, kata, reserved, uncore = inputs
+    return _plan_sandbox(
+        s, topology, mask, first.recs, first.cplans, fp, others, excl, pool, float_policy,
+        conflicted, scope, kata, reserved, uncore,
+    )  # fmt: skip
+
+
+def _plan_moved(
+    obs: Observation,
+    topology: Topology,
+    float_policy: str,
+    memo: PlanMemo,
+    was: tuple[Observation, NodePlan, bool],
+) -> NodePlan | None:
+    """:func:`plan_node` of ``obs``, moved from the last call's node (``was``) by the
+    sandboxes that are not the very objects they were there, on a node where nothing is
+    node-wide: no kubelet pool (so no exclusive claims nor conflicts), no allocation, no
+    Crane pod, no adoption or container to forget, the same sandboxes in the same order,
+    and no other sandbox's inputs moved by them (no CPU came to, or left, one footprint or
+    one mask).  None when that does not hold, or too many moved: the full walk then.
+
+    What the full walk does per sandbox is done here for those that moved (their records,
+    footprint, the node's counts moved by them, their plan); every other plan stands, as
+    the full walk's ``steady`` rule would keep it (issue 28: an event's pass walked the
+    node several times to plan one sandbox)."""
+    then, plan_then, pins = was
+    prior = memo.node
+    sandboxes = obs.sandboxes
+    if (
+        prior is None
+        or obs.scope is not then.scope
+        or len(sandboxes) != len(then.sandboxes)
+        or obs.shared_pool is not None
+        or obs.kata_pinning != then.kata_pinning
+    ):
+        return None
+    pairs = enumerate(zip(sandboxes, then.sandboxes, strict=True))
+    moved = [i for i, (s, t) in pairs if s is not t]
+    if len(moved) > len(sandboxes) // 4 + 1:
+        return None  # (a start-up or periodic pass: the full walk)
+    alloc = overlay(obs, topology)
+    if alloc is not NONE:
+        return None
+    online, pool, kata_pinning = topology.online, None, obs.kata_pinning
+    taken = (alloc.taken, alloc.pool, pool)
+    node = (kata_pinning, pool, online)
+    footprint = dict(prior.footprints._sets)
+    masks = dict(prior.masks._sets)
+    firsts: dict[str, _Records] = {}
+    for i in moved:
+        s = sandboxes[i]
+        if s.id != then.sandboxes[i].id:
+            return None
+        if s.policy.cpuset == "exclusive" and s.runtime != "runc":
+            return None  # (Crane: its CPUs are kept off every other sandbox)
+        before = memo.get(s.id)
+        first = before.records if before is not None else None
+        if first is None or first.obs is not s or first.alloc is not None or first.taken != taken:
+            first = _records(s, alloc, pool, None, taken)
+        if first.adoptions or first.forget:
+            return None
+        fp_memo = first.footprint
+        if fp_memo is None or fp_memo[0] is not first or fp_memo[1] is not EMPTY:
+            fp_memo = None
+        if fp_memo is None or fp_memo[2] != node:
+            fp = _footprint(s, first, EMPTY, pool, online)
+            fp_memo = first.footprint = (first, EMPTY, node, *fp)
+        masks[s.id], footprint[s.id] = fp_memo[3], fp_memo[6]
+        firsts[s.id] = first
+    # the node's counts, moved by these sandboxes (spent: a failure below counts anew)
+    memo.node = None
+    others_fp, fp_moved = _counted(footprint, prior.footprints, firsts)
+    by_mask, _ = _counted(masks, prior.masks, firsts)
+    alone = by_mask.alone
+    node_key = (topology, float_policy, obs.scope, pool, alloc.reserved, alloc.uncore, False, False)
+    if (
+        fp_moved is None
+        or fp_moved  # (a CPU's count crossed one: others' inputs moved, the full walk asks)
+        or prior.key != node_key
+        or prior.total != others_fp.total
+        or prior.alone != alone
+    ):
+        return None
+    plans = list(plan_then.sandboxes)
+    for i in moved:
+        s = sandboxes[i]
+        before, first = memo.get(s.id), firsts[s.id]
+        fp_memo = first.footprint
+        assert fp_memo is not None  # (set above)
+        own = masks[s.id]
+        inputs = (
+            topology, float_policy, obs.scope, own, footprint[s.id], others_fp.without(s.id),
+            alone - own if alone & own else alone, pool, False,
+            fp_memo[4] if kata_pinning and s.runtime == "kata" else None,
+            alloc.reserved, alloc.uncore,
+        )  # fmt: skip
+        sp = _planned(s, before, first, inputs, set())
+        memo[s.id] = _Kept(inputs, sp, first)
+        plans[i] = sp
+        pins = pins or _pins(sp)
+    # (no plan pins a vCPU 1:1 and no CPU is exclusive: check_node has nothing to find)
+    problems = tuple(check_node(plans, {}, {})) if pins else ()
+    out = NodePlan(
+        tuple(plans), (), (), (), problems, {}, pool, tuple(obs.originals), obs.scope, masks
+    )
+    memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
+    memo.last = (obs, out, pins)
+    return out
+
+
+def _pins(sp: SandboxPlan) -> bool:
+    """Whether ``sp`` pins a vCPU 1:1 (what check_node's rules are about, with exclusive
+    CPUs)."""
+    return sp.plan is not None and bool(sp.plan.vcpu_map)
 
 
 class _Others:
@@ -614,12 +752,13 @@ class _Others:
 
 
 def _counted(
-    sets: dict[str, CpuSet], before: _Others | None
+    sets: dict[str, CpuSet], before: _Others | None, only: Collection[str] | None = None
 ) -> tuple[_Others, set[int] | None]:
     """:class:`_Others` of ``sets``, from ``before``'s counts moved by the sets that are not
     the very objects they were (``before`` is spent); and the CPUs where "some set holds it"
     or "exactly one set holds it" may have changed -- all that :meth:`_Others.without` and
-    :attr:`_Others.alone` depend on (None: counted anew)."""
+    :attr:`_Others.alone` depend on (None: counted anew).  ``only``: the names whose sets
+    may have moved, the others' and the names being ``before``'s (_plan_moved)."""
     if before is None:
         return _Others(sets), None
     old, counts = before._sets, before._count
@@ -631,13 +770,13 @@ def _counted(
             was.setdefault(cpu, n)
             counts[cpu] = n + by
 
-    for sid, cpus in sets.items():
-        then = old.get(sid)
+    for sid in sets if only is None else only:
+        cpus, then = sets[sid], old.get(sid)
         if then is not cpus:
             if then is not None:
                 move(then, -1)
             move(cpus, 1)
-    if len(old) + sum(1 for sid in sets if sid not in old) != len(sets):
+    if only is None and len(old) + sum(1 for sid in sets if sid not in old) != len(sets):
         for sid in old.keys() - sets.keys():  # (gone from the node)
             move(old[sid], -1)
     moved = set()
@@ -665,11 +804,15 @@ class PlanMemo(dict[str, _Kept]):
     planned from, and (``node``) the node-wide counts of the last call, which the next one
     moves by what moved instead of counting the node again (issue 28)."""
 
-    __slots__ = ("node",)
+    __slots__ = ("last", "node")
 
     def __init__(self) -> None:
         super().__init__()
         self.node: _NodeMemo | None = None
+        #: the last call's observation and plan, when its node had nothing node-wide
+        #: (:func:`_plan_moved` moves it by the sandboxes that moved), and whether a plan
+        #: may pin a vCPU 1:1
+        self.last: tuple[Observation, NodePlan, bool] | None = None
 
 
 def _claims(
@@ -904,22 +1047,25 @@ def check_node(
     problems = check_global([p.plan for p in plans if p.plan is not None])
     # Which sandboxes' footprints hold each 1:1 CPU: one walk over the footprints, so the
     # check stays linear in the node (each hit found is a problem reported).
-    pinned = {cpu for p in plans for cpu in p.pinned_cpus}
+    pins = [(p, pinned) for p in plans if (pinned := p.pinned_cpus)]
     holders: dict[int, list[str]] = {}
-    if pinned:
-        pinned_set = CpuSet(pinned)
+    if pins:
+        pinned_set = CpuSet(cpu for _, pinned in pins for cpu in pinned)
         for q in plans:
             for cpu in q.footprint & pinned_set:
                 holders.setdefault(cpu, []).append(q.id)
-    foreign: dict[tuple[CpuSet, str | None], int | None] = {}
-    for p in plans:
-        for cpu in p.pinned_cpus:
+    for p, pinned in pins:
+        for cpu in pinned:
             for qid in holders.get(cpu, ()):
                 if qid != p.id:
                     problems.append(f"CPU {cpu}: pinned 1:1 for {p.id}, in {qid}'s footprint")
+    if not exclusive:
+        return problems
+    foreign: dict[tuple[CpuSet, str | None], int | None] = {}
+    for p in plans:
         pod = pods.get(p.id)
         for t in p.threads:
-            if t.desired is None or not exclusive:
+            if t.desired is None:
                 continue
             key = (t.desired, pod)
             if key not in foreign:

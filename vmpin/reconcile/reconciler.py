@@ -41,7 +41,7 @@ from vmpin.state.store import Store
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Container
+    from collections.abc import Callable, Collection
     from typing import Any
 
     from vmpin.core.planner import Policy
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.observe import Observation, Observer, Scope
     from vmpin.reconcile.plan import NodePlan, PlanMemo
     from vmpin.reconcile.sources import DomainSource
-    from vmpin.reconcile.summarizer import Summarizer
+    from vmpin.reconcile.summarizer import Inputs, Summarizer
     from vmpin.state.reader import Reader
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
@@ -148,6 +148,9 @@ class Reconciler:
         #: here, or given to the constructor); the agent's ``audit`` compares it to tell a
         #: CPU hot(un)plugged since (agent_views)
         self.online_seen: str | None = None
+        #: the node summary's inputs an applying pass read at its start: its online list and
+        #: VM dir listing serve the pass too (:meth:`_online`, :meth:`observe`)
+        self._inputs: Inputs | None = None
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
@@ -169,17 +172,15 @@ class Reconciler:
 
     @property
     def topology(self) -> Topology:
-        if self._topology is not None and self.online_seen is not None and self.follow_hotplug:
-            from vmpin.linux.sysfs import online_text
-
-            if online_text(self.paths.sys) != self.online_seen:
-                self._topology = None  # a CPU came or went: its place is read anew
+        following = self.follow_hotplug and self._topology is not None and self.online_seen
+        if following and self._online() != self.online_seen:
+            self._topology = None  # a CPU came or went: its place is read anew
         if self._topology is None:
-            from vmpin.linux.sysfs import online_text, read_topology
+            from vmpin.linux.sysfs import read_topology
 
             # (read before the topology: a CPU that comes or goes meanwhile is seen at the
             # next use)
-            seen = online_text(self.paths.sys) if self.follow_hotplug else None
+            seen = self._online() if self.follow_hotplug else None
             # (a read-only view leaves the state dir as it found it: it reads the cache only)
             self._topology = read_topology(
                 self.paths.sys,
@@ -189,6 +190,13 @@ class Reconciler:
             )
             self.online_seen = seen
         return self._topology
+
+    def _online(self) -> str | None:
+        """The online list as this applying pass read it for its summary, else read now."""
+        from vmpin.linux.sysfs import online_text
+
+        inputs = self._inputs
+        return (inputs[2] or None) if inputs is not None else online_text(self.paths.sys)
 
     @property
     def observer(self) -> Observer:
@@ -212,19 +220,20 @@ class Reconciler:
 
     # -- the pass ------------------------------------------------------------------------
     def observe(
-        self, scope: Scope | None = None, fresh: Container[str] | None = None
+        self, scope: Scope | None = None, fresh: Collection[str] | None = None
     ) -> Observation:
         """The node now; a read-only view may narrow it (``scope``, see observe.Scope), an
         event's pass read only the sandboxes it names afresh (``fresh``: Observer.observe)."""
         if scope is None:
-            return self.observer.observe(self.store, fresh=fresh)
+            listed = self._inputs[0] if self._inputs is not None else None
+            return self.observer.observe(self.store, fresh=fresh, vm_dir=listed)
         return self.observer.observe(self.store, scope, fresh)
 
     def plan(
         self,
         obs: Observation | None = None,
         scope: Scope | None = None,
-        fresh: Container[str] | None = None,
+        fresh: Collection[str] | None = None,
     ) -> NodePlan:
         """The node's plan (of ``obs``, or of a new observation within ``scope``/``fresh``)."""
         from vmpin.reconcile.observation import FULL
@@ -280,7 +289,7 @@ class Reconciler:
         *,
         apply: bool = True,
         scope: Scope | None = None,
-        fresh: Container[str] | None = None,
+        fresh: Collection[str] | None = None,
     ) -> list[SandboxReport]:
         """One node-wide pass; the reports of ``sandbox_ids`` (default: every tracked one).
 
@@ -310,7 +319,7 @@ class Reconciler:
         self.node_lock.release()
 
     def _applying(
-        self, sandbox_ids: list[str] | None, held: bool, fresh: Container[str] | None = None
+        self, sandbox_ids: list[str] | None, held: bool, fresh: Collection[str] | None = None
     ) -> list[SandboxReport]:
         """One pass that applies; planned again while it may have applied an older plan
         than another process did (see the module's docstring), or while a plain container's
@@ -321,6 +330,7 @@ class Reconciler:
             for attempt in range(REPLANS + 1):
                 seen = store.data_version()
                 inputs = summarizer.inputs() if held else None
+                self._inputs = inputs
                 reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
                 if held and lock is not None and inputs is not None:
                     # nobody went on without the lock while this pass held it: nothing
@@ -334,6 +344,7 @@ class Reconciler:
                 elif store.data_version() == seen:
                     break  # (no lock: nothing committed while this pass ran, so it is current)
         finally:
+            self._inputs = None
             if not summarized:
                 # (went on without the lock, failed, or an event still disagrees with it:
                 # every plain hook beside a VM re-plans until the next pass writes one)
@@ -343,17 +354,7 @@ class Reconciler:
     def _note_applied(self, applied: Applied) -> None:
         """What the pass wrote and read back, into the observation an event's pass may give
         again (Observer.note_applied)."""
-        threads = {
-            key: o.actual
-            for key, o in applied.threads.items()
-            if o.action == "pinned" and o.actual is not None
-        }
-        cgroups = {
-            (sid, d["container"]): CpuSet.parse(d["desired"])
-            for sid, drifts in applied.cgroups.items()
-            for d in drifts
-            if d.get("repaired")
-        }
+        threads, cgroups = _written(applied)
         self.last_writes = len(threads) + len(cgroups)
         if threads or cgroups:
             self.observer.note_applied(threads, cgroups)
@@ -364,7 +365,7 @@ class Reconciler:
         apply: bool,
         scope: Scope | None = None,
         again: bool = False,
-        fresh: Container[str] | None = None,
+        fresh: Collection[str] | None = None,
     ) -> list[SandboxReport]:
         from vmpin.reconcile.report import node_reports
 
@@ -480,6 +481,25 @@ class Reconciler:
         with _GcPaused():
             obs = self.observe(scope)
             return node_audit(obs, self.plan(obs))
+
+
+def _written(
+    applied: Applied,
+) -> tuple[dict[tuple[str, int], CpuSet], dict[tuple[str, str], CpuSet]]:
+    """What a pass wrote to the host and read back: thread affinities by (sandbox, tid),
+    cgroup cpusets by (sandbox, container)."""
+    threads = {
+        key: o.actual
+        for key, o in applied.threads.items()
+        if o.action == "pinned" and o.actual is not None
+    }
+    cgroups = {
+        (sid, d["container"]): CpuSet.parse(d["desired"])
+        for sid, drifts in applied.cgroups.items()
+        for d in drifts
+        if d.get("repaired")
+    }
+    return threads, cgroups
 
 
 def _writer(store: Reader) -> Store:

@@ -201,9 +201,9 @@ def node_reports(
     wanted = None if sandbox_ids is None else set(sandbox_ids)
     reports = []
     for sp in plan.sandboxes:
-        if not sp.obs.tracked:
-            continue
         if wanted is not None and sp.id not in wanted:
+            continue
+        if not sp.obs.tracked:
             continue
         report = sandbox_report(sp, applied)
         report.conflicts = [dict(e) for e in conflicts.get(sp.id, ())]

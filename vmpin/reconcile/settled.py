@@ -54,7 +54,11 @@ class Settled:
         whose plan is not the very one applied cleanly before."""
         plans = self._plans
         out = set(named)
-        out.update(sp.id for sp in plan.sandboxes if not _same_work(plans.get(sp.id), sp))
+        out.update(
+            sp.id
+            for sp in plan.sandboxes
+            if (before := plans.get(sp.id)) is not sp and not _same_work(before, sp)
+        )
         return out
 
     def note(self, plan: NodePlan, applied: Applied, only: Collection[str] | None) -> None:

@@ -5,8 +5,9 @@ the vCPUs no layer found, the original affinities and the pods' policy records
 (:class:`.observation.Recorded`).  Read whole, that was 26,000 rows at 2,000 sandboxes, on
 every pass after the store moved -- and an event's pass always follows a write (issue 28).
 So the first pass reads them whole, and each later one asks the store's change log
-(:mod:`vmpin.state.changes`) which sandboxes and meta keys moved since, and reads those
-sandboxes again through the indexes: rows in proportion to what changed, whoever wrote it.
+(:mod:`vmpin.state.changes`) which sandboxes' tables and which meta keys moved since, and
+reads what moved again through the indexes: rows in proportion to what changed, whoever
+wrote it (an update's pass reads its sandbox's row and containers, not its threads).
 A log that no longer reaches back that far (:func:`~vmpin.state.changes.since` says None)
 means a whole read again.
 
@@ -35,8 +36,11 @@ if TYPE_CHECKING:
 
 
 #: the tables are read whole again once more than one sandbox in this many moved (a start-up
-#: pass's records, a tiny node)
+#: pass's records), and more than :data:`FEW`
 WHOLE = 4
+#: sandboxes that moved which are read one by one on any node (a whole read is eight
+#: statements and every thread row: a one-sandbox node's event read them all each pass)
+FEW = 1
 
 
 class Tables:
@@ -84,20 +88,23 @@ class Tables:
         delta = changes.since(store.db, self.seq)
         if delta is None:
             return False
-        sids = delta.sandboxes
+        # what to read again: each sandbox's tables written, and its meta keys (the VMM's
+        # missing vCPUs and original affinities, its pod's policy record: "meta", "policy")
+        what = delta.tables
         api = False
         for key in delta.keys:
             if key.startswith(API_POLICY_META):
                 api = True
             elif key.startswith(POLICY_META):
-                sids.add(key[len(POLICY_META) :])
+                what.setdefault(key[len(POLICY_META) :], set()).add("policy")
             elif key.startswith((ORIG_PREFIX, MISSING_PREFIX)):
-                sids.add(key_sandbox(key))
-        if len(sids) > len(self.records) // WHOLE:
-            return False  # (six statements a sandbox: past a few, one read of each table)
+                what.setdefault(key_sandbox(key), set()).add("meta")
+        sids = set(what)
+        if len(sids) > max(FEW, len(self.records) // WHOLE):
+            return False  # (up to six statements a sandbox: past a few, each table once)
         moved = False
-        for sid in sids:
-            moved = self._read_sandbox(sid) or moved
+        for sid, tables in what.items():
+            moved = self._read_sandbox(sid, tables) or moved
         if moved:  # a sandbox came or went: in id order, as store.sandboxes() gives them
             self.records[:] = sorted(self._recs.values(), key=lambda r: r.id)
             self._at = {r.id: i for i, r in enumerate(self.records)}
@@ -111,22 +118,24 @@ class Tables:
         self.moved = None if api else sids
         return True
 
-    def _read_sandbox(self, sid: str) -> bool:
-        """One sandbox's records again; whether it came or went."""
+    def _read_sandbox(self, sid: str, tables: set[str]) -> bool:
+        """What moved of one sandbox's records (``tables``: of changes.TABLES, "meta" and
+        "policy"), read again; whether it came or went."""
         store, (vmms, affinity) = self.store, self.scope_key
-        rec = store.sandbox(sid)
-        containers = store.containers(sid)
-        if containers:
-            self.containers[sid] = containers
-        else:
-            self.containers.pop(sid, None)
-        if vmms:
+        if "containers" in tables:
+            containers = store.containers(sid)
+            if containers:
+                self.containers[sid] = containers
+            else:
+                self.containers.pop(sid, None)
+        if vmms and "threads" in tables:
             for vmm in self._threads.pop(sid, ()):
                 self.threads.pop(vmm, None)
             mine = store.threads_of(sid)
             if mine:
                 self.threads.update(mine)
                 self._threads[sid] = list(mine)
+        if vmms and "meta" in tables:
             for name in self._keys.pop(sid, ()):
                 self.missing.pop(name, None)
                 self.originals.pop(name, None)
@@ -141,11 +150,15 @@ class Tables:
                     keys.append(name)
             if keys:
                 self._keys[sid] = keys
-        raw = store.meta(POLICY_META + sid)
-        if raw:
-            self.oci[sid] = policy_record(raw, "oci")
-        else:
-            self.oci.pop(sid, None)
+        if "policy" in tables:
+            raw = store.meta(POLICY_META + sid)
+            if raw:
+                self.oci[sid] = policy_record(raw, "oci")
+            else:
+                self.oci.pop(sid, None)
+        if "sandboxes" not in tables:
+            return False
+        rec = store.sandbox(sid)
         if rec is None:
             return self._recs.pop(sid, None) is not None
         if sid in self._recs:

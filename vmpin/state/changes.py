@@ -5,10 +5,13 @@ Issue 28: an event's pass in the agent read every table whole whenever the store
 that was 26,000 rows a pass to learn that one sandbox changed.  ``PRAGMA data_version`` says
 *that* another connection committed, never *what*; so the store says what, itself: triggers
 on the tables a pass reads append one row per written row to ``changes`` -- the sandbox it
-belongs to (``sandboxes``, ``containers``, ``threads``) or the ``meta`` key -- whichever
-process writes, through whichever code path.  A long-lived reader remembers the last
-``seq`` it read and asks for the rows after it (:func:`since`: the primary key's range,
-rows proportional to what changed), then re-reads those sandboxes through the indexes.
+belongs to with the table written (``sandboxes``, ``containers``, ``threads``: in the ``key``
+column), or the ``meta`` key -- whichever process writes, through whichever code path.  A
+long-lived reader remembers the last ``seq`` it read and asks for the rows after it
+(:func:`since`: the primary key's range, rows proportional to what changed), then re-reads
+what those sandboxes had written through the indexes: an update of a container's CPUs, or
+the pass marking a sandbox done, does not make its 37 thread rows be read again.
+(Schema 4's triggers named no table: such a row stands for all three.)
 
 The log keeps itself short: every :data:`KEEP`-th row removes the :data:`KEEP` before the
 last :data:`KEEP` (so it holds between one and two times that).  ``seq`` is AUTOINCREMENT
@@ -38,26 +41,35 @@ CREATE TABLE IF NOT EXISTS changes (
 );
 """
 
-_SANDBOX = "INSERT INTO changes(sandbox_id) VALUES ({}.{})"
+#: the tables a sandbox's rows live in (what a sandbox's row in the log names)
+TABLES = ("sandboxes", "containers", "threads")
+
+
+def _logged(row: str, table: str) -> str:
+    """The statement logging a sandbox's ``row`` ("new" or "old") of ``table``."""
+    column = "id" if table == "sandboxes" else "sandbox_id"
+    return f"INSERT INTO changes(sandbox_id, key) VALUES ({row}.{column}, '{table}')"
+
+
 _KEY = "INSERT INTO changes(key) VALUES ({}.key)"
 
 #: (trigger name, when, table, what it logs)
 _TRIGGERS = (
-    ("changes_sandboxes_ins", "AFTER INSERT", "sandboxes", _SANDBOX.format("new", "id")),
-    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes", _SANDBOX.format("new", "id")),
-    ("changes_sandboxes_del", "AFTER DELETE", "sandboxes", _SANDBOX.format("old", "id")),
+    ("changes_sandboxes_ins", "AFTER INSERT", "sandboxes", _logged("new", "sandboxes")),
+    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes", _logged("new", "sandboxes")),
+    ("changes_sandboxes_del", "AFTER DELETE", "sandboxes", _logged("old", "sandboxes")),
     # (INSERT OR REPLACE deletes the old row without a delete trigger: a container id
     # written again under another sandbox logs the sandbox it leaves, here)
     ("changes_containers_moved", "BEFORE INSERT", "containers",
-     "INSERT INTO changes(sandbox_id) SELECT sandbox_id FROM containers"
+     "INSERT INTO changes(sandbox_id, key) SELECT sandbox_id, 'containers' FROM containers"
      " WHERE id = new.id AND sandbox_id != new.sandbox_id"),
-    ("changes_containers_ins", "AFTER INSERT", "containers", _SANDBOX.format("new", "sandbox_id")),
+    ("changes_containers_ins", "AFTER INSERT", "containers", _logged("new", "containers")),
     ("changes_containers_upd", "AFTER UPDATE", "containers",
-     _SANDBOX.format("new", "sandbox_id") + "; " + _SANDBOX.format("old", "sandbox_id")),
-    ("changes_containers_del", "AFTER DELETE", "containers", _SANDBOX.format("old", "sandbox_id")),
-    ("changes_threads_ins", "AFTER INSERT", "threads", _SANDBOX.format("new", "sandbox_id")),
-    ("changes_threads_upd", "AFTER UPDATE", "threads", _SANDBOX.format("new", "sandbox_id")),
-    ("changes_threads_del", "AFTER DELETE", "threads", _SANDBOX.format("old", "sandbox_id")),
+     _logged("new", "containers") + "; " + _logged("old", "containers")),
+    ("changes_containers_del", "AFTER DELETE", "containers", _logged("old", "containers")),
+    ("changes_threads_ins", "AFTER INSERT", "threads", _logged("new", "threads")),
+    ("changes_threads_upd", "AFTER UPDATE", "threads", _logged("new", "threads")),
+    ("changes_threads_del", "AFTER DELETE", "threads", _logged("old", "threads")),
     ("changes_meta_ins", "AFTER INSERT", "meta", _KEY.format("new")),
     ("changes_meta_upd", "AFTER UPDATE", "meta", _KEY.format("new")),
     ("changes_meta_del", "AFTER DELETE", "meta", _KEY.format("old")),
@@ -67,20 +79,27 @@ _TRIGGERS = (
 
 
 def create(db: sqlite3.Connection) -> None:
-    """The triggers (the table is in :data:`SCHEMA`), inside the caller's transaction."""
+    """The triggers (the table is in :data:`SCHEMA`), inside the caller's transaction; an
+    older schema's are replaced."""
     for name, when, table, body in _TRIGGERS:
-        db.execute(f"CREATE TRIGGER IF NOT EXISTS {name} {when} ON {table} BEGIN {body}; END")
+        db.execute(f"DROP TRIGGER IF EXISTS {name}")
+        db.execute(f"CREATE TRIGGER {name} {when} ON {table} BEGIN {body}; END")
 
 
 class Delta:
-    """What moved between two points of the log: sandbox ids and meta keys."""
+    """What moved between two points of the log: sandbox ids (with the tables of theirs that
+    were written) and meta keys."""
 
-    __slots__ = ("keys", "sandboxes", "top")
+    __slots__ = ("keys", "sandboxes", "tables", "top")
 
-    def __init__(self, top: int, sandboxes: set[str], keys: set[str]) -> None:
+    def __init__(
+        self, top: int, keys: set[str], tables: dict[str, set[str]] | None = None
+    ) -> None:
         self.top = top
-        self.sandboxes = sandboxes
         self.keys = keys
+        #: each moved sandbox's tables written (of :data:`TABLES`)
+        self.tables: dict[str, set[str]] = tables if tables is not None else {}
+        self.sandboxes: set[str] = set(self.tables)
 
 
 #: :func:`top` of a database without the log (an older schema a read-only view opened)
@@ -106,7 +125,7 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
     if last == NO_LOG or seq == NO_LOG:
         return None
     if last == seq:
-        return Delta(seq, set(), set())
+        return Delta(seq, set())
     if last < seq:
         return None  # (another database at this path: nothing of it is known)
     rows = db.execute(
@@ -114,11 +133,17 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
     ).fetchall()
     if not rows or rows[0][0] != seq + 1 or rows[-1][0] < last:
         return None  # a hole: kept short since (a rolled-back write leaves none)
-    sandboxes: set[str] = set()
+    tables: dict[str, set[str]] = {}
     keys: set[str] = set()
     for _, sid, key in rows:
         if sid is not None:
-            sandboxes.add(sid)
+            named = tables.get(sid)
+            if named is None:
+                named = tables[sid] = set()
+            if key is None:
+                named.update(TABLES)  # (schema 4's row: any of them)
+            else:
+                named.add(key)
         elif key is not None:
             keys.add(key)
-    return Delta(int(rows[-1][0]), sandboxes, keys)
+    return Delta(int(rows[-1][0]), keys, tables)

@@ -22,10 +22,12 @@ else:
     # the C module _sqlite3, without the sqlite3 package's imports nor functools' (see there)
     from vmpin.state.sqlite import sqlite3
 
-SCHEMA_VERSION = 4  # 3: vmpin's own allocations (vmpin.state.allocations); 4: its change log
+#: 3: vmpin's own allocations (vmpin.state.allocations); 4: its change log; 5: the log names
+#: the table a sandbox's row was written in (its triggers replaced)
+SCHEMA_VERSION = 5
 #: schema versions a read-only view reads (2 and 3 lack only tables added since: without
 #: the change log, vmpin.state.changes, a long-lived reader reads the tables whole)
-READABLE = (0, 2, 3, SCHEMA_VERSION)
+READABLE = (0, 2, 3, 4, SCHEMA_VERSION)
 #: the shortest busy wait a store with a deadline is given, even once the deadline passed
 #: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
 MIN_BUSY = 0.05
