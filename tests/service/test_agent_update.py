@@ -235,7 +235,7 @@ def test_other_roots_or_another_clock_are_refused(paths: HostPaths) -> None:
 
 # -- the caller's side ---------------------------------------------------------------------------
 def test_no_agent_means_no_exchange(paths: HostPaths) -> None:
-    assert control.update(paths, _request(paths, "c1", "1")) == (None, False)
+    assert control.update(paths, "c1", "1", 1.0) == (None, False)
 
 
 def test_an_agent_that_never_answers_is_waited_for_once(paths: HostPaths) -> None:
@@ -290,3 +290,15 @@ def test_vmpin_update_is_written_by_the_agent_and_the_command_opens_no_store(
     status = agent.status()
     assert status is not None and status["errors"] == 0, status
     assert agent.stop() == 0
+
+
+def test_without_an_agent_the_command_loads_nothing_of_the_agents_protocol(
+    paths: HostPaths, env: dict[str, str]
+) -> None:
+    cid = _container(paths)
+    out = run_cli({**env, "PYTHONPROFILEIMPORTTIME": "1"}, "update", cid, "--cpuset-cpus", "1")
+    assert out.returncode == 0, out.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
+    assert "vmpin.service.update" in imported
+    assert not imported & {"vmpin.wire.control_commands", "vmpin.wire.control", "_socket"}
+    assert _stored(paths, cid) == ("1", "update")

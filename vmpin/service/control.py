@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any
 
-    from vmpin.wire.control_commands import Request, Update, UpdateReply, View, ViewReply
+    from vmpin.wire.control_commands import Request, UpdateReply, View, ViewReply
 
 
 #: how long a full backlog is waited out (seconds; at most the request's timeout)
@@ -202,23 +202,26 @@ def notify(
     return bool(got and got.done)
 
 
-def update(paths: HostPaths, message: Update) -> tuple[UpdateReply | None, bool]:
-    """``vmpin update`` written and re-pinned by the agent (``message``: a vmpin.wire.
-    control_commands.Update): its answer, and whether any came.  (None, True): the agent
-    refused (an old one that does not know the request, other host roots); (None, False):
-    no agent, or none that answered by ``message.until`` -- the caller does it itself, and
-    waits for that agent no more.  An answer not done says the agent wrote nothing (or put
-    its write back), so the caller may go on at once; with none, it is ``until`` that ends
-    the exchange, and the agent writes nothing past it."""
+def update(
+    paths: HostPaths, container_id: str, cpus: str, wait: float
+) -> tuple[UpdateReply | None, bool]:
+    """``vmpin update`` written and re-pinned by the agent (a vmpin.wire.control_commands.
+    Update: the container, its CPU list, a deadline ``wait`` seconds from now): the answer,
+    and whether any came.  (None, True): the agent refused (an old one that does not know
+    the request, other host roots); (None, False): no agent (nothing is imported then), or
+    none that answered by the deadline -- the caller does it itself, and waits for that
+    agent no more.  An answer not done says the agent wrote nothing (or put its write
+    back), so the caller may go on at once; with none, it is the deadline that ends the
+    exchange, and the agent writes nothing past it."""
     if _agent_socket(paths) is None:
         return None, False
-    left = message.until - time.monotonic()
-    if left <= 0:
-        return None, False
     from vmpin.wire.control import reply_from_json
-    from vmpin.wire.control_commands import UpdateReply
+    from vmpin.wire.control_commands import Update, UpdateReply
 
-    buf = _send(paths, message, left, answer=True)
+    until = time.monotonic() + wait
+    message = Update(container_id, cpus, until, wait, dict(paths._asdict()))
+    # (the exchange ends at ``until`` or after it, never before: see the docstring)
+    buf = _send(paths, message, until - time.monotonic(), answer=True)
     if not buf:
         return None, False
     return UpdateReply.from_obj(reply_from_json(buf)), True

@@ -135,12 +135,8 @@ def update_container(
     if cpus:  # (None, nothing to do, and the empty set's error: this process says them)
         wait = min(wait, max(0.05, deadline - time.monotonic()))
         from vmpin.service.control import update as agent_update
-        from vmpin.wire.control_commands import Update
 
-        until = time.monotonic() + wait
-        roots = dict(paths._asdict())
-        by_agent, answered = agent_update(paths, Update(container_id, cpus.to_list(), until,
-                                                        wait, roots))  # fmt: skip
+        by_agent, answered = agent_update(paths, container_id, cpus.to_list(), wait)
         if by_agent is not None and by_agent.done:
             return views.update(
                 id=by_agent.id,
