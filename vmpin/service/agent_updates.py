@@ -28,6 +28,7 @@ from typing import Any
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import VmpinError
 from vmpin.linux.paths import HostPaths
+from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.server import Reply
 from vmpin.service.update import record_update
 from vmpin.state.store import Store
@@ -104,6 +105,8 @@ class AgentUpdates:
         error = done.get("error") or "no pass planned from it ended well in time"
         with self._lock:
             try:
+                # (the caller's deadline may be past: the locks' share of its budget more)
+                store.deadline = time.monotonic() + (BUDGET - AGENT_WAIT)
                 store.restore_container_cpus(new, old.cpus, old.cpus_source or "spec")
                 store.sync()
             except (VmpinError, sqlite3.Error) as err:
