@@ -83,7 +83,8 @@ class AgentUpdates:
                 old, new = record_update(store, self.paths, msg.container, cpus, msg.until)
             except (VmpinError, sqlite3.Error) as err:
                 return UpdateReply(False, error=str(err)).to_obj()
-        done = UpdateReply(True, new.id, new.sandbox_id, msg.cpus).to_obj()
+        written = None if new.cpus is None else new.cpus.to_list()
+        done = UpdateReply(True, new.id, new.sandbox_id, written).to_obj()
 
         def sync() -> None:
             # the write made durable while the planner's pass runs (the answer waits for

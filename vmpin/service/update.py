@@ -81,6 +81,17 @@ class Late(StateError):
     """The agent had an update's request past its ``until``: the caller does it itself."""
 
 
+def _known(store: Store, container_id: str) -> ContainerRec:
+    """The container's record, its hook's journal applied first; UnknownContainer when there
+    is none (the command then looks for a libvirt domain of that name)."""
+    # (raised, not printed and gone past: a write after it would meet the same lock)
+    store.ingest()
+    rec = store.container(container_id)
+    if rec is None:
+        raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
+    return rec
+
+
 def record_update(
     store: Store, paths: HostPaths, container_id: str, cpus: CpuSet, until: float | None = None
 ) -> tuple[ContainerRec, ContainerRec]:
@@ -92,11 +103,7 @@ def record_update(
     not empty, every CPU online.  ``until`` (``time.monotonic()``): the write happens only
     before it, checked under SQLite's write lock (:class:`Late`): the agent's, whose caller
     writes the set itself once ``until`` has passed (vmpin.wire.control_commands.Update)."""
-    # (raised, not printed and gone past: the write below would meet the same lock)
-    store.ingest()
-    old = store.container(container_id)
-    if old is None:
-        raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
+    old = _known(store, container_id)
     if not cpus:
         raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
     from vmpin.linux.sysfs import read_topology
@@ -153,12 +160,7 @@ def update_container(
 
     with Store(paths.state_dir, ingest=False, deadline=deadline) as store:
         if cpus is None:
-            store.ingest()
-            rec = store.container(container_id)
-            if rec is None:
-                raise UnknownContainer(
-                    f"unknown container {container_id!r} (see `vmpin containers`)"
-                )
+            rec = _known(store, container_id)
             return views.update(
                 id=rec.id,
                 sandbox=rec.sandbox_id,
