@@ -447,3 +447,86 @@ def test_glob_star_is_glob_for_every_candidate_layout(tmp_path: Path) -> None:
             want = sorted(glob.glob(glob.escape(root) + rel))
             assert _glob_star(root, rel) == want and want, rel
     assert _glob_star(str(tmp_path / "none"), candidate_paths(CID)[2]) == []
+
+
+# -- vmpin's writers of one cgroup file take turns (flock) ---------------------------------
+def _plain_cgroup(tmp_path: Path, text: str) -> CgroupRef:
+    d = tmp_path / "ctr"
+    d.mkdir()
+    (d / "cpuset.cpus").write_text(text)
+    return CgroupRef(1, str(d), "/ctr")
+
+
+def test_write_waits_its_turn_and_never_interleaves(tmp_path: Path) -> None:
+    """A longer list written while another writer holds the file, then a shorter one: a plain
+    file (a node's fixture) ends with the last write whole, never "0\\n91" (CI once read that
+    when two passes past their budget wrote one container at once)."""
+    import fcntl
+    import threading
+    import time
+
+    ref = _plain_cgroup(tmp_path, "0-111\n")
+    holder = os.open(ref.file("cpuset.cpus"), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    done = threading.Event()
+
+    def write() -> None:
+        write_cpus(ref, CpuSet.parse("0"))
+        done.set()
+
+    t = threading.Thread(target=write)
+    t.start()
+    time.sleep(0.03)
+    assert not done.is_set(), "the write did not wait for the other writer's turn"
+    # the other writer's write, in its turn: longer than the waiting one's
+    with open(ref.file("cpuset.cpus"), "r+") as f:
+        f.truncate(0)
+        f.write("0-91\n")
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    os.close(holder)
+    t.join(5)
+    assert done.is_set()
+    assert Path(ref.file("cpuset.cpus")).read_text() == "0\n"
+
+
+def test_a_turn_held_forever_delays_a_write_only_briefly(tmp_path: Path) -> None:
+    """Anyone who may read a cgroup file may flock it: a write waits TURN_WAIT at most."""
+    import fcntl
+    import time
+
+    from vmpin.linux import cgroups
+
+    ref = _plain_cgroup(tmp_path, "0-3\n")
+    holder = os.open(ref.file("cpuset.cpus"), os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        write_cpus(ref, CpuSet.parse("2"))
+        took = time.monotonic() - t0
+    finally:
+        os.close(holder)
+    assert Path(ref.file("cpuset.cpus")).read_text() == "2\n"
+    assert cgroups.TURN_WAIT <= took < cgroups.TURN_WAIT + 1.0
+
+
+@real_v1
+def test_real_write_takes_a_turn(real: RealCgroups) -> None:
+    """flock(2) and the truncation work on the kernel's cgroup files: a write waits while
+    another holds the file (a reader's lock is enough to hold it), then lands."""
+    import fcntl
+    import time
+
+    ref = real.make()
+    one = CpuSet([real.cpus.first()])
+    holder = os.open(ref.file("cpuset.cpus"), os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        write_cpus(ref, one)
+        assert time.monotonic() - t0 >= 0.09
+    finally:
+        os.close(holder)
+    t0 = time.monotonic()
+    write_cpus(ref, real.cpus)
+    assert time.monotonic() - t0 < 0.09
+    assert read_cpus(ref) == real.cpus

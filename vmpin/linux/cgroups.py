@@ -299,13 +299,52 @@ def write_cpus(ref: CgroupRef, cpus: CpuSet) -> None:
     path = ref.file(_CPUS[ref.version - 1])
     text = cpus.to_list()
     try:
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     except OSError as err:
         raise _write_error(ref, cpus, path, err) from err
-    actual = read_cpus(ref)
+    try:
+        _take_turn(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, (text + "\n").encode())
+        except OSError as err:
+            raise _write_error(ref, cpus, path, err) from err
+        actual = read_cpus(ref)
+    finally:
+        os.close(fd)  # (and the turn with it)
     if actual != cpus:
         raise AffinityRejected(f"{path}: wrote {text or '(empty)'}, kernel kept {actual}")
+
+
+#: how long a write waits for another holder of the file's lock before it goes on without it
+TURN_WAIT = 0.1
+
+
+def _take_turn(fd: int) -> None:
+    """Wait (briefly) for the other vmpin writers of this cgroup file: flock(2) on it.
+
+    Passes past their budget run without the node's plan lock (vmpin.reconcile.reconciler),
+    so two may write one container's cpuset at once.  In turns, each read-back sees its own
+    write, never the other's (which it would report as the kernel refusing the set), and a
+    tree of plain files -- a node's fixture -- never ends with two writes interleaved
+    ("0-91" then "0" over it read "0\n91"), as the kernel's one-write-per-call files never
+    do.  Anyone who can read the file can lock it, so the wait is bounded: past
+    :data:`TURN_WAIT` the write goes on without its turn, as it did before turns.
+    """
+    import fcntl
+    import time
+
+    give_up = time.monotonic() + TURN_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
+                return  # a file system without flock: no turns to take
+        if time.monotonic() >= give_up:
+            return
+        time.sleep(0.002)
 
 
 def _write_error(ref: CgroupRef, cpus: CpuSet, path: str, err: OSError) -> HostError:
