@@ -253,7 +253,7 @@ def event_passes(
 
 
 def one_size(n: int, args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[str, Any]:
-    with fake_node(n, "vmpin-event-") as (_, paths, _):
+    with fake_node(n, "vmpin-event-", vcpus=args.vcpus) as (_, paths, _):
         result = {"sandboxes": n, **event_passes(paths, n, args.updates, profile)}
         brief = {k: v for k, v in result.items() if k != "example_pass"}
         print(json.dumps(brief), file=sys.stderr)
@@ -264,6 +264,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sandboxes", default="60,500,2000", help="comma-separated sizes")
     ap.add_argument("--updates", type=int, default=30)
+    ap.add_argument("--vcpus", type=int, default=2, help="vCPU threads per fake VMM")
     ap.add_argument("--profile", action="store_true", help="profile the largest size's passes")
     ap.add_argument("--sort", default="tottime", help="the profile's order (pstats)")
     ap.add_argument("--top", type=int, default=25, help="the profile's lines")

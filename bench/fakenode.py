@@ -49,14 +49,14 @@ def make_paths(root: Path) -> HostPaths:
     )
 
 
-def _populate(root: Path, n: int, vmms: list[fakevmm.FakeVmm]) -> HostPaths:
+def _populate(root: Path, n: int, vmms: list[fakevmm.FakeVmm], vcpus: int) -> HostPaths:
     """Each VMM goes into ``vmms`` as it starts: a failure halfway leaves none unkilled."""
     paths = make_paths(root)
     (root / "vm").mkdir(parents=True)
     with Store(paths.state_dir) as store:
         for i in range(n):
             sid = f"idle{i:04d}"
-            vmms.append(fakevmm.start(root / "vm", sid, vcpus=2))
+            vmms.append(fakevmm.start(root / "vm", sid, vcpus=vcpus))
             # Kata's per-sandbox shared dir: each pass publishes (checks) the guest map too
             (root / "publish" / sid / "mounts").mkdir(parents=True)
             store.put_sandbox(SandboxRec(sid, "kata"))
@@ -69,14 +69,15 @@ def _populate(root: Path, n: int, vmms: list[fakevmm.FakeVmm]) -> HostPaths:
 
 @contextlib.contextmanager
 def fake_node(
-    n: int, prefix: str, dir: str | None = None
+    n: int, prefix: str, dir: str | None = None, vcpus: int = 2
 ) -> Iterator[tuple[Path, HostPaths, list[fakevmm.FakeVmm]]]:
     """A fresh temporary root holding ``n`` sandboxes: (root, paths, VMMs); afterwards every VMM
-    killed by its pid and the root removed, whatever happened."""
+    killed by its pid and the root removed, whatever happened.  ``vcpus`` per VMM: a pass's
+    per-thread work shows at 32 (a 37-thread VM, as bench_update_peer.py's)."""
     root = Path(tempfile.mkdtemp(prefix=prefix, dir=dir))
     vmms: list[fakevmm.FakeVmm] = []
     try:
-        paths = _populate(root, n, vmms)
+        paths = _populate(root, n, vmms, vcpus)
         yield root, paths, vmms
     finally:
         for v in vmms:
