@@ -106,11 +106,10 @@ def read_topology(
             if found is not None:
                 return _hold(cache, key, Topology.build(found, online, offline, isolated))
     infos = _read_cpus(sys_root, online)
-    topology = Topology.build(infos, online, offline, isolated)
     if cache is not None and key is not None and save:
         _save_cache(cache, key, infos)
-        _hold(cache, key, topology)
-    return topology
+        return _hold(cache, key, Topology.build(infos, online, offline, isolated))
+    return Topology.build(infos, online, offline, isolated)
 
 
 #: the topology this process last read back from (or wrote to) a cache file: (the file, its
