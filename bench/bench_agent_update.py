@@ -12,12 +12,13 @@ back to back, the agent's work after one answer then meets the next request).
 Inside the agent, the phases: the agent is started through this file (``_agent``), which
 wraps the functions each phase ends in (time.monotonic(), the same clock in both processes,
 and the thread's CPU) before running ``vmpin serve``; SIGUSR2 makes it write what it
-recorded.  The wrappers cost ~1 us each, ~25 per round.  Per round, each phase's wall time
+recorded.  The wrappers cost ~1 us each, ~40 per round.  Per round, each phase's wall time
 (ms, from the previous phase's end) and, where one thread runs it, that thread's CPU::
 
-    accept      the connection taken by a connection thread (from the client's send)
+    accept      the connection taken by a connection thread (from the client's call: its
+                own part until connected is ``client_connected``)
     read        the request line read
-    checks      AgentUpdates.answer: the request checked (roots, deadline, the set parsed)
+    checks      the request parsed (ControlProtocol.handle), checked (AgentUpdates.answer)
     ingest      record_update: the hooks' journal applied (Store.ingest)
     known       record_update: the container's record read, the set checked not empty
     topology    record_update: the host's topology read (read_topology; the cache file)
@@ -30,15 +31,17 @@ recorded.  The wrappers cost ~1 us each, ~25 per round.  Per round, each phase's
     answer      the answer written on the socket (Reply.send, by the planner)
     client      the client's recv returning (its wake-up)
 
-besides (``besides_ms``): the whole exchange (``total``); the handler's sync (Store.sync,
-while the pass runs) and its CPU from the request read to its wake-up after the answer; the
-pass's CPU (``pass_cpu``: the planner, from its wake-up to the answer); how often the
-handler answered (``answered_by_handler``: its sync was not done when the pins were; then
-``late_answer``, from the pins to that answer); the planner's work after the answer
-(``tail``; each part's CPU in ``tail_cpu_ms``); the other threads seen running Python
-between the planner's wake-up and its answer (``others_in_pass``: the settler), and the
-settlings.  ``agent_cpu_ms_per_round``: the agent's threads' CPU (/proc schedstat) over the
-measured rounds, in all and per thread name.
+besides (``besides_ms``): the whole exchange (``total``); the agent's side (``agent``: from
+the connection taken to the answer sent; ``agent_but_pins``: less the pins); the handler's
+sync (Store.sync, while the pass runs) and its CPU from the request read to its wake-up
+after the answer; the pass's CPU (``pass_cpu``: the planner, from its wake-up to the
+answer); how often the handler answered (``answered_by_handler``: its sync was not done
+when the pins were; then ``late_answer``, from the pins to that answer); the planner's work
+after the answer (``tail``; each part's CPU in ``tail_cpu_ms``); the other threads seen
+running Python between the planner's wake-up and its answer (``others_in_pass``: the
+settler), the settlings, and the cyclic collector's runs and time in the round.
+``agent_cpu_ms_per_round``: the agent's threads' CPU (/proc schedstat) over the measured
+rounds, in all and per thread name.
 
 Wall times move with the machine's load (another process on the CPUs, caches cold after
 the gap); CPU times less so.  ``--tree DIR`` measures another tree's vmpin (an A/B).
@@ -158,6 +161,14 @@ def _install_probes(out: str) -> None:
     ):
         wrap(owner, attr, f"{attr}_in", f"{attr}_out")  # fmt: skip
 
+    # the cyclic collector's runs (the agent keeps it on), each as gc_<generation>_in/_out
+    import gc
+
+    def collecting(phase: str, info: dict[str, int]) -> None:
+        stamp(f"gc{info['generation']}_{'in' if phase == 'start' else 'out'}")
+
+    gc.callbacks.append(collecting)
+
     profiles: dict[str, Any] = {}
     if os.environ.get("BENCH_PROFILE"):
         import cProfile
@@ -252,9 +263,11 @@ def analyse(rounds: list[tuple[float, float]], records: list[list[Any]]) -> dict
     wall: dict[str, list[float]] = {name: [] for name, _ in PHASES}
     cpu: dict[str, list[float]] = {name: [] for name, _ in PHASES}
     extra: dict[str, list[float]] = {
-        "client": [], "total": [], "sync": [], "sync_cpu": [], "handler_cpu": [],
+        "client": [], "total": [], "agent": [], "agent_but_pins": [],
+        "sync": [], "sync_cpu": [], "handler_cpu": [],
         "pass_cpu": [], "tail": [], "tail_cpu": [], "handler_woken": [],
         "others_in_pass": [], "settles": [], "answered_by_handler": [], "late_answer": [],
+        "gc0_runs": [], "gc1_runs": [], "gc2_runs": [], "gc_ms": [],
     }  # fmt: skip
     tail_cpu: dict[str, list[float]] = {part: [] for part in TAIL}
     starts = [s for s, _ in rounds] + [float("inf")]
@@ -275,6 +288,11 @@ def analyse(rounds: list[tuple[float, float]], records: list[list[Any]]) -> dict
             extra["client"].append((got - prev_t) * 1000)
             extra["total"].append((got - sent) * 1000)
             at = {phase: r for (phase, _), r in zip(PHASES, seen, strict=True)}
+            # the agent's side: from the connection taken to the answer sent, and the same
+            # without the pass's pins
+            agent_ms = (at["answer"][1] - at["accept"][1]) * 1000
+            extra["agent"].append(agent_ms)
+            extra["agent_but_pins"].append(agent_ms - wall["pins"][-1])
             handler = at["read"][3]  # (the connection thread: it read the request)
             planner = at["wake"][3]  # (the planner: take_batch returned on it)
             a, b = first(mine, "sync_in", thread=handler), first(mine, "sync_out", thread=handler)
@@ -306,6 +324,16 @@ def analyse(rounds: list[tuple[float, float]], records: list[list[Any]]) -> dict
             others = {r[3] for r in mine if t0 < r[1] < t1 and r[3] not in (planner, handler)}
             extra["others_in_pass"].append(float(len(others)))
             extra["settles"].append(float(sum(1 for r in mine if r[0] == "settle_in")))
+            # the collector's time in the round, from the request read to the answer
+            gc_ms = 0.0
+            t0, t1 = at["read"][1], seen[-1][1]
+            for g in range(3):
+                ins = [r for r in mine if r[0] == f"gc{g}_in" and t0 <= r[1] <= t1]
+                outs = [r for r in mine if r[0] == f"gc{g}_out" and t0 <= r[1]]
+                for a, b in zip(ins, outs, strict=False):
+                    gc_ms += (b[1] - a[1]) * 1000
+                extra[f"gc{g}_runs"].append(float(len(ins)))
+            extra["gc_ms"].append(gc_ms)
     return {
         "phases_ms": {p: summary(wall[p]) for p, _ in PHASES},
         "phases_cpu_ms": {p: summary(cpu[p]) for p, _ in PHASES if cpu[p]},
@@ -332,7 +360,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wait_agent_pass(paths, 1)
             cid, pid = "idle0000-app", vmms[0].pid
             rounds: list[tuple[float, float]] = []
+            sending: list[float] = []
             failures = 0
+            # the client's own part: from the call to its request sent (connected, as
+            # control._send then sends at once)
+            connected: list[float] = []
+            real_connect = control._connect
+
+            def timed_connect(sock: Any, path: str, patience: float) -> None:
+                real_connect(sock, path, patience)
+                connected.append(time.monotonic())
+
+            control._connect = timed_connect  # type: ignore[assignment]
             cpu0 = threads_cpu_ns(agent.pid)
             for k in range(args.warmup + args.rounds):
                 if k == args.warmup:
@@ -345,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ok = answered and reply is not None and reply.done and all_on(pid, want)
                 if k >= args.warmup:
                     rounds.append((t0, t1))
+                    sending.append((connected[-1] - t0) * 1000)
                     failures += int(not ok)
                 time.sleep(args.gap)
             cpu1 = threads_cpu_ns(agent.pid)
@@ -384,6 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "span_s": round(span, 2),
     }
     result.update(analyse(rounds, records))
+    result["besides_ms"]["client_connected"] = summary(sending)
     return result
 
 

@@ -12,7 +12,9 @@ Files read, all under ``<root>/devices/system``:
 
 That is ~9 files per CPU, ~800 on a 96-CPU node, read by every process that plans (a Kata
 hook without an agent, every command).  :func:`read_topology` with ``cache`` keeps what it
-read in a file of the state dir and reads it back while its key holds (:func:`_cache_key`).
+read in a file of the state dir and reads it back while its key holds (:func:`_cache_key`);
+a process that reads it again (the agent, for each ``vmpin update``) keeps the last one it
+read or wrote, and takes it again while the key holds and the file is the same (:func:`_held`).
 """
 
 from __future__ import annotations
