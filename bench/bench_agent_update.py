@@ -21,7 +21,8 @@ recorded.  The wrappers cost ~1 us each, ~40 per round.  Per round, each phase's
     checks      the request parsed (ControlProtocol.handle), checked (AgentUpdates.answer)
     ingest      record_update: the hooks' journal applied (Store.ingest)
     known       record_update: the container's record read, the set checked not empty
-    topology    record_update: the host's topology read (read_topology; the cache file)
+    topology    record_update: the host's topology read (read_topology; the cache file), or
+                its online CPUs (online_cpus, where the tree has it)
     write       record_update: the transaction (the deadline checked, the set written)
     handover    the sandbox queued for the planner (DirtyQueue.add_all)
     wake        the planner's take_batch returning the batch (its thread woken, the GIL)
@@ -135,6 +136,8 @@ def _install_probes(out: str) -> None:
     wrap(agent_updates.AgentUpdates, "answer", "answer_in", "answer_out")
     wrap(agent_updates, "record_update", "record_in", "record_out")
     wrap(sysfs, "read_topology", "topology_in", "topology_out")
+    if hasattr(sysfs, "online_cpus"):  # (a tree whose update checks the online list alone)
+        wrap(sysfs, "online_cpus", "topology_in", "topology_out")
     wrap(Store, "ingest", "ingest_in", "ingest_out")
     wrap(Store, "sync", "sync_in", "sync_out")
     wrap(Store, "settle_journal", "settle_in", "settle_out")
