@@ -28,7 +28,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import sqlite3
     from collections.abc import Callable
-    from dataclasses import dataclass, field
+    from dataclasses import dataclass
     from functools import partial
     from typing import Any
 
@@ -38,7 +38,7 @@ else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     # functools.partial is this C type; functools itself is ~2.5 ms (vmpin.state.sqlite)
     from _functools import partial
 
-    from vmpin.lean.records import dataclass, field
+    from vmpin.lean.records import dataclass
     from vmpin.state.sqlite import sqlite3
 
 
@@ -51,11 +51,24 @@ class Outcome:
     error: str | None = None
 
 
-@dataclass(slots=True)
+#: what apply did to a thread that leaves nothing for the next pass to try again
+CLEAN = frozenset(("ok", "pinned", "unmanaged"))
+
+
 class Applied:
-    threads: dict[tuple[str, int], Outcome] = field(default_factory=dict)
-    cgroups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    errors: dict[str, list[str]] = field(default_factory=dict)
+    """What a pass applied: each thread's outcome by sandbox and tid, and, gathered while it
+    was applied (not by walking every thread again after), each sandbox's threads pinned
+    with the affinity read back (``pinned``) and the sandboxes with a thread whose outcome
+    is not :data:`CLEAN` (``unclean``)."""
+
+    __slots__ = ("cgroups", "errors", "pinned", "threads", "unclean")
+
+    def __init__(self) -> None:
+        self.threads: dict[str, dict[int, Outcome]] = {}
+        self.cgroups: dict[str, list[dict[str, Any]]] = {}
+        self.errors: dict[str, list[str]] = {}
+        self.pinned: dict[str, dict[int, CpuSet]] = {}
+        self.unclean: set[str] = set()
 
 
 def outcome_without_apply(t: ThreadPlan) -> Outcome:
@@ -108,15 +121,27 @@ class Applier:
                     # pinned through libvirt (its per-thread cgroups refuse a raw affinity),
                     # and nothing of a domain goes into the store: libvirt holds its state
                     if self.domains is not None:
-                        for tid, outcome in self.domains.apply(sp, self.publish).items():
-                            out.threads[(sp.id, tid)] = outcome
+                        outcomes = self.domains.apply(sp, self.publish)
+                        out.threads.setdefault(sp.id, {}).update(outcomes)
+                        for tid, o in outcomes.items():
+                            if o.action == "pinned" and o.actual is not None:
+                                out.pinned.setdefault(sp.id, {})[tid] = o.actual
+                            elif o.action not in CLEAN:
+                                out.unclean.add(sp.id)
                     continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
+                threads = out.threads.setdefault(sp.id, {})
+                # (in place before the threads: what one pinned before an error counts)
+                pinned: dict[int, CpuSet] = out.pinned.setdefault(sp.id, {})
                 for t in sp.threads:
                     if t.role == "container":
                         continue
-                    out.threads[(sp.id, t.tid)] = self._thread(sp, t)
+                    threads[t.tid] = o = self._thread(t, pinned)
+                    if o.action not in CLEAN:
+                        out.unclean.add(sp.id)
+                if not pinned:
+                    del out.pinned[sp.id]
             except Exception as err:
                 # A bug or an unforeseen error while applying one sandbox is an error against
                 # that sandbox: every other sandbox of the node is still brought into line.
@@ -188,7 +213,9 @@ class Applier:
                     f"original affinities not recorded (store not writable: {err}); pinned anyway"
                 )
 
-    def _thread(self, sp: SandboxPlan, t: ThreadPlan) -> Outcome:
+    def _thread(self, t: ThreadPlan, pinned: dict[int, CpuSet]) -> Outcome:
+        """Apply one thread's plan; a thread pinned goes into ``pinned`` with the affinity
+        read back."""
         if t.actual is None:
             return Outcome("error" if t.error else "gone", None, t.error)
         if t.desired is None:
@@ -203,6 +230,7 @@ class Applier:
             return Outcome("error", t.actual, str(err))
         if actual != t.desired:
             return Outcome("error", actual, f"kernel holds {actual} after setting {t.desired}")
+        pinned[t.tid] = actual
         return Outcome("pinned", actual)
 
     # -- store ---------------------------------------------------------------------------------

@@ -354,8 +354,8 @@ class Reconciler:
     def _note_applied(self, applied: Applied) -> None:
         """What the pass wrote and read back, into the observation an event's pass may give
         again (Observer.note_applied)."""
-        threads, cgroups = _written(applied)
-        self.last_writes = len(threads) + len(cgroups)
+        threads, cgroups = applied.pinned, _repaired(applied)
+        self.last_writes = sum(map(len, threads.values())) + sum(map(len, cgroups.values()))
         if threads or cgroups:
             self.observer.note_applied(threads, cgroups)
 
@@ -483,23 +483,15 @@ class Reconciler:
             return node_audit(obs, self.plan(obs))
 
 
-def _written(
-    applied: Applied,
-) -> tuple[dict[tuple[str, int], CpuSet], dict[tuple[str, str], CpuSet]]:
-    """What a pass wrote to the host and read back: thread affinities by (sandbox, tid),
-    cgroup cpusets by (sandbox, container)."""
-    threads = {
-        key: o.actual
-        for key, o in applied.threads.items()
-        if o.action == "pinned" and o.actual is not None
-    }
-    cgroups = {
-        (sid, d["container"]): CpuSet.parse(d["desired"])
-        for sid, drifts in applied.cgroups.items()
-        for d in drifts
-        if d.get("repaired")
-    }
-    return threads, cgroups
+def _repaired(applied: Applied) -> dict[str, dict[str, CpuSet]]:
+    """The cgroup cpusets a pass wrote and read back, by sandbox and container (its
+    threads pinned: ``applied.pinned``)."""
+    cgroups: dict[str, dict[str, CpuSet]] = {}
+    for sid, drifts in applied.cgroups.items():
+        for d in drifts:
+            if d.get("repaired"):
+                cgroups.setdefault(sid, {})[d["container"]] = CpuSet.parse(d["desired"])
+    return cgroups
 
 
 def _writer(store: Reader) -> Store:

@@ -154,9 +154,9 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
             report.errors.append(f"container {c.rec.id}: {c.obs.error}")
         elif c.obs.cgroup is None and (not c.rec.is_sandbox or c.desired is not None):
             report.notes.append(f"container {c.rec.id}: no cgroup found")
-    outcomes = None if applied is None else applied.threads
+    outcomes = None if applied is None else applied.threads.get(sp.id)
     for t in sp.threads:
-        out = None if outcomes is None else outcomes.get((sp.id, t.tid))
+        out = None if outcomes is None else outcomes.get(t.tid)
         if out is None:
             # (here, not per call: an agent's pass reports every sandbox, every thread applied)
             from vmpin.reconcile.apply import outcome_without_apply

@@ -20,10 +20,6 @@ if TYPE_CHECKING:
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
 
-#: what apply did to a thread that leaves nothing for the next pass to try again
-_CLEAN = frozenset(("ok", "pinned", "unmanaged"))
-
-
 def _same_work(before: SandboxPlan | None, sp: SandboxPlan) -> bool:
     """Whether applying ``sp`` would do what applying ``before`` did: the very plan, or the
     same threads, containers and guest map of a sandbox whose record moved in its
@@ -64,7 +60,7 @@ class Settled:
     def note(self, plan: NodePlan, applied: Applied, only: Collection[str] | None) -> None:
         """What a pass applied (``only``: those sandboxes, else every one)."""
         bad = set(applied.errors)
-        bad.update(sid for (sid, _), o in applied.threads.items() if o.action not in _CLEAN)
+        bad.update(applied.unclean)  # (a thread apply left for the next pass to try again)
         bad.update(
             sid for sid, drifts in applied.cgroups.items()
             if any(not d.get("repaired") for d in drifts)
