@@ -74,7 +74,7 @@ def tids(proc: str, pid: int) -> list[int]:
     """The thread ids of a process, in creation order as far as tids tell."""
     path = f"{proc}/{pid}/task"
     try:
-        return sorted(int(t) for t in os.listdir(path) if t.isdigit())
+        return sorted([int(t) for t in os.listdir(path) if t.isdigit()])
     except OSError as err:
         raise _translate(err, pid, None, "task/") from err
 

@@ -154,9 +154,10 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
             report.errors.append(f"container {c.rec.id}: {c.obs.error}")
         elif c.obs.cgroup is None and (not c.rec.is_sandbox or c.desired is not None):
             report.notes.append(f"container {c.rec.id}: no cgroup found")
-    outcomes = None if applied is None else applied.threads.get(sp.id)
+    outcomes = (None if applied is None else applied.threads.get(sp.id)) or {}
+    append = report.threads.append
     for t in sp.threads:
-        out = None if outcomes is None else outcomes.get(t.tid)
+        out = outcomes.get(t.tid)
         if out is None:
             # (here, not per call: an agent's pass reports every sandbox, every thread applied)
             from vmpin.reconcile.apply import outcome_without_apply
@@ -168,7 +169,7 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
         )  # fmt: skip
         if t.role == "container" and r.violates():
             r.action = "drift"
-        report.threads.append(r)
+        append(r)
     if applied is not None:
         report.cgroup_drift = applied.cgroups.get(sp.id, [])
         report.errors.extend(applied.errors.get(sp.id, []))
