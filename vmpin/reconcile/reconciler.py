@@ -385,6 +385,7 @@ class Reconciler:
             settle(writer, self.topology, cp, self.paths.kubelet_config)  # (issue 30)
         plan = self.plan(scope=scope, fresh=fresh)
         applied = None
+        among = None
         if writer is not None:
             from vmpin.reconcile.apply import Applier
 
@@ -402,7 +403,9 @@ class Reconciler:
             ).apply(writer, plan, only)
             self._settled.note(plan, applied, only)
             self._note_applied(applied)
-        return node_reports(plan, applied, sandbox_ids)
+            if only is not None:  # (it holds those asked about: to_apply gives them)
+                among = applied.sandboxes
+        return node_reports(plan, applied, sandbox_ids, among)
 
     def reconcile_plain(
         self, sandbox_id: str, old: CpuSet | None, new: CpuSet | None, infra: bool

@@ -15,6 +15,7 @@ from vmpin.state.records import ContainerRec
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
 
     from vmpin.core.planner import Plan, Policy
@@ -190,10 +191,15 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
 
 
 def node_reports(
-    plan: NodePlan, applied: Applied | None, sandbox_ids: list[str] | None = None
+    plan: NodePlan,
+    applied: Applied | None,
+    sandbox_ids: list[str] | None = None,
+    among: Sequence[SandboxPlan] | None = None,
 ) -> list[SandboxReport]:
     """The reports of a node pass: of ``sandbox_ids`` in that order (default: every tracked
-    sandbox, in the plan's order), each with the conflicts its sandbox is in."""
+    sandbox, in the plan's order), each with the conflicts its sandbox is in.  ``among``:
+    the plan's sandbox plans that hold every one of ``sandbox_ids`` the plan has (an event's
+    pass: those it applied), looked through instead of the node's."""
     conflicts: dict[str, list[dict[str, Any]]] = {}
     for c in plan.conflicts:
         entry = {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
@@ -201,7 +207,7 @@ def node_reports(
             conflicts.setdefault(sid, []).append(entry)
     wanted = None if sandbox_ids is None else set(sandbox_ids)
     reports = []
-    for sp in plan.sandboxes:
+    for sp in plan.sandboxes if among is None else among:
         if wanted is not None and sp.id not in wanted:
             continue
         if not sp.obs.tracked:

@@ -58,7 +58,8 @@ class Settled:
         return out
 
     def note(self, plan: NodePlan, applied: Applied, only: Collection[str] | None) -> None:
-        """What a pass applied (``only``: those sandboxes, else every one)."""
+        """What a pass applied (``only``: those sandboxes, ``applied`` its apply of them;
+        else every one)."""
         bad = set(applied.errors)
         bad.update(applied.unclean)  # (a thread apply left for the next pass to try again)
         bad.update(
@@ -73,12 +74,11 @@ class Settled:
         # (an event's pass: the others stand; a sandbox gone meanwhile stays here until the
         # next full pass, harmless: a sandbox of that id again has another plan)
         plans = self._plans
-        for sp in plan.sandboxes:
-            if sp.id in only:
-                if sp.vanished or sp.id in bad:
-                    plans.pop(sp.id, None)
-                else:
-                    plans[sp.id] = sp
+        for sp in applied.sandboxes:  # (those of ``only``)
+            if sp.vanished or sp.id in bad:
+                plans.pop(sp.id, None)
+            else:
+                plans[sp.id] = sp
 
     def forget(self) -> None:
         self._plans = {}
