@@ -62,7 +62,7 @@ def test_an_event_pass_reads_only_its_sandboxes_and_plans_the_node(
         assert counter.sets == 0
         # b's threads are not read for a's event, nor is b planned again (plan_node's memo:
         # the same observation under the same node-wide inputs)
-        reads = mocker.spy(procfs, "affinity")
+        reads = mocker.spy(procfs, "thread_affinity")  # (a VMM's threads: its pid's)
         planned = mocker.spy(plan_module, "_plan_sandbox")
         rec.reconcile([a], fresh={a})
         assert all(call.args[1] != b_pid for call in reads.call_args_list)
