@@ -221,11 +221,11 @@ _PUBLISHED: dict[
 ] = {}
 #: map path -> (its identity just after this process renamed it there, the document it
 #: wrote, that document's content): while the file there is that one, a change of content is
-#: rendered from it, not from the file read and parsed again (~0.3 ms of an agent's event pass
-#: over a 37-thread VM, issue 28).  Only a change: "unchanged" is judged by the file itself
-#: (:data:`_PUBLISHED`, a settled version), a version just written being too young to be
-#: told from a rewrite in place within the same clock tick; and what a stale memo would
-#: cost is the generation only, the map being replaced whole either way.
+#: rendered from it, not from the file read, parsed and compared again (an agent's event pass
+#: republishes its VM's map at each update, issue 28).  Only a change: "unchanged" is judged
+#: by the file itself (:data:`_PUBLISHED`, a settled version), a version just written being
+#: too young to be told from a rewrite in place within the same clock tick; and what a stale
+#: memo would cost is the generation only, the map being replaced whole either way.
 _WRITTEN: dict[
     str, tuple[tuple[int, int, int, int, int], Mapping[str, Any], Mapping[str, Any]]
 ] = {}
