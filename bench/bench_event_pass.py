@@ -268,6 +268,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="profile the largest size's passes")
     ap.add_argument("--sort", default="tottime", help="the profile's order (pstats)")
     ap.add_argument("--top", type=int, default=25, help="the profile's lines")
+    ap.add_argument("--profile-out", help="also write the profile there (pstats' format)")
     ap.add_argument("--examples", action="store_true", help="print one pass's SQL and files")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
@@ -281,6 +282,8 @@ def main() -> int:
             if profile is not None:
                 stats = pstats.Stats(profile, stream=sys.stderr)
                 stats.sort_stats(args.sort).print_stats(args.top)
+                if args.profile_out:
+                    stats.dump_stats(args.profile_out)
     if not args.examples:
         for r in results:
             r.pop("example_pass", None)

@@ -62,7 +62,7 @@ def test_an_event_pass_reads_only_its_sandboxes_and_plans_the_node(
         assert counter.sets == 0
         # b's threads are not read for a's event, nor is b planned again (plan_node's memo:
         # the same observation under the same node-wide inputs)
-        reads = mocker.spy(procfs, "affinity")
+        reads = mocker.spy(procfs, "thread_affinity")  # (a VMM's threads: its pid's)
         planned = mocker.spy(plan_module, "_plan_sandbox")
         rec.reconcile([a], fresh={a})
         assert all(call.args[1] != b_pid for call in reads.call_args_list)
@@ -135,6 +135,30 @@ def test_an_event_pass_looks_again_at_what_it_names_what_moved_and_what_failed(
     assert observer._given([*ids, "new"], {"a"}, set()) is None  # never observed
     many = {f"m{i}" for i in range(GIVEN + 1)}
     assert observer._given(ids, {"a"}, many) is None
+
+
+def test_what_a_pass_pinned_goes_into_the_kept_observation_when_it_is_given_again(
+    tmp_path: Path,
+) -> None:
+    """Observer.note_applied keeps the pins; the next full observation puts them into the
+    last observation of each sandbox it may give again, and not into that of a sandbox it
+    reads afresh for an event (its threads would be built anew only to be dropped)."""
+    from vmpin.core.planner import Policy
+    from vmpin.reconcile.observe import Observer, SandboxObs, ThreadObs, VmmObs
+
+    observer = Observer(HostPaths(state_dir=str(tmp_path)), Policy())
+    was = CpuSet.parse("0-1")
+    vmm = VmmObs(1, 2, (ThreadObs(10, "vcpu", 0, actual=was), ThreadObs(11, "emulator")))
+    for sid in ("a", "b"):
+        observer._last[sid] = SandboxObs(sid, "kata", Policy(), None, vmm=vmm)
+    observer.note_applied({"a": {10: CpuSet.parse("0")}, "b": {10: CpuSet.parse("1")}}, {})
+    assert observer._last["b"].vmm is vmm  # (not yet)
+    observer._pinned({"a"})
+    a, b = observer._last["a"].vmm, observer._last["b"].vmm
+    assert a is vmm  # read afresh by that observation
+    assert b is not None and b.threads[0].actual == CpuSet.parse("1")
+    assert b.threads[1] is vmm.threads[1]
+    assert observer._pins == {}
 
 
 # -- what an event's pass touches does not grow with the node (issue 28) ---------------------

@@ -129,6 +129,27 @@ def test_change_bumps_generation_per_entry(paths: HostPaths, shared: Path) -> No
     assert res3.generation == 3 and set(read_map(res3.path).containers) == {"a"}
 
 
+def test_a_change_to_its_own_map_is_rendered_without_reading_it(
+    paths: HostPaths, shared: Path, mocker: Any
+) -> None:
+    """The map this process wrote, untouched since, is not read back to render a change
+    (publish._WRITTEN); a map another writer put there is, and so is one whose content
+    may be unchanged (judged by the file)."""
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9,65"}))
+    spy = mocker.spy(publish, "read_published")
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64", "b": "9"}))
+    assert res.written and res.generation == 2 and spy.call_count == 0
+    doc = json.loads(Path(res.path).read_text())
+    assert doc["containers"]["a"]["generation"] == 1 and doc["containers"]["b"]["generation"] == 2
+    other = Path(res.path).with_name("other.json")
+    other.write_text(json.dumps({**doc, "generation": 7}))
+    os.replace(other, res.path)  # another writer's map
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert res.written and res.generation == 8 and spy.call_count == 1
+    res = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert not res.written and res.generation == 8 and spy.call_count == 2
+
+
 def test_atomic_replace(paths: HostPaths, shared: Path) -> None:
     """A reader holding the old file keeps a whole old map; the new one is a new inode."""
     first = publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))

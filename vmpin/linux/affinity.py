@@ -76,4 +76,4 @@ class SchedAffinity:
             os.sched_setaffinity(tid, cpus.sorted())
         except OSError as err:
             raise _translate(err, tid, cpus) from err
-        return self.get(tid)
+        return current(tid)

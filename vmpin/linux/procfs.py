@@ -72,9 +72,9 @@ def exists(proc: str, pid: int, tid: int | None = None) -> bool:
 
 def tids(proc: str, pid: int) -> list[int]:
     """The thread ids of a process, in creation order as far as tids tell."""
-    path = os.path.join(proc, str(pid), "task")
+    path = f"{proc}/{pid}/task"
     try:
-        return sorted(int(t) for t in os.listdir(path) if t.isdigit())
+        return sorted([int(t) for t in os.listdir(path) if t.isdigit()])
     except OSError as err:
         raise _translate(err, pid, None, "task/") from err
 
@@ -153,11 +153,23 @@ def affinity(proc: str, pid: int, tid: int | None = None) -> CpuSet:
     """
     if not is_own(proc):
         return cpus_allowed(proc, pid, tid)
+    return _current()(pid if tid is None else tid)
+
+
+def thread_affinity(proc: str, pid: int) -> Callable[[int], CpuSet]:
+    """:func:`affinity` of the threads of ``pid`` by tid, the way to read it chosen once (a
+    pass reads every thread of a VMM in a row)."""
+    if not is_own(proc):
+        return lambda tid: cpus_allowed(proc, pid, tid)
+    return _current()
+
+
+def _current() -> Callable[[int], CpuSet]:
     if not _CURRENT:  # imported on first use (a hook that reads no affinity needs none of it)
         from vmpin.linux.affinity import current
 
         _CURRENT.append(current)
-    return _CURRENT[0](pid if tid is None else tid)
+    return _CURRENT[0]
 
 
 _CURRENT: list[Callable[[int], CpuSet]] = []

@@ -27,8 +27,8 @@ from vmpin.state.store import Store
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import sqlite3
-    from collections.abc import Callable
-    from dataclasses import dataclass, field
+    from collections.abc import Callable, Sequence
+    from dataclasses import dataclass
     from functools import partial
     from typing import Any
 
@@ -38,7 +38,7 @@ else:  # dataclasses imports inspect and re: a stand-in on the hook's path
     # functools.partial is this C type; functools itself is ~2.5 ms (vmpin.state.sqlite)
     from _functools import partial
 
-    from vmpin.lean.records import dataclass, field
+    from vmpin.lean.records import dataclass
     from vmpin.state.sqlite import sqlite3
 
 
@@ -51,11 +51,26 @@ class Outcome:
     error: str | None = None
 
 
-@dataclass(slots=True)
+#: what apply did to a thread that leaves nothing for the next pass to try again
+CLEAN = frozenset(("ok", "pinned", "unmanaged"))
+
+
 class Applied:
-    threads: dict[tuple[str, int], Outcome] = field(default_factory=dict)
-    cgroups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    errors: dict[str, list[str]] = field(default_factory=dict)
+    """What a pass applied: each thread's outcome by sandbox and tid, and, gathered while it
+    was applied (not by walking every thread again after), each sandbox's threads pinned
+    with the affinity read back (``pinned``) and the sandboxes with a thread whose outcome
+    is not :data:`CLEAN` (``unclean``)."""
+
+    __slots__ = ("cgroups", "errors", "pinned", "sandboxes", "threads", "unclean")
+
+    def __init__(self) -> None:
+        #: the sandbox plans applied (an event's pass: those it was given)
+        self.sandboxes: Sequence[SandboxPlan] = ()
+        self.threads: dict[str, dict[int, Outcome]] = {}
+        self.cgroups: dict[str, list[dict[str, Any]]] = {}
+        self.errors: dict[str, list[str]] = {}
+        self.pinned: dict[str, dict[int, CpuSet]] = {}
+        self.unclean: set[str] = set()
 
 
 def outcome_without_apply(t: ThreadPlan) -> Outcome:
@@ -93,35 +108,43 @@ class Applier:
         if plan.scope != FULL:  # a view's plan leaves threads out: applying it would undo them
             raise ValueError("a plan observed for a read-only view is never applied")
         out = Applied()
-        self._remember_originals(
-            store,
-            [sp for sp in plan.sandboxes if (only is None or sp.id in only) and not sp.vanished],
-            out,
-        )
-        for sp in plan.sandboxes:
-            if only is not None and sp.id not in only:
-                continue
-            if sp.vanished:
-                continue
+        # (the sandboxes applied, picked once: an event's pass applies a few of the node's)
+        chosen = plan.sandboxes if only is None else [sp for sp in plan.sandboxes if sp.id in only]
+        out.sandboxes = chosen
+        live = [sp for sp in chosen if not sp.vanished]
+        self._remember_originals(store, live, out)
+        for sp in live:
             try:
                 if sp.runtime == "libvirt":
                     # pinned through libvirt (its per-thread cgroups refuse a raw affinity),
                     # and nothing of a domain goes into the store: libvirt holds its state
                     if self.domains is not None:
-                        for tid, outcome in self.domains.apply(sp, self.publish).items():
-                            out.threads[(sp.id, tid)] = outcome
+                        outcomes = self.domains.apply(sp, self.publish)
+                        out.threads.setdefault(sp.id, {}).update(outcomes)
+                        for tid, o in outcomes.items():
+                            if o.action == "pinned" and o.actual is not None:
+                                out.pinned.setdefault(sp.id, {})[tid] = o.actual
+                            elif o.action not in CLEAN:
+                                out.unclean.add(sp.id)
                     continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
+                threads = out.threads.setdefault(sp.id, {})
+                # (in place before the threads: what one pinned before an error counts)
+                pinned: dict[int, CpuSet] = out.pinned.setdefault(sp.id, {})
                 for t in sp.threads:
                     if t.role == "container":
                         continue
-                    out.threads[(sp.id, t.tid)] = self._thread(sp, t)
+                    threads[t.tid] = o = self._thread(t, pinned)
+                    if o.action not in CLEAN:
+                        out.unclean.add(sp.id)
+                if not pinned:
+                    del out.pinned[sp.id]
             except Exception as err:
                 # A bug or an unforeseen error while applying one sandbox is an error against
                 # that sandbox: every other sandbox of the node is still brought into line.
                 out.errors.setdefault(sp.id, []).append(f"unexpected {type(err).__name__}: {err}")
-        self._record(store, plan, only)
+        self._record(store, plan, chosen, only is None)
         return out
 
     # -- host ----------------------------------------------------------------------------------
@@ -188,7 +211,9 @@ class Applier:
                     f"original affinities not recorded (store not writable: {err}); pinned anyway"
                 )
 
-    def _thread(self, sp: SandboxPlan, t: ThreadPlan) -> Outcome:
+    def _thread(self, t: ThreadPlan, pinned: dict[int, CpuSet]) -> Outcome:
+        """Apply one thread's plan; a thread pinned goes into ``pinned`` with the affinity
+        read back."""
         if t.actual is None:
             return Outcome("error" if t.error else "gone", None, t.error)
         if t.desired is None:
@@ -203,11 +228,15 @@ class Applier:
             return Outcome("error", t.actual, str(err))
         if actual != t.desired:
             return Outcome("error", actual, f"kernel holds {actual} after setting {t.desired}")
+        pinned[t.tid] = actual
         return Outcome("pinned", actual)
 
     # -- store ---------------------------------------------------------------------------------
-    def _record(self, store: Store, plan: NodePlan, only: set[str] | None) -> None:
-        """The pass's store writes, in one transaction, and none at all when nothing changed.
+    def _record(
+        self, store: Store, plan: NodePlan, chosen: Sequence[SandboxPlan], whole: bool
+    ) -> None:
+        """The pass's store writes, in one transaction, and none at all when nothing changed;
+        ``chosen``: the sandbox plans applied, ``whole``: every one of the node's.
 
         (A commit per write made a start-up pass over 2,000 sandboxes 10,000 commits; an idle
         pass must not touch ``state.db`` or its WAL.)  The guest maps are published after.
@@ -219,11 +248,10 @@ class Applier:
             writes.append(partial(store.delete_container, cid))
         live_vmms: list[VmmKey] = []
         publish: list[tuple[str, dict[str, Any] | None]] = []
-        for sp in plan.sandboxes:
-            if only is not None and sp.id not in only:
-                # (applied as it is by an earlier pass, its records written then: an event's
-                # pass, .settled; what it recorded of VMMs gone, the next full pass forgets)
-                continue
+        # (an event's pass: the others are applied as they are by an earlier pass, their
+        # records written then, .settled; what it recorded of VMMs gone, the next full pass
+        # forgets)
+        for sp in chosen:
             s = sp.obs
             if s.vmm is not None:
                 live_vmms.append(VmmKey(sp.id, s.vmm.pid, s.vmm.start))
@@ -255,16 +283,16 @@ class Applier:
                             ",".join(map(str, vmm.missing_vcpus)),
                         )
                     )
-            if (only is None or sp.id in only) and s.record.gen > s.record.done_gen:
+            if s.record.gen > s.record.done_gen:
                 # (an idle sandbox is already done at gen: no write)
                 writes.append(partial(store.mark_done, sp.id, s.record.gen))
-            if self.publish and sp.guest_map is not None and (only is None or sp.id in only):
+            if self.publish and sp.guest_map is not None:
                 publish.append((sp.id, sp.guest_map))
             elif self.publish and s.policy.guest == "off":
                 publish.append((sp.id, None))  # the pod turned guest pinning off: withdrawn
         # what vmpin recorded for VMMs that no longer run is of no use to anyone
         # (an event's pass leaves them to the next full pass: it walks only what it applies)
-        stale = stale_originals(plan.originals, live_vmms) if only is None else []
+        stale = stale_originals(plan.originals, live_vmms) if whole else []
         if stale:
             writes.append(partial(store.delete_meta, stale))
         if writes:

@@ -37,7 +37,8 @@ from vmpin.reconcile.observe_vmm import VmmObserver
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Container, Mapping
+    from collections.abc import Mapping
+    from collections.abc import Set as AbstractSet
 
     from vmpin.core.planner import Policy
     from vmpin.linux.paths import HostPaths
@@ -111,7 +112,9 @@ class SandboxObserver:
             return last if last.record == rec else replace(last, record=rec)
         try:
             found = self.read(recorded, policies, rec, cp, scope)
-            return last if last is not None and last == found else found
+            # (its record first: an event's sandbox has moved in it, and comparing that alone
+            # costs a tenth of comparing every field)
+            return last if last is not None and last.record == rec and last == found else found
         except Exception as err:  # one sandbox's failure is an error on it, not the node's
             msg = f"observing it: unexpected {type(err).__name__}: {err}"
             return SandboxObs(rec.id, rec.runtime, self.policy_of(rec.id), rec, errors=(msg,))
@@ -209,11 +212,13 @@ class SandboxObserver:
 
     # -- the VM dir's other sandboxes ----------------------------------------------------------
     def vm_dir_ids(
-        self, tracked: Container[str] = (), listed: list[str] | None = None
+        self, tracked: AbstractSet[str] = frozenset(), listed: list[str] | None = None
     ) -> list[str]:
-        """The sandbox dirs in the VM dir, but for ``tracked`` ones (observed from the store:
-        not checked here, one stat per sandbox saved); ``listed``: the VM dir's names, sorted,
-        as the caller listed them already (vmpin.linux.files.listing)."""
+        """The sandbox dirs in the VM dir, in name order, but for ``tracked`` ones (observed
+        from the store: not checked here, one stat per sandbox saved; told apart by one set
+        difference, not a lookup per name: an event's pass lists the whole VM dir);
+        ``listed``: the VM dir's names, sorted, as the caller listed them already
+        (vmpin.linux.files.listing)."""
         from vmpin.core.errors import IdError
         from vmpin.core.ids import check_id
 
@@ -225,9 +230,7 @@ class SandboxObserver:
             except OSError:
                 return []
         out = []
-        for n in names:
-            if n in tracked:
-                continue
+        for n in sorted(set(names).difference(tracked)):
             try:
                 check_id(n, "VM dir entry")
             except IdError:

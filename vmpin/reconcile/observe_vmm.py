@@ -30,7 +30,7 @@ from vmpin.state.records import ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Iterable, Mapping
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths
@@ -89,7 +89,7 @@ class VmmObserver:
         if remembered and not missing_before and self._complete(remembered, current):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
-            threads = tuple(self._thread(vmm.pid, at, t, originals, affinity) for t in roles)
+            threads = self._threads(vmm.pid, at, roles, originals, affinity)
             layers = tuple(sorted({t.layer for t in roles}))
             return VmmObs(vmm.pid, vmm.start, threads, False, (), layers), False, []
         from vmpin.runtimes.threads import VmmThread, classify
@@ -119,13 +119,8 @@ class VmmObserver:
             vhost_kthreads=recorded.vhost,
             tids=listed,
         )
-        threads = tuple(
-            self._thread(
-                vmm.pid, at, ThreadRec(t.tid, t.role, t.index, t.label, t.layer), originals,
-                affinity,
-            )
-            for t in result.threads
-        )  # fmt: skip
+        recs = [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads]
+        threads = self._threads(vmm.pid, at, recs, originals, affinity)
         obs = VmmObs(
             vmm.pid,
             vmm.start,
@@ -136,8 +131,7 @@ class VmmObserver:
             tuple(result.notes),
             as_recorded=(
                 missing_before == ",".join(map(str, result.missing_vcpus))
-                and [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads]
-                == list(remembered.values())
+                and recs == list(remembered.values())
             ),
         )
         return obs, False, []
@@ -151,10 +145,8 @@ class VmmObserver:
         except ProcessGone:
             return ()
         at = VmmKey(sid, pid, start).orig_prefix()
-        return tuple(
-            self._thread(pid, at, ThreadRec(tid, "emulator", None, None, ""), originals, affinity)
-            for tid in tids
-        )
+        recs = [ThreadRec(tid, "emulator", None, None, "") for tid in tids]
+        return self._threads(pid, at, recs, originals, affinity)
 
     def still(self, rec: SandboxRec, obs: VmmObs | None) -> bool:
         """Whether :meth:`tracked` would find ``obs`` again now, the store's records as they
@@ -208,10 +200,12 @@ class VmmObserver:
             return False
         if count < 2 and not still_running(self.paths, rec.id, pid, obs.start):
             return False
-        read = self._read
+        read, affinity = self._read, procfs.thread_affinity(proc, pid)
         try:
             for t in obs.threads:
-                if t.actual is None or read(pid, t.tid, t.role, t.label) != (t.actual, t.name):
+                if t.actual is None or read(pid, t.tid, t.role, t.label, affinity) != (
+                    t.actual, t.name
+                ):  # fmt: skip
                     return False
         except HostError:  # (ProcessGone too: a thread gone since)
             return False
@@ -230,40 +224,51 @@ class VmmObserver:
             for tid in outside
         )
 
-    def _read(self, pid: int, tid: int, role: str, label: str | None) -> tuple[CpuSet, str]:
-        """Thread ``tid`` of the VMM ``pid``: its actual affinity and its name (a labelled
-        thread is reported by its label: its comm is not read).  Raises ProcessGone or
-        HostError as procfs does."""
+    def _read(
+        self, pid: int, tid: int, role: str, label: str | None, affinity: Callable[[int], CpuSet]
+    ) -> tuple[CpuSet, str]:
+        """Thread ``tid`` of the VMM ``pid``: its actual affinity (``affinity``: the VMM's
+        :func:`~vmpin.linux.procfs.thread_affinity`) and its name (a labelled thread is
+        reported by its label: its comm is not read).  Raises ProcessGone or HostError as
+        procfs does."""
         proc = self.paths.proc
-        # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
-        owner = pid if role != "vhost" or procfs.exists(proc, pid, tid) else tid
-        return procfs.affinity(proc, owner, tid), label or procfs.comm(proc, owner, tid)
+        if role == "vhost" and not procfs.exists(proc, pid, tid):
+            # vhost workers before Linux 6.4 are kernel threads of their own, not in task/
+            return procfs.affinity(proc, tid), label or procfs.comm(proc, tid)
+        return affinity(tid), label or procfs.comm(proc, pid, tid)
 
-    def _thread(
+    def _threads(
         self,
         pid: int,
         orig_at: str,
-        t: ThreadRec,
+        recs: Iterable[ThreadRec],
         originals: Mapping[str, str],
         affinity: bool = True,
-    ) -> ThreadObs:
-        """One thread of the VMM ``pid`` as it is now (``affinity`` False: its role only,
-        nothing read); ``orig_at``: the VMM's :meth:`VmmKey.orig_prefix`."""
+    ) -> tuple[ThreadObs, ...]:
+        """The threads ``recs`` of the VMM ``pid`` as they are now (``affinity`` False: their
+        roles only, nothing read); ``orig_at``: the VMM's :meth:`VmmKey.orig_prefix`."""
         if not affinity:
-            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label)
+            return tuple([ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, t.label) for t in recs])
+        read, reader = self._read, procfs.thread_affinity(self.paths.proc, pid)
         # a thread created after vmpin's first pin inherited the pin: what the VMM had before
         # (its main thread's record) is what it is to get back
-        orig_text = originals.get(f"{orig_at}{t.tid}") or originals.get(f"{orig_at}{pid}")
-        original = parse_cpus(orig_text) if orig_text else None
-        try:
-            actual, name = self._read(pid, t.tid, t.role, t.label)
-        except ProcessGone:
-            return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original)
-        except HostError as err:
-            return ThreadObs(
-                t.tid, t.role, t.idx, t.label, t.layer, original=original, error=str(err)
-            )
-        return ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original)
+        main = originals.get(f"{orig_at}{pid}")
+        out = []
+        for t in recs:
+            orig_text = originals.get(f"{orig_at}{t.tid}") or main
+            original = parse_cpus(orig_text) if orig_text else None
+            try:
+                actual, name = read(pid, t.tid, t.role, t.label, reader)
+            except ProcessGone:
+                out.append(ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, original=original))
+                continue
+            except HostError as err:
+                out.append(ThreadObs(
+                    t.tid, t.role, t.idx, t.label, t.layer, original=original, error=str(err)
+                ))  # fmt: skip
+                continue
+            out.append(ThreadObs(t.tid, t.role, t.idx, t.label, t.layer, name, actual, original))
+        return tuple(out)
 
 
 __all__ = ["VmmObserver"]

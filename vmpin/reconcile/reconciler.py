@@ -354,8 +354,8 @@ class Reconciler:
     def _note_applied(self, applied: Applied) -> None:
         """What the pass wrote and read back, into the observation an event's pass may give
         again (Observer.note_applied)."""
-        threads, cgroups = _written(applied)
-        self.last_writes = len(threads) + len(cgroups)
+        threads, cgroups = applied.pinned, _repaired(applied)
+        self.last_writes = sum(map(len, threads.values())) + sum(map(len, cgroups.values()))
         if threads or cgroups:
             self.observer.note_applied(threads, cgroups)
 
@@ -385,6 +385,7 @@ class Reconciler:
             settle(writer, self.topology, cp, self.paths.kubelet_config)  # (issue 30)
         plan = self.plan(scope=scope, fresh=fresh)
         applied = None
+        among = None
         if writer is not None:
             from vmpin.reconcile.apply import Applier
 
@@ -402,7 +403,9 @@ class Reconciler:
             ).apply(writer, plan, only)
             self._settled.note(plan, applied, only)
             self._note_applied(applied)
-        return node_reports(plan, applied, sandbox_ids)
+            if only is not None:  # (it holds those asked about: to_apply gives them)
+                among = applied.sandboxes
+        return node_reports(plan, applied, sandbox_ids, among)
 
     def reconcile_plain(
         self, sandbox_id: str, old: CpuSet | None, new: CpuSet | None, infra: bool
@@ -483,23 +486,15 @@ class Reconciler:
             return node_audit(obs, self.plan(obs))
 
 
-def _written(
-    applied: Applied,
-) -> tuple[dict[tuple[str, int], CpuSet], dict[tuple[str, str], CpuSet]]:
-    """What a pass wrote to the host and read back: thread affinities by (sandbox, tid),
-    cgroup cpusets by (sandbox, container)."""
-    threads = {
-        key: o.actual
-        for key, o in applied.threads.items()
-        if o.action == "pinned" and o.actual is not None
-    }
-    cgroups = {
-        (sid, d["container"]): CpuSet.parse(d["desired"])
-        for sid, drifts in applied.cgroups.items()
-        for d in drifts
-        if d.get("repaired")
-    }
-    return threads, cgroups
+def _repaired(applied: Applied) -> dict[str, dict[str, CpuSet]]:
+    """The cgroup cpusets a pass wrote and read back, by sandbox and container (its
+    threads pinned: ``applied.pinned``)."""
+    cgroups: dict[str, dict[str, CpuSet]] = {}
+    for sid, drifts in applied.cgroups.items():
+        for d in drifts:
+            if d.get("repaired"):
+                cgroups.setdefault(sid, {})[d["container"]] = CpuSet.parse(d["desired"])
+    return cgroups
 
 
 def _writer(store: Reader) -> Store:

@@ -15,6 +15,7 @@ from vmpin.state.records import ContainerRec
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
 
     from vmpin.core.planner import Plan, Policy
@@ -154,9 +155,10 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
             report.errors.append(f"container {c.rec.id}: {c.obs.error}")
         elif c.obs.cgroup is None and (not c.rec.is_sandbox or c.desired is not None):
             report.notes.append(f"container {c.rec.id}: no cgroup found")
-    outcomes = None if applied is None else applied.threads
+    outcomes = (None if applied is None else applied.threads.get(sp.id)) or {}
+    append = report.threads.append
     for t in sp.threads:
-        out = None if outcomes is None else outcomes.get((sp.id, t.tid))
+        out = outcomes.get(t.tid)
         if out is None:
             # (here, not per call: an agent's pass reports every sandbox, every thread applied)
             from vmpin.reconcile.apply import outcome_without_apply
@@ -168,7 +170,7 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
         )  # fmt: skip
         if t.role == "container" and r.violates():
             r.action = "drift"
-        report.threads.append(r)
+        append(r)
     if applied is not None:
         report.cgroup_drift = applied.cgroups.get(sp.id, [])
         report.errors.extend(applied.errors.get(sp.id, []))
@@ -189,10 +191,15 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
 
 
 def node_reports(
-    plan: NodePlan, applied: Applied | None, sandbox_ids: list[str] | None = None
+    plan: NodePlan,
+    applied: Applied | None,
+    sandbox_ids: list[str] | None = None,
+    among: Sequence[SandboxPlan] | None = None,
 ) -> list[SandboxReport]:
     """The reports of a node pass: of ``sandbox_ids`` in that order (default: every tracked
-    sandbox, in the plan's order), each with the conflicts its sandbox is in."""
+    sandbox, in the plan's order), each with the conflicts its sandbox is in.  ``among``:
+    the plan's sandbox plans that hold every one of ``sandbox_ids`` the plan has (an event's
+    pass: those it applied), looked through instead of the node's."""
     conflicts: dict[str, list[dict[str, Any]]] = {}
     for c in plan.conflicts:
         entry = {"cpus": c.cpus.to_list(), "claimants": [c.first.to_json(), c.second.to_json()]}
@@ -200,7 +207,7 @@ def node_reports(
             conflicts.setdefault(sid, []).append(entry)
     wanted = None if sandbox_ids is None else set(sandbox_ids)
     reports = []
-    for sp in plan.sandboxes:
+    for sp in plan.sandboxes if among is None else among:
         if wanted is not None and sp.id not in wanted:
             continue
         if not sp.obs.tracked:

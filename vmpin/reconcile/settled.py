@@ -20,10 +20,6 @@ if TYPE_CHECKING:
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
 
-#: what apply did to a thread that leaves nothing for the next pass to try again
-_CLEAN = frozenset(("ok", "pinned", "unmanaged"))
-
-
 def _same_work(before: SandboxPlan | None, sp: SandboxPlan) -> bool:
     """Whether applying ``sp`` would do what applying ``before`` did: the very plan, or the
     same threads, containers and guest map of a sandbox whose record moved in its
@@ -62,9 +58,10 @@ class Settled:
         return out
 
     def note(self, plan: NodePlan, applied: Applied, only: Collection[str] | None) -> None:
-        """What a pass applied (``only``: those sandboxes, else every one)."""
+        """What a pass applied (``only``: those sandboxes, ``applied`` its apply of them;
+        else every one)."""
         bad = set(applied.errors)
-        bad.update(sid for (sid, _), o in applied.threads.items() if o.action not in _CLEAN)
+        bad.update(applied.unclean)  # (a thread apply left for the next pass to try again)
         bad.update(
             sid for sid, drifts in applied.cgroups.items()
             if any(not d.get("repaired") for d in drifts)
@@ -77,12 +74,11 @@ class Settled:
         # (an event's pass: the others stand; a sandbox gone meanwhile stays here until the
         # next full pass, harmless: a sandbox of that id again has another plan)
         plans = self._plans
-        for sp in plan.sandboxes:
-            if sp.id in only:
-                if sp.vanished or sp.id in bad:
-                    plans.pop(sp.id, None)
-                else:
-                    plans[sp.id] = sp
+        for sp in applied.sandboxes:  # (those of ``only``)
+            if sp.vanished or sp.id in bad:
+                plans.pop(sp.id, None)
+            else:
+                plans[sp.id] = sp
 
     def forget(self) -> None:
         self._plans = {}

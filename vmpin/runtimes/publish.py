@@ -56,7 +56,14 @@ import time
 
 from vmpin.core.errors import HostError, PermissionDenied, SpecError
 from vmpin.core.ids import check_id
-from vmpin.linux.files import identity, load_json, read_bytes, remember, stale_stamp
+from vmpin.linux.files import (
+    MEMO_LIMIT,
+    identity,
+    load_json,
+    read_bytes,
+    remember,
+    stale_stamp,
+)
 from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
 from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
@@ -183,11 +190,20 @@ def _open_dir(path: str, name: str | None = None, dir_fd: int | None = None) -> 
         return os.open(name if name is not None else path, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as err:
         where = path if name is None else os.path.join(path, name)
-        if err.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise HostError(
-                f"publishing guest map: {where} is not a directory (a symlink?): refused"
-            ) from None
-        raise _translate(err, where, "open") from err
+        if _not_dir(err):
+            raise _dir_error(err, where) from None
+        raise _dir_error(err, where) from err
+
+
+def _not_dir(err: OSError) -> bool:
+    return err.errno in (errno.ELOOP, errno.ENOTDIR)
+
+
+def _dir_error(err: OSError, where: str) -> HostError:
+    """Why the directory ``where`` could not be opened, as :func:`_open_dir` says it."""
+    if _not_dir(err):
+        return HostError(f"publishing guest map: {where} is not a directory (a symlink?): refused")
+    return _translate(err, where, "open")
 
 
 def _translate(err: OSError, path: str, what: str) -> HostError:
@@ -202,6 +218,16 @@ def _translate(err: OSError, path: str, what: str) -> HostError:
 #: and a read (2,000 of them in an idle pass, issue 14)
 _PUBLISHED: dict[
     str, tuple[tuple[int, int, int, int, int], tuple[Mapping[str, Any], int | None]]
+] = {}
+#: map path -> (its identity just after this process renamed it there, the document it
+#: wrote, that document's content): while the file there is that one, a change of content is
+#: rendered from it, not from the file read, parsed and compared again (an agent's event pass
+#: republishes its VM's map at each update, issue 28).  Only a change: "unchanged" is judged
+#: by the file itself (:data:`_PUBLISHED`, a settled version), a version just written being
+#: too young to be told from a rewrite in place within the same clock tick; and what a stale
+#: memo would cost is the generation only, the map being replaced whole either way.
+_WRITTEN: dict[
+    str, tuple[tuple[int, int, int, int, int], Mapping[str, Any], Mapping[str, Any]]
 ] = {}
 
 
@@ -250,22 +276,34 @@ def publish_map(
     created = False
     try:
         try:
-            os.mkdir(name, 0o755, dir_fd=shared_fd)
-            created = True
-        except FileExistsError:
-            pass
+            dir_fd = os.open(name, _DIR_FLAGS, dir_fd=shared_fd)
         except FileNotFoundError:
-            # The shared dir went away between the open and the mkdir: the sandbox is gone.
-            return Published(path, False, None, f"not shared with a guest: {shared} vanished")
+            # a first map: its directory is made here (opened first: one call fewer for
+            # every later map than a mkdir that finds it there)
+            try:
+                os.mkdir(name, 0o755, dir_fd=shared_fd)
+                created = True
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                # The shared dir went away between the open and the mkdir: the sandbox is gone.
+                return Published(
+                    path, False, None, f"not shared with a guest: {shared} vanished"
+                )
+            except OSError as err:
+                raise _translate(err, directory, "create") from err
+            dir_fd = _open_dir(shared, name, shared_fd)
         except OSError as err:
-            raise _translate(err, directory, "create") from err
-        dir_fd = _open_dir(shared, name, shared_fd)
+            if _not_dir(err):
+                raise _dir_error(err, directory) from None
+            raise _dir_error(err, directory) from err
     finally:
         os.close(shared_fd)
     try:
         # (no lock here: the caller holds the node's plan lock, see the module's docstring)
         fname = os.path.basename(path)
         ident = identity(fname, dir_fd)
+        wrote = _WRITTEN.pop(path, None)
         if created and ident is None:
             # A directory this call made, where no other writer put a map before this one
             # looked: nothing to compare, no temp file to sweep (a node's first pass
@@ -273,21 +311,38 @@ def publish_map(
             _PUBLISHED.pop(path, None)  # (a map of an earlier directory by that name)
             doc = render(new, None, now)
             _write_atomically(dir_fd, directory, path, doc, replacing=False)
+            _wrote(path, fname, dir_fd, doc, new)
             return Published(path, True, doc["generation"], "written")
-        old = read_published(fname, dir_fd)
-        if old is not None and _strip(old) == new:
-            gen = old.get("generation")
-            gen = gen if isinstance(gen, int) else None
-            if ident is not None:
-                remember(_PUBLISHED, path, ident, (guest_map, gen))
-            return Published(path, False, gen, "unchanged")
+        if wrote is not None and ident is not None and wrote[0] == ident and wrote[2] != new:
+            old: Mapping[str, Any] | None = wrote[1]  # (ours, untouched since: see _WRITTEN)
+        else:
+            old = read_published(fname, dir_fd)
+            if old is not None and _strip(old) == new:
+                gen = old.get("generation")
+                gen = gen if isinstance(gen, int) else None
+                if ident is not None:
+                    remember(_PUBLISHED, path, ident, (guest_map, gen))
+                return Published(path, False, gen, "unchanged")
         _PUBLISHED.pop(path, None)
         doc = render(new, old, now)
         _remove_stale_temps(dir_fd, fname)
         _write_atomically(dir_fd, directory, path, doc, replacing=ident is not None, hold=hold)
+        _wrote(path, fname, dir_fd, doc, new)
         return Published(path, True, doc["generation"], "written")
     finally:
         os.close(dir_fd)
+
+
+def _wrote(
+    path: str, fname: str, dir_fd: int, doc: Mapping[str, Any], new: Mapping[str, Any]
+) -> None:
+    """Remember the map just renamed to ``fname`` (:data:`_WRITTEN`)."""
+    ident = identity(fname, dir_fd)
+    if ident is None:
+        return
+    if len(_WRITTEN) >= MEMO_LIMIT:
+        _WRITTEN.clear()
+    _WRITTEN[path] = (ident, doc, new)
 
 
 #: a temporary map older than this was left by a writer that died (a live one writes its
@@ -394,6 +449,7 @@ def remove_map(paths: HostPaths, sandbox_id: str) -> bool:
     """
     path = map_path(paths, sandbox_id)
     _PUBLISHED.pop(path, None)
+    _WRITTEN.pop(path, None)
     directory = os.path.dirname(path)
     try:
         dir_fd = _open_dir(directory)
