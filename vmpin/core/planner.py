@@ -116,6 +116,7 @@ class Plan(NamedTuple):
     mode: str  # "1:1" | "partial" | "float" | "none"
     reason: str
     nvcpus: int
+    #: one per thread planned, in the order they were given (the node plan pairs them so)
     placements: tuple[Placement, ...] = ()
     #: vCPU index -> host CPU, for the vCPUs pinned 1:1.
     vcpu_map: Mapping[int, int] = {}

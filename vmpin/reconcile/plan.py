@@ -504,7 +504,7 @@ def _walk(
     }  # fmt: skip
     if moved is not None and (adoptions or forget or crane):
         return None  # (node-wide: the full walk)
-    crane_others = _Others(crane)
+    crane_others = _Others(crane) if crane else None
     # Footprints: where each sandbox's threads may run once this plan is applied.
     prior_sets = memo.node if moved is not None and isinstance(memo, PlanMemo) else None
     masks = {} if prior_sets is None else dict(prior_sets.masks._sets)
@@ -517,7 +517,7 @@ def _walk(
     node = (kata_pinning, pool, online)
     for s in walk:
         first = firsts[s.id]
-        off = crane_others.without(s.id) if crane else EMPTY
+        off = crane_others.without(s.id) if crane_others is not None else EMPTY
         kept_was = last.get(s.id)
         fp_memo = kept_was.records.footprint if kept_was is not None else None
         if (
@@ -568,8 +568,8 @@ def _walk(
     )  # fmt: skip
     if moved is not None and (not steady or fp_moved):
         return None  # (the others' inputs moved: the full walk asks each; counts spent)
-    moved_cpus = CpuSet(fp_moved or ())
-    excl_all = CpuSet(exclusive)
+    moved_cpus = CpuSet(fp_moved) if fp_moved else EMPTY
+    excl_all = CpuSet(exclusive) if exclusive else EMPTY
     excl_own: dict[str, set[int]] = {}
     for cpu, cl in exclusive.items():
         excl_own.setdefault(cl.pod, set()).add(cpu)
@@ -852,23 +852,22 @@ def _plan_sandbox(
     """One sandbox's plan.  ``reserved``, ``uncore``: what the node follows of kubelet's
     strict-cpu-reservation (helper threads under ``isolate`` go to its reserved CPUs) and
     prefer-align-cpus-by-uncorecache (vmpin.reconcile.allocations.Overlay)."""
-    base = SandboxPlan(
-        s.id, s.runtime, s, mask, footprint=footprint,
-        containers=tuple(cplans), notes=s.notes, errors=s.errors,
-    )  # fmt: skip
     if s.tracked and s.containers and not recs:
-        return _replace(base, vanished=True, reason="every container is gone")
+        return _replace(_base(s, mask, footprint, cplans), vanished=True,
+                        reason="every container is gone")  # fmt: skip
     if s.vmm_gone:
-        return _replace(base, vanished=True, reason="the VMM is gone")
+        return _replace(_base(s, mask, footprint, cplans), vanished=True,
+                        reason="the VMM is gone")  # fmt: skip
     if s.runtime == "runc":
         threads = tuple(
             _thread(t, c.desired, "plan" if c.desired is not None else "none", c.rec.id)
             for c in cplans
             for t in c.obs.tasks
         )
-        return _replace(base, mode="cgroup", threads=threads)
+        return _replace(_base(s, mask, footprint, cplans), mode="cgroup", threads=threads)
     if s.vmm is None or not scope.reads_threads(s.id):
-        return base  # nothing runs, or a view that did not read this VMM's threads
+        # nothing runs, or a view that did not read this VMM's threads
+        return _base(s, mask, footprint, cplans)
     vthreads = s.vmm.threads
     if not s.tracked:
         # Present in the VM dir, not vmpin's: it floats; give back whatever vmpin pinned.  Its
@@ -876,7 +875,7 @@ def _plan_sandbox(
         # Kata's doing, and are left so.
         left = kata_pins is not None and _one_per_cpu(vthreads)
         return _replace(
-            base,
+            _base(s, mask, footprint, cplans),
             mode="none",
             reason="not tracked by vmpin: floats over the shared pool when known, else left alone"
             " (pins vmpin made are undone)",
@@ -889,7 +888,7 @@ def _plan_sandbox(
                 for t in vthreads
             ),
             kata="left" if left else "",
-            notes=(*base.notes, KATA_LEFT_UNTRACKED) if left else base.notes,
+            notes=(*s.notes, KATA_LEFT_UNTRACKED) if left else s.notes,
         )
     policy = s.policy
     if reserved and policy.helpers == "isolate":
@@ -913,21 +912,20 @@ def _plan_sandbox(
             uncore=uncore,
         )
     except VmpinError as err:
-        return _replace(base, errors=(*base.errors, str(err)))
+        return _replace(_base(s, mask, footprint, cplans), errors=(*s.errors, str(err)))
     except Exception as err:  # a planner bug on one sandbox is an error on it, not the node's
-        return _replace(base, errors=(*base.errors, f"planning: unexpected {err!r}"))
-    by_tid = {t.tid: t for t in vthreads}
+        why = f"planning: unexpected {err!r}"
+        return _replace(_base(s, mask, footprint, cplans), errors=(*s.errors, why))
     kata, kata_note = _kata(plan, vthreads, kata_pins)
     vplans: list[ThreadPlan] = []
-    for p in plan.placements:
-        t = by_tid[p.tid]
+    for t, p in zip(vthreads, plan.placements, strict=True):  # (placements: in threads' order)
         if kata == "left" and t.role == "vcpu":
             vplans.append(_thread(t, None, "none"))  # Kata's pin: neither moved nor undone
         elif p.desired is None:
             vplans.append(_undo_or_none(t, pool))
         else:
             vplans.append(_thread(t, p.desired, "plan"))
-    notes = list(base.notes) + list(plan.notes) + ([kata_note] if kata_note else [])
+    notes = list(s.notes) + list(plan.notes) + ([kata_note] if kata_note else [])
     if s.id in conflicted:
         notes.append("claims an exclusive CPU another pod claims too: see the conflicts")
     guest_map: dict[str, Any] | None = None
@@ -938,10 +936,21 @@ def _plan_sandbox(
 
         ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
         guest_map = map_sandbox(plan, ctrs, topology, float_policy)
-    return SandboxPlan(  # (not _replace(base, ...): a second record per sandbox of a pass)
+    return SandboxPlan(  # (the one record of a planned sandbox: no _base to replace)
         s.id, s.runtime, s, plan.mask, plan.mode, plan.reason, footprint=footprint, plan=plan,
-        threads=tuple(vplans), containers=base.containers, guest_map=guest_map,
-        notes=tuple(notes), errors=base.errors, kata=kata,
+        threads=tuple(vplans), containers=tuple(cplans), guest_map=guest_map,
+        notes=tuple(notes), errors=s.errors, kata=kata,
+    )  # fmt: skip
+
+
+def _base(
+    s: SandboxObs, mask: CpuSet, footprint: CpuSet, cplans: list[ContainerPlan]
+) -> SandboxPlan:
+    """The plan of a sandbox whose VMM threads are not planned, which _plan_sandbox's early
+    answers start from."""
+    return SandboxPlan(
+        s.id, s.runtime, s, mask, footprint=footprint,
+        containers=tuple(cplans), notes=s.notes, errors=s.errors,
     )  # fmt: skip
 
 
