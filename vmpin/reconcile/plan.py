@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
-from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
+from vmpin.core.planner import Plan, check_global, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.reconcile.allocations import NONE, Overlay, overlay
 from vmpin.reconcile.allocations import SOURCE as ALLOC
@@ -898,7 +898,7 @@ def _plan_sandbox(
             topology,
             s.id,
             mask,
-            [Thread(t.tid, t.role, t.index, t.label) for t in vthreads],
+            vthreads,
             policy,
             others=others,
             others_exclusive=others_exclusive,
