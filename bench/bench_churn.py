@@ -373,6 +373,8 @@ def main() -> int:
         if errors:
             raise errors[0]
         populate_s = time.monotonic() - t0
+        with open(f"/proc/{agent.pid}/stat") as f:
+            agent_nice = int(f.read().rsplit(")", 1)[1].split()[16])
         before = scrape(port)
 
         c0 = time.monotonic()
@@ -443,6 +445,8 @@ def main() -> int:
             },
             "hook_wall": summary(churn.hook_ms),
             "agent": {
+                # its nice value (VMPIN_AGENT_NICE; default vmpin.service.agent.DEFAULT_NICE)
+                "nice": agent_nice,
                 "events": delta("vmpin_events_total"),
                 "coalesced": delta("vmpin_events_coalesced_total"),
                 "plans_event": delta('vmpin_plans_total{cause="event"}'),

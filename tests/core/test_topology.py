@@ -561,6 +561,40 @@ def test_another_boot_is_read_again(tmp_path: Path) -> None:
     assert read_topology(str(root), cache=cache, proc_root=str(proc)).cpus[5].core_id == 99
 
 
+def test_a_process_keeps_what_it_read_while_the_key_and_the_file_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent checks each ``vmpin update``'s CPUs against the topology: the cache file is
+    not loaded again while its key holds and it is the file last read (issue 28)."""
+    from vmpin.linux import sysfs
+
+    root = _copy("amd-epyc-7313-2s", tmp_path)
+    cache = tmp_path / "topology.json"
+    first = read_topology(str(root), cache=str(cache))  # (read from sysfs, written)
+    loads: list[str] = []
+    real = sysfs._load_cache
+
+    def counted(path: str, key: list[object], online: CpuSet) -> list[CpuInfo] | None:
+        loads.append(path)
+        return real(path, key, online)
+
+    monkeypatch.setattr(sysfs, "_load_cache", counted)
+    assert read_topology(str(root), cache=str(cache)) is first
+    assert loads == []
+    # the file replaced (by another vmpin, or anyone): read again, and kept from then on
+    (tmp_path / "new.json").write_text(cache.read_text())
+    (tmp_path / "new.json").replace(cache)
+    again = read_topology(str(root), cache=str(cache))
+    assert again == first and loads == [str(cache)]
+    assert read_topology(str(root), cache=str(cache)) is again and len(loads) == 1
+    # another key (a CPU back online under a new topology dir): sysfs read again
+    topo_dir = _core_id_file(root, 5).parent
+    shutil.move(topo_dir, tmp_path / "aside")
+    shutil.copytree(tmp_path / "aside", topo_dir)
+    (topo_dir / "core_id").write_text("99\n")
+    assert read_topology(str(root), cache=str(cache)).cpus[5].core_id == 99
+
+
 @pytest.mark.parametrize(
     "garbage",
     [

@@ -63,6 +63,8 @@ def one_line(text: str) -> str:
         (["serve"], {"VMPIN_HOLDOFF": "-0.5"}, "VMPIN_HOLDOFF"),
         (["serve"], {"VMPIN_HOLDOFF": "soon"}, "VMPIN_HOLDOFF"),
         (["serve"], {"VMPIN_LOG_LEVEL": "loud"}, "VMPIN_LOG_LEVEL"),
+        (["serve"], {"VMPIN_AGENT_NICE": "-21"}, "VMPIN_AGENT_NICE"),
+        (["serve"], {"VMPIN_AGENT_NICE": "high"}, "VMPIN_AGENT_NICE"),
     ],
 )
 def test_bad_numeric_options_one_line(
@@ -72,6 +74,53 @@ def test_bad_numeric_options_one_line(
     assert out.returncode == 2
     assert what in one_line(out.stderr)
     assert not os.path.exists(os.path.join(env["VMPIN_STATE_DIR"], "control.sock"))
+
+
+# -- the agent's priority -----------------------------------------------------------------------
+def _nices(pid: int) -> dict[int, int]:
+    """Every thread's nice value (field 19 of /proc/PID/task/TID/stat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+@pytest.mark.parametrize("given, nice", [(None, -5), ("3", 3)])
+def test_agent_runs_every_thread_at_its_nice(
+    paths: HostPaths, env: dict[str, str], tmp_path: Path, given: str | None, nice: int
+) -> None:
+    """Default -5 (the pin of an event must not queue behind the node's container starts),
+    VMPIN_AGENT_NICE otherwise: every thread of the agent, started before or after it."""
+    from vmpin.service.agent import DEFAULT_NICE
+
+    assert DEFAULT_NICE == -5
+    extra = {} if given is None else {"VMPIN_AGENT_NICE": given}
+    agent = AgentProc(paths, {**env, **extra}, tmp_path / "agent.log")
+    try:
+        agent.wait_ready()
+        agent.wait_pass(1)
+        nices = _nices(agent.proc.pid)
+        assert len(nices) > 2  # the planner, the control socket's...
+        assert set(nices.values()) == {nice}, nices
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+
+
+def test_priority_refused_is_said_and_the_agent_runs_on(mocker: Any, caplog: Any) -> None:
+    """Without CAP_SYS_NICE the nice value cannot go down: a warning, the value it has."""
+    import errno as errno_mod
+
+    from vmpin.service import agent as agent_mod
+
+    refused = PermissionError(errno_mod.EPERM, "Operation not permitted")
+    setp = mocker.patch.object(agent_mod.os, "setpriority", side_effect=refused)
+    with caplog.at_level("WARNING"):
+        assert agent_mod.take_priority("") == os.getpriority(os.PRIO_PROCESS, 0)
+    setp.assert_called_once_with(os.PRIO_PROCESS, 0, -5)
+    (said,) = [r for r in caplog.records if r.getMessage() == "priority not set"]
+    assert said.fields["error"] == "Operation not permitted" and said.fields["nice"] == -5
 
 
 # -- metrics port taken ------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Files read, all under ``<root>/devices/system``:
 
 That is ~9 files per CPU, ~800 on a 96-CPU node, read by every process that plans (a Kata
 hook without an agent, every command).  :func:`read_topology` with ``cache`` keeps what it
-read in a file of the state dir and reads it back while its key holds (:func:`_cache_key`).
+read in a file of the state dir and reads it back while its key holds (:func:`_cache_key`);
+a process that reads it again (the agent, for each ``vmpin update``) keeps the last one it
+read or wrote, and takes it again while the key holds and the file is the same (:func:`_held`).
 """
 
 from __future__ import annotations
@@ -98,13 +100,51 @@ def read_topology(
     key = None
     if cache is not None:
         key = _cache_key(sys_root, proc_root, texts, online)
-        found = _load_cache(cache, key, online) if key is not None else None
-        if found is not None:
-            return Topology.build(found, online, offline, isolated)
+        if key is not None:
+            held = _held(cache, key)
+            if held is not None:
+                return held
+            found = _load_cache(cache, key, online)
+            if found is not None:
+                return _hold(cache, key, Topology.build(found, online, offline, isolated))
     infos = _read_cpus(sys_root, online)
     if cache is not None and key is not None and save:
         _save_cache(cache, key, infos)
+        return _hold(cache, key, Topology.build(infos, online, offline, isolated))
     return Topology.build(infos, online, offline, isolated)
+
+
+#: the topology this process last read back from (or wrote to) a cache file: (the file, its
+#: key, the file's inode, size and mtime, the topology).  A process that lives on (the
+#: agent: each ``vmpin update`` checks its CPUs against the topology) took ~0.4 ms per read
+#: to load and rebuild what it had read the time before (issue 28).
+_last: tuple[str, list[object], tuple[int, int, int], Topology] | None = None
+
+
+def _file_of(cache: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(cache, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _held(cache: str, key: list[object]) -> Topology | None:
+    """The topology :func:`_hold` kept, while it is what the cache file would give: its key
+    holds (the host is as it was) and the file is the one it came from (a file replaced,
+    by another vmpin or anyone, is read again: what it holds is checked there)."""
+    last = _last
+    if last is None or last[0] != cache or last[1] != key:
+        return None
+    return last[3] if _file_of(cache) == last[2] else None
+
+
+def _hold(cache: str, key: list[object], topology: Topology) -> Topology:
+    """Keep ``topology`` as the cache file holds it under ``key`` (when there is one)."""
+    global _last
+    found = _file_of(cache)
+    _last = None if found is None else (cache, key, found, topology)
+    return topology
 
 
 def _parse(text: str, path: str) -> CpuSet:

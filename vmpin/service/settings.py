@@ -41,6 +41,7 @@ ENV = {
     "vcpus": "VMPIN_VCPU_POLICY",
     "guest_float": "VMPIN_GUEST_FLOAT",
     "holdoff": "VMPIN_HOLDOFF",
+    "nice": "VMPIN_AGENT_NICE",
     "libvirt": "VMPIN_LIBVIRT",
 }
 #: libvirt connections whose domains are sandboxes when none are configured (docs/libvirt.md).
@@ -59,6 +60,8 @@ class Settings(NamedTuple):
     guest_float: str = "all"
     #: the agent's least time between two passes over one sandbox ("" = its default)
     holdoff: str = ""
+    #: the agent's scheduling priority, a nice value ("" = its default)
+    nice: str = ""
     #: libvirt connections: comma-separated URIs, "kubevirt" for every virt-launcher's
     #: daemon, "none" for no libvirt at all (docs/libvirt.md)
     libvirt: str = DEFAULT_LIBVIRT
@@ -100,6 +103,7 @@ class Settings(NamedTuple):
             vcpus=pick("vcpus", "auto"),
             guest_float=pick("guest_float", "all"),
             holdoff=pick("holdoff", ""),
+            nice=pick("nice", ""),
             libvirt=pick("libvirt", DEFAULT_LIBVIRT),
             given=tuple(k for k in POLICY_KEYS if given.get(k) is not None or env.get(ENV[k])),
             log_level=env.get("VMPIN_LOG_LEVEL", ""),
