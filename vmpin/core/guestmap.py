@@ -10,7 +10,7 @@ share: the container's fraction of the mask, as a contiguous block of vCPUs in m
 
 from __future__ import annotations
 
-from vmpin.core.cpuset import CpuSet
+from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.planner import Plan
 from vmpin.core.topology import Topology
 
@@ -58,7 +58,6 @@ def map_container(
     order: list[int] | None = None,
 ) -> ContainerMap:
     """Translate one container's host CPU set into guest vCPUs under ``plan``."""
-    every = CpuSet(range(plan.nvcpus))
 
     def mapped(guest: CpuSet, exact: bool, reason: str) -> ContainerMap:
         return ContainerMap(
@@ -66,9 +65,9 @@ def map_container(
         )
 
     if plan.nvcpus == 0:
-        return mapped(every, False, "no vCPU known")
+        return mapped(EMPTY, False, "no vCPU known")
     if host_cpus is None:
-        return mapped(every, False, "container has no CPU set: all vCPUs")
+        return mapped(_every(plan), False, "container has no CPU set: all vCPUs")
     if plan.vcpu_map:
         guest = CpuSet(i for i, h in plan.vcpu_map.items() if h in host_cpus)
         covered = CpuSet(h for h in plan.vcpu_map.values())
@@ -85,7 +84,14 @@ def map_container(
         return mapped(
             guest, False, f"floating plan: proportional share {share}/{plan.nvcpus} vCPUs"
         )
-    return mapped(every, False, f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs")
+    return mapped(
+        _every(plan), False, f"{plan.mode} plan: vCPUs are not tied to host CPUs, all vCPUs"
+    )
+
+
+def _every(plan: Plan) -> CpuSet:
+    """All the guest's vCPUs (made when a map needs them: not for a 1:1 container's)."""
+    return CpuSet(range(plan.nvcpus))
 
 
 def guest_siblings(plan: Plan, topology: Topology) -> list[list[int]]:

@@ -52,7 +52,20 @@ from vmpin.core.topology import Topology
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Mapping, Sequence
-    from typing import NamedTuple
+    from typing import NamedTuple, Protocol
+
+    class ThreadLike(Protocol):
+        """What the planner reads of a thread: a :class:`Thread`, or the node plan's
+        observed thread (vmpin.reconcile.observation.ThreadObs) as it is."""
+
+        @property
+        def tid(self) -> int: ...
+        @property
+        def role(self) -> str: ...
+        @property
+        def index(self) -> int | None: ...
+        @property
+        def label(self) -> str | None: ...
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -95,9 +108,13 @@ class Policy(NamedTuple):
 
 
 class Thread(NamedTuple):
+    """A thread to place.  Its fields are named as ThreadObs's: the node plan gives the
+    planner its observed threads as they are, no record made per thread (issue 28)."""
+
     tid: int
     role: str
-    idx: int | None = None
+    #: its vCPU index (shadows tuple.index, which nothing asks of a Thread)
+    index: int | None = None  # type: ignore[assignment]
     label: str | None = None
 
 
@@ -116,6 +133,7 @@ class Plan(NamedTuple):
     mode: str  # "1:1" | "partial" | "float" | "none"
     reason: str
     nvcpus: int
+    #: one per thread planned, in the order they were given (the node plan pairs them so)
     placements: tuple[Placement, ...] = ()
     #: vCPU index -> host CPU, for the vCPUs pinned 1:1.
     vcpu_map: Mapping[int, int] = {}
@@ -155,7 +173,7 @@ def plan_sandbox(
     topology: Topology,
     sandbox_id: str,
     mask: CpuSet,
-    threads: Sequence[Thread],
+    threads: Sequence[ThreadLike],
     policy: Policy = Policy(),
     *,
     others: CpuSet = EMPTY,
@@ -179,10 +197,10 @@ def plan_sandbox(
     """
     policy.check()
     notes: list[str] = []
-    vcpus = sorted((t for t in threads if t.role == "vcpu"), key=lambda t: (t.idx or 0, t.tid))
+    vcpus = sorted((t for t in threads if t.role == "vcpu"), key=lambda t: (t.index or 0, t.tid))
     n = len(vcpus)
     runtime_map = (
-        runtime_layout((v.idx for v in vcpus), runtime_pins) if runtime_pins is not None else {}
+        runtime_layout((v.index for v in vcpus), runtime_pins) if runtime_pins is not None else {}
     )
     effective = mask
     floating_reason = ""
@@ -202,7 +220,7 @@ def plan_sandbox(
                 "no container has a CPU set and no shared pool is known:"
                 " left as the runtime made it",
                 n,
-                tuple(Placement(t.tid, t.role, t.idx, t.label, None) for t in threads),
+                tuple(Placement(t.tid, t.role, t.index, t.label, None) for t in threads),
             )
     offline = effective - topology.online
     if offline:
@@ -215,7 +233,7 @@ def plan_sandbox(
                 "none",
                 f"every CPU of the mask ({mask}) is offline",
                 n,
-                tuple(Placement(t.tid, t.role, t.idx, t.label, None) for t in threads),
+                tuple(Placement(t.tid, t.role, t.index, t.label, None) for t in threads),
                 notes=tuple(notes),
             )
 
@@ -253,14 +271,14 @@ def plan_sandbox(
     elif n == m:
         mode, reason = "1:1", f"{n} vCPUs on {m} CPUs"
         vcpu_map = topology.place_vcpus(
-            (v.idx if v.idx is not None else i for i, v in enumerate(vcpus)), effective
+            (v.index if v.index is not None else i for i, v in enumerate(vcpus)), effective
         )
     elif n > m:
         mode = "partial"
         reason = f"{n} vCPUs on {m} CPUs: the last {m} pinned 1:1, {n - m} float over the mask"
         pinned = vcpus[n - m :]
         vcpu_map = topology.place_vcpus(
-            (v.idx if v.idx is not None else n - m + i for i, v in enumerate(pinned)), effective
+            (v.index if v.index is not None else n - m + i for i, v in enumerate(pinned)), effective
         )
     else:
         mode = "float"
@@ -294,7 +312,7 @@ def plan_sandbox(
     placements: list[Placement] = []
     pinned_by_tid = {}
     for i, v in enumerate(vcpus):
-        idx = v.idx if v.idx is not None else i
+        idx = v.index if v.index is not None else i
         if idx in vcpu_map:
             pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
     if policy.vcpus == "1to1" and mode != "1:1":
@@ -334,7 +352,7 @@ def plan_sandbox(
             desired = vcpu_float  # (the missing vCPU is one of these)
         else:
             desired = helper_set
-        placements.append(Placement(t.tid, t.role, t.idx, t.label, desired))
+        placements.append(Placement(t.tid, t.role, t.index, t.label, desired))
     _check_no_double_pin(vcpu_map)
     return Plan(
         sandbox_id, effective, mode, reason, n, tuple(placements), vcpu_map, tuple(notes),

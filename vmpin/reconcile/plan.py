@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import VmpinError
-from vmpin.core.planner import Plan, Thread, check_global, plan_sandbox
+from vmpin.core.planner import Plan, check_global, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.reconcile.allocations import NONE, Overlay, overlay
 from vmpin.reconcile.allocations import SOURCE as ALLOC
@@ -405,7 +405,7 @@ def plan_node(
 
     A :class:`PlanMemo` also keeps the last call's node: on a node where nothing is
     node-wide (no kubelet pool, allocations, Crane pods or adoptions) the sandboxes that
-    are not the very objects of that call are all it walks (:func:`_plan_moved`)."""
+    are not the very objects of that call are all the walk takes (:func:`_plan_moved`)."""
     if isinstance(memo, PlanMemo):
         # (taken out first: a call that fails on the way leaves none behind)
         then, memo.last = memo.last, None
@@ -413,21 +413,75 @@ def plan_node(
             moved = _plan_moved(obs, topology, float_policy, memo, then)
             if moved is not None:
                 return moved
+    out = _walk(obs, topology, float_policy, memo)
+    assert out is not None  # (only a walk restricted to some sandboxes gives up)
+    return out
+
+
+def _plan_moved(
+    obs: Observation,
+    topology: Topology,
+    float_policy: str,
+    memo: PlanMemo,
+    was: tuple[Observation, NodePlan, bool],
+) -> NodePlan | None:
+    """:func:`plan_node` of ``obs`` as the last call's plan (``was``) with the sandboxes
+    that are not the very objects they were there planned again: the same sandboxes in the
+    same order, some of them moved, on a node where nothing is node-wide (:func:`_walk`
+    checks the rest).  None when that does not hold, or when all or too many moved (a
+    start-up or periodic pass): the walk over every sandbox then (issue 28: an event's pass
+    walked the node several times to plan one sandbox)."""
+    then, plan_then, pins = was
+    sandboxes = obs.sandboxes
+    if (
+        memo.node is None
+        or obs.scope is not then.scope
+        or len(sandboxes) != len(then.sandboxes)
+        or obs.shared_pool is not None
+        or obs.kata_pinning != then.kata_pinning
+    ):
+        return None
+    pairs = enumerate(zip(sandboxes, then.sandboxes, strict=True))
+    moved = [i for i, (s, t) in pairs if s is not t]
+    if len(moved) > len(sandboxes) // 4 + 1 or len(moved) == len(sandboxes):
+        return None
+    if any(sandboxes[i].id != then.sandboxes[i].id for i in moved):
+        return None
+    return _walk(obs, topology, float_policy, memo, (moved, plan_then, pins))
+
+
+def _walk(
+    obs: Observation,
+    topology: Topology,
+    float_policy: str,
+    memo: dict[str, _Kept] | None,
+    moved: tuple[list[int], NodePlan, bool] | None = None,
+) -> NodePlan | None:
+    """:func:`plan_node`'s walk over the node's sandboxes -- or (``moved``: their indexes,
+    the last call's plan, whether a plan there pins a vCPU 1:1) over those alone, every
+    other plan standing as it is in the last call's: None when that does not hold, the
+    full walk then.  It holds when nothing is node-wide (no allocation, no Crane pod, no
+    adoption nor container to forget: :func:`_plan_moved` checks the pool) and no CPU came
+    to, or left, one footprint or one mask: no other sandbox's inputs moved (the full
+    walk's ``steady`` rule would keep each of their plans)."""
+    sandboxes = obs.sandboxes
+    walk = sandboxes if moved is None else [sandboxes[i] for i in moved[0]]
     online = topology.online
     # vmpin's own allocations (issue 30; none under kubelet's static policy) shrink the pool
     alloc = overlay(obs, topology)
+    if moved is not None and alloc is not NONE:
+        return None
     pool = obs.shared_pool if alloc.pool is None else alloc.pool
     adoptions: list[Adoption] = []
     forget: list[str] = []
     live: dict[str, list[ContainerRec]] = {}
-    cplans: dict[str, list[ContainerPlan]] = {}
     last = memo if memo is not None else {}
     # (what a sandbox's records come to depends on it and the allocations alone: a sandbox
     # given as the very observation of the last call, under the same allocations, comes to
     # what it came to then -- most of an event's pass, issue 28)
     taken = (alloc.taken, alloc.pool, pool)
     firsts: dict[str, _Records] = {}
-    for s in obs.sandboxes:
+    for s in walk:
         before = last.get(s.id)
         mine = alloc.by_sandbox.get(s.id)
         got = before.records if before is not None else None
@@ -438,29 +492,32 @@ def plan_node(
             adoptions.extend(got.adoptions)
         if got.forget:
             forget.extend(got.forget)
-        live[s.id], cplans[s.id] = got.recs, got.cplans
+        live[s.id] = got.recs
 
-    # Footprints: where each sandbox's threads may run once this plan is applied.
-    pods = {s.id: firsts[s.id].pod for s in obs.sandboxes}
-    masks: dict[str, CpuSet] = {}
-    footprint: dict[str, CpuSet] = {}
+    pods = {s.id: firsts[s.id].pod for s in walk}
     # Crane's cpu-manager "exclusive" (vmpin.core.podpolicy): other sandboxes' threads are
     # kept off the pod's CPUs while they have CPUs of their own left (runc containers are not
     # moved: their cpuset is kubelet's to decide).
     crane = {
-        s.id: _mask(live[s.id]) for s in obs.sandboxes
+        s.id: _mask(live[s.id]) for s in walk
         if s.policy.cpuset == "exclusive" and s.runtime != "runc"
     }  # fmt: skip
-    crane_others = _Others(crane)
+    if moved is not None and (adoptions or forget or crane):
+        return None  # (node-wide: the full walk)
+    crane_others = _Others(crane) if crane else None
+    # Footprints: where each sandbox's threads may run once this plan is applied.
+    prior_sets = memo.node if moved is not None and isinstance(memo, PlanMemo) else None
+    masks = {} if prior_sets is None else dict(prior_sets.masks._sets)
+    footprint = {} if prior_sets is None else dict(prior_sets.footprints._sets)
     kept_off: dict[str, CpuSet] = {}
     # Kata's cpuset, over which it pins vCPUs itself when a configuration says so: the union
     # of the containers' CPU sets, as vmpin's mask before anything is kept off it
     kata_pins: dict[str, CpuSet] = {}
     kata_pinning = obs.kata_pinning
     node = (kata_pinning, pool, online)
-    for s in obs.sandboxes:
+    for s in walk:
         first = firsts[s.id]
-        off = crane_others.without(s.id) if crane else EMPTY
+        off = crane_others.without(s.id) if crane_others is not None else EMPTY
         kept_was = last.get(s.id)
         fp_memo = kept_was.records.footprint if kept_was is not None else None
         if (
@@ -483,7 +540,6 @@ def plan_node(
     for cpu, sid in alloc.owner.items():  # a CPU vmpin allocated is its pod's alone
         exclusive.setdefault(cpu, Claim(sid, pods.get(sid, f"sandbox:{sid}"), None, ALLOC))
     conflicted = {sid for c in conflicts for sid in c.sandboxes()}
-    plans: list[SandboxPlan] = []
     # Every "all the others" set below is derived from per-CPU counts made once, so the
     # node is planned in time linear in its sandboxes (a union over the others per sandbox
     # was quadratic: 2,000 sandboxes took seconds); a long-lived caller's counts are kept
@@ -492,8 +548,11 @@ def plan_node(
     if isinstance(memo, PlanMemo):
         # (its counts are moved below: a call that fails on the way leaves none behind)
         prior, memo.node = memo.node, None
-    others_fp, fp_moved = _counted(footprint, prior.footprints if prior is not None else None)
-    by_mask, _ = _counted(masks, prior.masks if prior is not None else None)
+    only = None if moved is None else firsts
+    others_fp, fp_moved = _counted(
+        footprint, prior.footprints if prior is not None else None, only
+    )  # fmt: skip
+    by_mask, _ = _counted(masks, prior.masks if prior is not None else None, only)
     alone = by_mask.alone - (pool or EMPTY)  # CPUs in exactly one sandbox's mask
     # The node as the last call saw it, but for the CPUs ``fp_moved`` (an event's pass): a
     # sandbox whose observation, mask, footprint and Kata cpuset are the very ones it was
@@ -507,15 +566,20 @@ def plan_node(
         prior is not None and fp_moved is not None and not conflicts and not exclusive
         and prior.key == node_key and prior.total == others_fp.total and prior.alone == alone
     )  # fmt: skip
-    moved_cpus = CpuSet(fp_moved or ())
-    excl_all = CpuSet(exclusive)
+    if moved is not None and (not steady or fp_moved):
+        return None  # (the others' inputs moved: the full walk asks each; counts spent)
+    moved_cpus = CpuSet(fp_moved) if fp_moved else EMPTY
+    excl_all = CpuSet(exclusive) if exclusive else EMPTY
     excl_own: dict[str, set[int]] = {}
     for cpu, cl in exclusive.items():
         excl_own.setdefault(cl.pod, set()).add(cpu)
     foreign_by_pod: dict[str, CpuSet] = {}
     kept: dict[str, _Kept] = {}
-    for s in obs.sandboxes:
+    walked: list[SandboxPlan] = []
+    pins = moved is not None and moved[2]
+    for s in walk:
         before = last.get(s.id)
+        first = firsts[s.id]
         if (
             steady
             and before is not None
@@ -525,52 +589,59 @@ def plan_node(
             and before.inputs[9] is kata_pins.get(s.id)
             and (not fp_moved or footprint[s.id].isdisjoint(moved_cpus))
         ):
-            plans.append(before.plan)
-            if memo is not None:
-                first = firsts[s.id]
-                kept[s.id] = (
-                    before if before.records is first else _Kept(before.inputs, before.plan, first)
-                )
-            continue
-        others = others_fp.without(s.id)
-        own = masks[s.id]
-        others_excl = alone - own if alone & own else alone
-        pod = pods[s.id]
-        foreign_excl = foreign_by_pod.get(pod) if excl_all else EMPTY
-        if foreign_excl is None:
-            foreign_excl = foreign_by_pod[pod] = excl_all - CpuSet(excl_own.get(pod, ()))
-        excl = (others_excl | foreign_excl) if foreign_excl else others_excl
-        inputs = (
-            topology, float_policy, obs.scope, masks[s.id], footprint[s.id], others, excl, pool,
-            s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
-        )  # fmt: skip
-        sp = _planned(s, before, firsts[s.id], inputs, conflicted)
-        if memo is not None:
-            kept[s.id] = _Kept(inputs, sp, firsts[s.id])
-        plans.append(sp)
+            sp = before.plan
+            kept[s.id] = before if before.records is first else _Kept(before.inputs, sp, first)
+        else:
+            others = others_fp.without(s.id)
+            own = masks[s.id]
+            others_excl = alone - own if alone & own else alone
+            pod = pods[s.id]
+            foreign_excl = foreign_by_pod.get(pod) if excl_all else EMPTY
+            if foreign_excl is None:
+                foreign_excl = foreign_by_pod[pod] = excl_all - CpuSet(excl_own.get(pod, ()))
+            excl = (others_excl | foreign_excl) if foreign_excl else others_excl
+            inputs = (
+                topology, float_policy, obs.scope, own, footprint[s.id], others, excl, pool,
+                s.id in conflicted, kata_pins.get(s.id), alloc.reserved, alloc.uncore,
+            )  # fmt: skip
+            sp = _planned(s, before, first, inputs, conflicted)
+            kept[s.id] = _Kept(inputs, sp, first)
+        walked.append(sp)
+        pins = pins or _pins(sp)
     if memo is not None:
-        memo.clear()
+        if moved is None:
+            memo.clear()
         memo.update(kept)
         if isinstance(memo, PlanMemo):
             memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
-    plans = [
-        _replace(
-            p,
-            notes=(
-                *p.notes,
-                f"CPUs {kept_off[p.id]} kept free for a pod with"
-                " qos.gocrane.io/cpu-manager: exclusive",
-            ),
-        )
-        if p.id in kept_off
-        else p
-        for p in plans
-    ]
-    plans = [  # what vmpin allocated to each pod, or why it waits (issue 30)
-        _replace(p, notes=(*p.notes, note)) if (note := alloc.notes.get(p.id)) else p
-        for p in plans
-    ]
-    problems = check_node(plans, exclusive, pods)
+    if moved is None:
+        plans = walked
+    else:
+        plans = list(moved[1].sandboxes)
+        for i, sp in zip(moved[0], walked, strict=True):
+            plans[i] = sp
+    if kept_off:
+        plans = [
+            _replace(
+                p,
+                notes=(
+                    *p.notes,
+                    f"CPUs {kept_off[p.id]} kept free for a pod with"
+                    " qos.gocrane.io/cpu-manager: exclusive",
+                ),
+            )
+            if p.id in kept_off
+            else p
+            for p in plans
+        ]
+    if alloc.notes:
+        plans = [  # what vmpin allocated to each pod, or why it waits (issue 30)
+            _replace(p, notes=(*p.notes, note)) if (note := alloc.notes.get(p.id)) else p
+            for p in plans
+        ]
+    # (check_node's rules are about vCPUs pinned 1:1 and exclusive CPUs: without either,
+    # it has nothing to find)
+    problems = check_node(plans, exclusive, pods) if pins or exclusive else []
     out = NodePlan(
         tuple(plans),
         tuple(adoptions),
@@ -585,7 +656,7 @@ def plan_node(
     )
     simple = alloc is NONE and pool is None and not crane and not adoptions and not forget
     if isinstance(memo, PlanMemo) and simple:
-        memo.last = (obs, out, any(_pins(p) for p in plans))
+        memo.last = (obs, out, pins)
     return out
 
 
@@ -607,109 +678,6 @@ def _planned(
         s, topology, mask, first.recs, first.cplans, fp, others, excl, pool, float_policy,
         conflicted, scope, kata, reserved, uncore,
     )  # fmt: skip
-
-
-def _plan_moved(
-    obs: Observation,
-    topology: Topology,
-    float_policy: str,
-    memo: PlanMemo,
-    was: tuple[Observation, NodePlan, bool],
-) -> NodePlan | None:
-    """:func:`plan_node` of ``obs``, moved from the last call's node (``was``) by the
-    sandboxes that are not the very objects they were there, on a node where nothing is
-    node-wide: no kubelet pool (so no exclusive claims nor conflicts), no allocation, no
-    Crane pod, no adoption or container to forget, the same sandboxes in the same order,
-    and no other sandbox's inputs moved by them (no CPU came to, or left, one footprint or
-    one mask).  None when that does not hold, or too many moved: the full walk then.
-
-    What the full walk does per sandbox is done here for those that moved (their records,
-    footprint, the node's counts moved by them, their plan); every other plan stands, as
-    the full walk's ``steady`` rule would keep it (issue 28: an event's pass walked the
-    node several times to plan one sandbox)."""
-    then, plan_then, pins = was
-    prior = memo.node
-    sandboxes = obs.sandboxes
-    if (
-        prior is None
-        or obs.scope is not then.scope
-        or len(sandboxes) != len(then.sandboxes)
-        or obs.shared_pool is not None
-        or obs.kata_pinning != then.kata_pinning
-    ):
-        return None
-    pairs = enumerate(zip(sandboxes, then.sandboxes, strict=True))
-    moved = [i for i, (s, t) in pairs if s is not t]
-    if len(moved) > len(sandboxes) // 4 + 1:
-        return None  # (a start-up or periodic pass: the full walk)
-    alloc = overlay(obs, topology)
-    if alloc is not NONE:
-        return None
-    online, pool, kata_pinning = topology.online, None, obs.kata_pinning
-    taken = (alloc.taken, alloc.pool, pool)
-    node = (kata_pinning, pool, online)
-    footprint = dict(prior.footprints._sets)
-    masks = dict(prior.masks._sets)
-    firsts: dict[str, _Records] = {}
-    for i in moved:
-        s = sandboxes[i]
-        if s.id != then.sandboxes[i].id:
-            return None
-        if s.policy.cpuset == "exclusive" and s.runtime != "runc":
-            return None  # (Crane: its CPUs are kept off every other sandbox)
-        before = memo.get(s.id)
-        first = before.records if before is not None else None
-        if first is None or first.obs is not s or first.alloc is not None or first.taken != taken:
-            first = _records(s, alloc, pool, None, taken)
-        if first.adoptions or first.forget:
-            return None
-        fp_memo = first.footprint
-        if fp_memo is None or fp_memo[0] is not first or fp_memo[1] is not EMPTY:
-            fp_memo = None
-        if fp_memo is None or fp_memo[2] != node:
-            fp = _footprint(s, first, EMPTY, pool, online)
-            fp_memo = first.footprint = (first, EMPTY, node, *fp)
-        masks[s.id], footprint[s.id] = fp_memo[3], fp_memo[6]
-        firsts[s.id] = first
-    # the node's counts, moved by these sandboxes (spent: a failure below counts anew)
-    memo.node = None
-    others_fp, fp_moved = _counted(footprint, prior.footprints, firsts)
-    by_mask, _ = _counted(masks, prior.masks, firsts)
-    alone = by_mask.alone
-    node_key = (topology, float_policy, obs.scope, pool, alloc.reserved, alloc.uncore, False, False)
-    if (
-        fp_moved is None
-        or fp_moved  # (a CPU's count crossed one: others' inputs moved, the full walk asks)
-        or prior.key != node_key
-        or prior.total != others_fp.total
-        or prior.alone != alone
-    ):
-        return None
-    plans = list(plan_then.sandboxes)
-    for i in moved:
-        s = sandboxes[i]
-        before, first = memo.get(s.id), firsts[s.id]
-        fp_memo = first.footprint
-        assert fp_memo is not None  # (set above)
-        own = masks[s.id]
-        inputs = (
-            topology, float_policy, obs.scope, own, footprint[s.id], others_fp.without(s.id),
-            alone - own if alone & own else alone, pool, False,
-            fp_memo[4] if kata_pinning and s.runtime == "kata" else None,
-            alloc.reserved, alloc.uncore,
-        )  # fmt: skip
-        sp = _planned(s, before, first, inputs, set())
-        memo[s.id] = _Kept(inputs, sp, first)
-        plans[i] = sp
-        pins = pins or _pins(sp)
-    # (no plan pins a vCPU 1:1 and no CPU is exclusive: check_node has nothing to find)
-    problems = tuple(check_node(plans, {}, {})) if pins else ()
-    out = NodePlan(
-        tuple(plans), (), (), (), problems, {}, pool, tuple(obs.originals), obs.scope, masks
-    )
-    memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
-    memo.last = (obs, out, pins)
-    return out
 
 
 def _pins(sp: SandboxPlan) -> bool:
@@ -884,23 +852,22 @@ def _plan_sandbox(
     """One sandbox's plan.  ``reserved``, ``uncore``: what the node follows of kubelet's
     strict-cpu-reservation (helper threads under ``isolate`` go to its reserved CPUs) and
     prefer-align-cpus-by-uncorecache (vmpin.reconcile.allocations.Overlay)."""
-    base = SandboxPlan(
-        s.id, s.runtime, s, mask, footprint=footprint,
-        containers=tuple(cplans), notes=s.notes, errors=s.errors,
-    )  # fmt: skip
     if s.tracked and s.containers and not recs:
-        return _replace(base, vanished=True, reason="every container is gone")
+        return _replace(_base(s, mask, footprint, cplans), vanished=True,
+                        reason="every container is gone")  # fmt: skip
     if s.vmm_gone:
-        return _replace(base, vanished=True, reason="the VMM is gone")
+        return _replace(_base(s, mask, footprint, cplans), vanished=True,
+                        reason="the VMM is gone")  # fmt: skip
     if s.runtime == "runc":
         threads = tuple(
             _thread(t, c.desired, "plan" if c.desired is not None else "none", c.rec.id)
             for c in cplans
             for t in c.obs.tasks
         )
-        return _replace(base, mode="cgroup", threads=threads)
+        return _replace(_base(s, mask, footprint, cplans), mode="cgroup", threads=threads)
     if s.vmm is None or not scope.reads_threads(s.id):
-        return base  # nothing runs, or a view that did not read this VMM's threads
+        # nothing runs, or a view that did not read this VMM's threads
+        return _base(s, mask, footprint, cplans)
     vthreads = s.vmm.threads
     if not s.tracked:
         # Present in the VM dir, not vmpin's: it floats; give back whatever vmpin pinned.  Its
@@ -908,7 +875,7 @@ def _plan_sandbox(
         # Kata's doing, and are left so.
         left = kata_pins is not None and _one_per_cpu(vthreads)
         return _replace(
-            base,
+            _base(s, mask, footprint, cplans),
             mode="none",
             reason="not tracked by vmpin: floats over the shared pool when known, else left alone"
             " (pins vmpin made are undone)",
@@ -921,7 +888,7 @@ def _plan_sandbox(
                 for t in vthreads
             ),
             kata="left" if left else "",
-            notes=(*base.notes, KATA_LEFT_UNTRACKED) if left else base.notes,
+            notes=(*s.notes, KATA_LEFT_UNTRACKED) if left else s.notes,
         )
     policy = s.policy
     if reserved and policy.helpers == "isolate":
@@ -931,7 +898,7 @@ def _plan_sandbox(
             topology,
             s.id,
             mask,
-            [Thread(t.tid, t.role, t.index, t.label) for t in vthreads],
+            vthreads,
             policy,
             others=others,
             others_exclusive=others_exclusive,
@@ -945,21 +912,20 @@ def _plan_sandbox(
             uncore=uncore,
         )
     except VmpinError as err:
-        return _replace(base, errors=(*base.errors, str(err)))
+        return _replace(_base(s, mask, footprint, cplans), errors=(*s.errors, str(err)))
     except Exception as err:  # a planner bug on one sandbox is an error on it, not the node's
-        return _replace(base, errors=(*base.errors, f"planning: unexpected {err!r}"))
-    by_tid = {t.tid: t for t in vthreads}
+        why = f"planning: unexpected {err!r}"
+        return _replace(_base(s, mask, footprint, cplans), errors=(*s.errors, why))
     kata, kata_note = _kata(plan, vthreads, kata_pins)
     vplans: list[ThreadPlan] = []
-    for p in plan.placements:
-        t = by_tid[p.tid]
+    for t, p in zip(vthreads, plan.placements, strict=True):  # (placements: in threads' order)
         if kata == "left" and t.role == "vcpu":
             vplans.append(_thread(t, None, "none"))  # Kata's pin: neither moved nor undone
         elif p.desired is None:
             vplans.append(_undo_or_none(t, pool))
         else:
             vplans.append(_thread(t, p.desired, "plan"))
-    notes = list(base.notes) + list(plan.notes) + ([kata_note] if kata_note else [])
+    notes = list(s.notes) + list(plan.notes) + ([kata_note] if kata_note else [])
     if s.id in conflicted:
         notes.append("claims an exclusive CPU another pod claims too: see the conflicts")
     guest_map: dict[str, Any] | None = None
@@ -970,10 +936,21 @@ def _plan_sandbox(
 
         ctrs = {r.id: r.cpus for r in recs if not r.is_sandbox or r.cpus is not None}
         guest_map = map_sandbox(plan, ctrs, topology, float_policy)
-    return SandboxPlan(  # (not _replace(base, ...): a second record per sandbox of a pass)
+    return SandboxPlan(  # (the one record of a planned sandbox: no _base to replace)
         s.id, s.runtime, s, plan.mask, plan.mode, plan.reason, footprint=footprint, plan=plan,
-        threads=tuple(vplans), containers=base.containers, guest_map=guest_map,
-        notes=tuple(notes), errors=base.errors, kata=kata,
+        threads=tuple(vplans), containers=tuple(cplans), guest_map=guest_map,
+        notes=tuple(notes), errors=s.errors, kata=kata,
+    )  # fmt: skip
+
+
+def _base(
+    s: SandboxObs, mask: CpuSet, footprint: CpuSet, cplans: list[ContainerPlan]
+) -> SandboxPlan:
+    """The plan of a sandbox whose VMM threads are not planned, which _plan_sandbox's early
+    answers start from."""
+    return SandboxPlan(
+        s.id, s.runtime, s, mask, footprint=footprint,
+        containers=tuple(cplans), notes=s.notes, errors=s.errors,
     )  # fmt: skip
 
 
