@@ -72,6 +72,14 @@ class Applied:
         self.pinned: dict[str, dict[int, CpuSet]] = {}
         self.unclean: set[str] = set()
 
+    def add(self, sandbox_id: str, tid: int, o: Outcome) -> None:
+        """A thread's outcome, counted where it belongs (pinned, unclean) as it comes."""
+        self.threads.setdefault(sandbox_id, {})[tid] = o
+        if o.action == "pinned" and o.actual is not None:
+            self.pinned.setdefault(sandbox_id, {})[tid] = o.actual
+        elif o.action not in CLEAN:
+            self.unclean.add(sandbox_id)
+
 
 def outcome_without_apply(t: ThreadPlan) -> Outcome:
     """What a thread's state is when nothing is written (audit, show)."""
@@ -119,27 +127,14 @@ class Applier:
                     # pinned through libvirt (its per-thread cgroups refuse a raw affinity),
                     # and nothing of a domain goes into the store: libvirt holds its state
                     if self.domains is not None:
-                        outcomes = self.domains.apply(sp, self.publish)
-                        out.threads.setdefault(sp.id, {}).update(outcomes)
-                        for tid, o in outcomes.items():
-                            if o.action == "pinned" and o.actual is not None:
-                                out.pinned.setdefault(sp.id, {})[tid] = o.actual
-                            elif o.action not in CLEAN:
-                                out.unclean.add(sp.id)
+                        for tid, o in self.domains.apply(sp, self.publish).items():
+                            out.add(sp.id, tid, o)
                     continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
-                threads = out.threads.setdefault(sp.id, {})
-                # (in place before the threads: what one pinned before an error counts)
-                pinned: dict[int, CpuSet] = out.pinned.setdefault(sp.id, {})
                 for t in sp.threads:
-                    if t.role == "container":
-                        continue
-                    threads[t.tid] = o = self._thread(t, pinned)
-                    if o.action not in CLEAN:
-                        out.unclean.add(sp.id)
-                if not pinned:
-                    del out.pinned[sp.id]
+                    if t.role != "container":
+                        out.add(sp.id, t.tid, self._thread(t))
             except Exception as err:
                 # A bug or an unforeseen error while applying one sandbox is an error against
                 # that sandbox: every other sandbox of the node is still brought into line.
@@ -211,9 +206,7 @@ class Applier:
                     f"original affinities not recorded (store not writable: {err}); pinned anyway"
                 )
 
-    def _thread(self, t: ThreadPlan, pinned: dict[int, CpuSet]) -> Outcome:
-        """Apply one thread's plan; a thread pinned goes into ``pinned`` with the affinity
-        read back."""
+    def _thread(self, t: ThreadPlan) -> Outcome:
         if t.actual is None:
             return Outcome("error" if t.error else "gone", None, t.error)
         if t.desired is None:
@@ -228,7 +221,6 @@ class Applier:
             return Outcome("error", t.actual, str(err))
         if actual != t.desired:
             return Outcome("error", actual, f"kernel holds {actual} after setting {t.desired}")
-        pinned[t.tid] = actual
         return Outcome("pinned", actual)
 
     # -- store ---------------------------------------------------------------------------------
