@@ -71,7 +71,7 @@ from vmpin.wire.guestmap import GUEST_SHARED_DIR, MAP_DIRNAME, MAP_FILENAME
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from collections.abc import Mapping
-    from typing import Any, NamedTuple
+    from typing import Any, NamedTuple, NoReturn
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -189,21 +189,16 @@ def _open_dir(path: str, name: str | None = None, dir_fd: int | None = None) -> 
     try:
         return os.open(name if name is not None else path, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as err:
-        where = path if name is None else os.path.join(path, name)
-        if _not_dir(err):
-            raise _dir_error(err, where) from None
-        raise _dir_error(err, where) from err
+        _refuse_dir(err, path if name is None else os.path.join(path, name))
 
 
-def _not_dir(err: OSError) -> bool:
-    return err.errno in (errno.ELOOP, errno.ENOTDIR)
-
-
-def _dir_error(err: OSError, where: str) -> HostError:
-    """Why the directory ``where`` could not be opened, as :func:`_open_dir` says it."""
-    if _not_dir(err):
-        return HostError(f"publishing guest map: {where} is not a directory (a symlink?): refused")
-    return _translate(err, where, "open")
+def _refuse_dir(err: OSError, where: str) -> NoReturn:
+    """Why the directory ``where`` could not be opened (a symlink's refusal chains nothing)."""
+    if err.errno in (errno.ELOOP, errno.ENOTDIR):
+        raise HostError(
+            f"publishing guest map: {where} is not a directory (a symlink?): refused"
+        ) from None
+    raise _translate(err, where, "open") from err
 
 
 def _translate(err: OSError, path: str, what: str) -> HostError:
@@ -294,9 +289,7 @@ def publish_map(
                 raise _translate(err, directory, "create") from err
             dir_fd = _open_dir(shared, name, shared_fd)
         except OSError as err:
-            if _not_dir(err):
-                raise _dir_error(err, directory) from None
-            raise _dir_error(err, directory) from err
+            _refuse_dir(err, directory)
     finally:
         os.close(shared_fd)
     try:
