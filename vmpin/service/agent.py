@@ -141,11 +141,10 @@ def take_priority(raw: str) -> int:
     before any thread starts (each thread inherits it from the one that starts it); the value.
 
     Why above the node's default: a pin that comes late lets a sandbox's threads run on other
-    pods' exclusive CPUs meanwhile, and a node whose shared CPUs are busy -- container starts
-    are hook processes -- made the agent's pin wait ~14 ms, of which ~7 ms its own CPU
-    (docs/benchmarks.md, issue 28).  Its work per event is bounded, so a higher weight costs
-    the others little.  Without CAP_SYS_NICE the value cannot go down: the agent says so and
-    runs at the one it has.
+    pods' exclusive CPUs meanwhile, and the shared CPUs are busiest -- container starts are
+    hook processes -- exactly when pins are due (the figures: docs/agent.md, "Priority").
+    Its work per event is bounded, so a higher weight costs the others little.  Without
+    CAP_SYS_NICE the value cannot go down: the agent says so and runs at the one it has.
     """
     try:
         nice = int(raw) if raw else DEFAULT_NICE
