@@ -10,7 +10,8 @@ What runs, all real processes on this host:
 - creation and deletion go through the real hook path: ``vmpin hook createRuntime`` (OCI
   state on stdin, the bundle's config.json with containerd's CRI annotations) for each
   container, ``vmpin hook poststop`` at deletion (for the workload container with the
-  *sandbox* id in the state, as Kata sends it);
+  *sandbox* id in the state, as Kata sends it), the VMM killed and its VM dir removed between
+  the two, as Kata's StopVM does;
 - updates go through ``vmpin.service.update.update_container`` -- the code ``vmpin update`` runs,
   minus the interpreter start-up -- which writes the new set, notifies the agent and waits
   until the agent has planned from that write (else re-pins in-process).
@@ -236,6 +237,9 @@ class Churn:
             },
         )
         sb.vmm.kill()
+        # as Kata's StopVM does (qemu.cleanupVM: os.RemoveAll of <vm dir>/<id>); left, 265
+        # dead sandboxes' dirs in 30 s made every event pass stat each (not a node's churn)
+        shutil.rmtree(self.root / "vm" / sb.id, ignore_errors=True)
         self.hook(
             "poststop",
             {
