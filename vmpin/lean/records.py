@@ -162,7 +162,7 @@ SHAPES: tuple[tuple[Any, ...], ...] = (
     *(("init", False, ("=",) * n) for n in (3, 5)),
     ("init", True, ("=", "=", "=", "f", "=", "=")),
     ("init", True, ("=", "=", "=", "f", "=", "=", "=")),  # Observation, with allocations
-    ("init", True, ("=", "=", "=", "=", "=", "f", "=", "=", "=", "f")),
+    ("init", True, ("=", "=", "=", "=", "=", "f", "=", "=", "=", "f", "=")),  # NodePlan
     ("init", False, ("f", "f", "f")),
 )
 

@@ -179,6 +179,14 @@ class NodePlan:
     scope: Scope = FULL
     #: each sandbox's mask as the node's rules counted it (before the planner's own cuts)
     masks: Mapping[str, CpuSet] = field(default_factory=dict)
+    #: made as the last call's plan with some sandboxes planned again (plan_node's memo, an
+    #: event's pass): that plan's ``sandboxes`` and the indexes of those here that may differ
+    #: -- every other sandbox plan, and its mask, is the very object there.  Who keeps
+    #: something per sandbox plan of the last plan it saw looks at those alone (issue 28).
+    #: (Not compared: a plan equals the one made from nothing for the same node.)
+    moved_from: tuple[tuple[SandboxPlan, ...], tuple[int, ...]] | None = field(
+        default=None, compare=False
+    )
 
     def sandbox(self, sandbox_id: str) -> SandboxPlan | None:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
@@ -659,6 +667,7 @@ def _walk(
         tuple(obs.originals),
         obs.scope,
         masks,
+        None if moved is None else (moved[1].sandboxes, tuple(moved[0])),
     )
     simple = alloc is NONE and pool is None and not crane and not adoptions and not forget
     if isinstance(memo, PlanMemo) and simple:
