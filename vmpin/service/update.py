@@ -106,10 +106,11 @@ def record_update(
     old = _known(store, container_id)
     if not cpus:
         raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
-    from vmpin.linux.sysfs import read_topology
+    # (the online list alone: the rest of the topology is the pass's, which reads it anyway)
+    from vmpin.core.topology import check_online
+    from vmpin.linux.sysfs import online_cpus
 
-    topo = read_topology(paths.sys, cache=paths.topology_cache, proc_root=paths.proc)
-    topo.check_online(cpus, f"container {container_id}")
+    check_online(cpus, online_cpus(paths.sys), f"container {container_id}")
     with store.transaction():
         if until is not None and time.monotonic() >= until:
             raise Late(f"update of {container_id}: the caller's deadline has passed")

@@ -19,7 +19,13 @@ import time
 from vmpin.core.errors import StateError
 from vmpin.core.ids import check_id
 from vmpin.state.reader import Reader
-from vmpin.state.records import API_POLICY_META, CONTAINER_COLS, POLICY_META, policy_json
+from vmpin.state.records import (
+    API_POLICY_META,
+    CONTAINER_COLS,
+    POLICY_META,
+    container_row,
+    policy_json,
+)
 from vmpin.state.schema import left as _left
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
 #: the least step between two writes' ``updated_at`` on one container row (seconds; a
 #: float64 near today's epoch resolves ~0.24 us)
 _TICK = 1e-6
+#: a container row's columns, in ContainerRec's order (what container_row reads)
+_COLS = ",".join(CONTAINER_COLS)
 
 
 class Writer(Reader):
@@ -87,24 +95,25 @@ class Writer(Reader):
         self, container_id: str, cpus: CpuSet | None, source: str, **seen: str | None
     ) -> ContainerRec:
         """Record a container's new CPU set (an update) and mark its sandbox dirty; the
-        record as this write left it (read in its transaction: its ``updated_at`` names this
-        write, see :meth:`restore_container_cpus`)."""
+        record as this write left it (its ``updated_at`` names this write, see
+        :meth:`restore_container_cpus`).
+
+        Two statements: the row's ``UPDATE ... RETURNING`` gives the record as written (and
+        its sandbox, whose generation is bumped), where a read of its sandbox before and of
+        the record after were two more on every ``vmpin update`` (issue 28)."""
         allowed = {"runtime_seen", "kubelet_seen"}
         if set(seen) - allowed:
             raise ValueError(f"unknown columns {set(seen) - allowed}")
         now = time.time()
+        # updated_at=MAX(now, the last write's + a tick): every write of the row leaves a
+        # later stamp than the one before it, even within one clock tick or after the clock
+        # stepped back
+        sets = ["cpus=?", "cpus_source=?", "updated_at=MAX(?, updated_at + ?)"]
+        sets += [f"{k}=?" for k in seen]
         with self.transaction() as db:
-            row = db.execute("SELECT sandbox_id FROM containers WHERE id=?", (container_id,))
-            found = row.fetchone()
-            if found is None:
-                raise StateError(f"unknown container {container_id!r}")
-            # updated_at=MAX(now, the last write's + a tick): every write of the row leaves a
-            # later stamp than the one before it, even within one clock tick or after the
-            # clock stepped back
-            sets = ["cpus=?", "cpus_source=?", "updated_at=MAX(?, updated_at + ?)"]
-            sets += [f"{k}=?" for k in seen]
-            db.execute(
-                f"UPDATE containers SET {','.join(sets)} WHERE id=?",
+            # (fetchall: the statement run to its end before the commit)
+            rows = db.execute(
+                f"UPDATE containers SET {','.join(sets)} WHERE id=? RETURNING {_COLS}",
                 [
                     None if cpus is None else cpus.to_list(),
                     source,
@@ -113,10 +122,11 @@ class Writer(Reader):
                     *seen.values(),
                     container_id,
                 ],
-            )
-            self._bump(db, found[0], now)
-            rec = self.container(container_id)
-        assert rec is not None
+            ).fetchall()
+            if not rows:
+                raise StateError(f"unknown container {container_id!r}")
+            rec = container_row(rows[0])
+            self._bump(db, rec.sandbox_id, now)
         return rec
 
     def restore_container_cpus(
