@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pytest_mock import MockerFixture
 
 from tests.service.test_agent import register, run_cli
 from tests.support import fakevmm
@@ -336,4 +337,30 @@ def test_which_pass_a_view_answers_from(paths: HostPaths) -> None:
     assert views._verdict(event, 6, req, last_try=True) == "wait"
     assert views._verdict(event, 0, req, last_try=False) == "ask"
     assert views._verdict(None, 0, req, last_try=False) == "ask"
+    views.close()
+
+
+def test_an_events_pass_leaves_the_views_no_plan_and_reads_no_version(
+    paths: HostPaths, mocker: MockerFixture
+) -> None:
+    """No view is answered from an event's pass (it read its own sandboxes alone), so the
+    views neither keep its plan nor read the store's versions for it: two SQLite reads of
+    every pass under churn.  A full pass's plan is kept, with both."""
+    from types import SimpleNamespace
+
+    views = AgentViews(paths.state_dir, Settings(paths), DirtyQueue())
+    reads = mocker.spy(views, "_data_version")
+    store = mocker.Mock()
+    store.version.return_value = (7, 0)
+    for number, read_all in ((1, False), (2, True)):
+        rec = SimpleNamespace(last_observed=(None, None, (7, 0), read_all), last_writes=0,
+                              online_seen=None, domains=object())  # fmt: skip
+        views.pass_begins(number)
+        views.pass_ends(number, True, store, rec)  # type: ignore[arg-type]
+        if not read_all:
+            assert views._plan is None
+            assert reads.call_count == 0 and store.version.call_count == 0
+    p = views._plan
+    assert p is not None and p.number == 2 and p.read_all and p.clean
+    assert reads.call_count == 1 and store.version.call_count == 1
     views.close()

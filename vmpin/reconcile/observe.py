@@ -194,8 +194,8 @@ class Observer:
                 | {out[i].id for i in walk if out[i].errors}
             )  # fmt: skip
         seen = set(ids)
-        listed = vm_dir if fresh is not None else None
-        for sid in sandboxes.vm_dir_ids(seen, listed) if scope.vmms else ():
+        listed, known = (vm_dir, last) if fresh is not None else (None, None)
+        for sid in sandboxes.vm_dir_ids(seen, listed, known) if scope.vmms else ():
             before = last.get(sid)
             if fresh is not None and sid not in fresh and before is not None and not before.tracked:
                 out.append(before)

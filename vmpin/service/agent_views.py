@@ -157,7 +157,9 @@ class AgentViews:
         """Pass ``number`` ended (``ok``: without raising): its plan, for the views."""
         made = None
         last = reconciler.last_observed if ok else None
-        if last is not None:
+        # (an event's pass read its own sandboxes alone: no view is answered from its plan,
+        # so neither version is read for it -- ~6 % of the planner's time under churn)
+        if last is not None and last[3]:
             obs, plan, version, read_all = last
             # (read before the store's version: a commit in between makes the plan unclean,
             # one after moves this value)
