@@ -132,8 +132,8 @@ def test_an_update_reads_the_row_once_and_lists_the_journal_once(
     paths: HostPaths, mocker: Any
 ) -> None:
     """What the agent does per update, counted so that it cannot creep back (issue 28): one
-    read of the container (its checks), one transaction of two writes (the row, whose
-    ``RETURNING`` is the record as written, and its sandbox's generation), and one listing
+    read of the container (its checks), one transaction that writes the row, reads it back
+    as written (its stamp and sandbox) and bumps its sandbox's generation, and one listing
     of the journal dir (the ingest before the checks)."""
     cid = _container(paths)
     updates = AgentUpdates(paths, Planner())
@@ -155,7 +155,7 @@ def test_an_update_reads_the_row_once_and_lists_the_journal_once(
     ]  # fmt: skip
     assert kinds == [
         "SELECT containers", "PRAGMA busy_timeout", "BEGIN IMMEDIATE",
-        "UPDATE containers", "UPDATE sandboxes", "COMMIT",
+        "UPDATE containers", "SELECT containers", "UPDATE sandboxes", "COMMIT",
     ], statements  # fmt: skip
     assert [c.args for c in listed.call_args_list] == [(os.path.join(paths.state_dir, "journal"),)]
 
