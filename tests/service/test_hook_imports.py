@@ -127,7 +127,7 @@ def assert_lean(loaded: set[str], reconciled: bool) -> None:
     if not reconciled:
         assert not [m for m in LEAN if m in loaded]
         # the hook's paths come from its host roots; the rest of the Settings only for a
-        # pass in this process (vmpin.service.hook._settings: ~0.6 M instructions)
+        # pass in this process (vmpin.service.hook._settings: ~0.8 M instructions)
         assert "vmpin.service.settings" not in loaded
 
 
