@@ -47,6 +47,7 @@ the database passes ``PRAGMA integrity_check``.
 Run (as root)::
 
     python bench/bench_churn.py [--sandboxes 120] [--duration 60] [--threads 4] [--json OUT]
+                                [--tmpdir /dev/shm]
 """
 
 from __future__ import annotations
@@ -336,9 +337,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument(
+        "--tmpdir",
+        help="where the state, VM and bundle dirs go (a node's /run/vmpin is a tmpfs: "
+        "/dev/shm here; the default, $TMPDIR or /tmp, may be a disk, where fsyncs wait)",
+    )
     args = ap.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="vmpin-churn-"))
+    root = Path(tempfile.mkdtemp(prefix="vmpin-churn-", dir=args.tmpdir))
     paths = make_paths(root)
     (root / "vm").mkdir()
     env = env_for(paths)
@@ -438,6 +444,7 @@ def main() -> int:
             "sandboxes": args.sandboxes,
             "driver_threads": args.threads,
             "host_cpus": os.cpu_count(),
+            "tmpdir": str(root.parent),  # (tmpfs or a disk: the fsyncs' cost differs)
             "populate_s": round(populate_s, 1),
             "churn_s": round(churn_s, 1),
             "settle_s": round(settle_s, 2),
