@@ -128,6 +128,38 @@ def test_the_agent_writes_syncs_and_answers_once_pinned(paths: HostPaths, mocker
     assert events[0] == "sync" and "pass" in events
 
 
+def test_an_update_reads_the_row_once_and_lists_the_journal_once(
+    paths: HostPaths, mocker: Any
+) -> None:
+    """What the agent does per update, counted so that it cannot creep back (issue 28): one
+    read of the container (its checks), one transaction that writes the row, reads it back
+    as written (its stamp and sandbox) and bumps its sandbox's generation, and one listing
+    of the journal dir (the ingest before the checks)."""
+    cid = _container(paths)
+    updates = AgentUpdates(paths, Planner())
+    statements: list[str] = []
+    updates._open().db.set_trace_callback(statements.append)
+    listed = mocker.spy(os, "listdir")
+    try:
+        reply = updates.answer(_request(paths, cid, "1"))
+    finally:
+        updates.close()
+    assert reply is not None and reply["done"] is True
+    # (each statement of a trigger -- the change log's -- is traced as its outer statement
+    # again: consecutive repeats are one statement)
+    run = [s for k, s in enumerate(statements) if k == 0 or s != statements[k - 1]]
+    kinds = [
+        "SELECT " + s.split(" FROM ")[1].split()[0] if s.startswith("SELECT")
+        else " ".join(s.split()[:2]).split("=")[0]
+        for s in run
+    ]  # fmt: skip
+    assert kinds == [
+        "SELECT containers", "PRAGMA busy_timeout", "BEGIN IMMEDIATE",
+        "UPDATE containers", "SELECT containers", "UPDATE sandboxes", "COMMIT",
+    ], statements  # fmt: skip
+    assert [c.args for c in listed.call_args_list] == [(os.path.join(paths.state_dir, "journal"),)]
+
+
 def test_a_request_past_its_deadline_writes_nothing(paths: HostPaths) -> None:
     cid = _container(paths)
     planner = Planner()

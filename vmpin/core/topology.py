@@ -133,9 +133,7 @@ class Topology(NamedTuple):
         return self.info(cpu).siblings
 
     def check_online(self, mask: CpuSet, what: str) -> None:
-        bad = mask - self.online
-        if bad:
-            raise TopologyError(f"{what}: CPUs {bad} are not online (online: {self.online})")
+        check_online(mask, self.online, what)
 
     @property
     def sockets(self) -> int:
@@ -156,3 +154,11 @@ class Topology(NamedTuple):
     @property
     def threads_per_core(self) -> int:
         return max(len(c.siblings) for c in self.cpus.values())
+
+
+def check_online(mask: CpuSet, online: CpuSet, what: str) -> None:
+    """TopologyError unless every CPU of ``mask`` is in ``online`` (the online list alone:
+    ``vmpin update`` checks its set with it, without the rest of the topology)."""
+    bad = mask - online
+    if bad:
+        raise TopologyError(f"{what}: CPUs {bad} are not online (online: {online})")

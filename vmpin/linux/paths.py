@@ -69,8 +69,9 @@ class HostPaths(NamedTuple):
         cls, overrides: Mapping[str, str | None] | None, env: Mapping[str, str]
     ) -> HostPaths:
         """Options given explicitly win over the environment, which wins over the defaults.
-        ``env`` is the one :meth:`vmpin.service.settings.Settings.from_env` read (the only
-        reader of vmpin's variables)."""
+        The one reader of the host roots' variables in ``env``: for
+        :meth:`vmpin.service.settings.Settings.from_env`, and for a hook that builds no
+        Settings (vmpin.service.hook)."""
         values = {k: env.get(v) or DEFAULTS[k] for k, v in ENVVARS.items()}
         unknown = set(overrides or {}) - set(DEFAULTS)
         if unknown:

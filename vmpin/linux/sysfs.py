@@ -80,6 +80,13 @@ def online_text(sys_root: str = "/sys") -> str | None:
     return _read(os.path.join(sys_root, "devices/system/cpu/online"))
 
 
+def online_cpus(sys_root: str = "/sys") -> CpuSet:
+    """The online CPUs (``cpu/online``), read alone: what a CPU set is checked against
+    (``vmpin update``), where the whole topology, even cached, is ~10 files' reads and
+    stats (its lists, the boot id, a stat per CPU)."""
+    return _cpus(os.path.join(sys_root, "devices/system/cpu/online"))
+
+
 def read_topology(
     sys_root: str = "/sys",
     *,

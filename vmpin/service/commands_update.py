@@ -13,7 +13,6 @@ from vmpin.core.errors import SpecError, StateError
 from vmpin.service.budget import BUDGET
 from vmpin.service.commands import Ctx, echo, emit
 from vmpin.service.update import UnknownContainer, parse_update, update_container
-from vmpin.wire import views
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -81,4 +80,6 @@ def _update_domain(
     errors = [e for r in reports for e in r.errors]
     if errors:
         raise StateError(f"domain {d.name}: {errors[0]}")
+    from vmpin.wire import views
+
     return views.update(id=d.name, sandbox=d.uuid, cpus=cpus(new), applied_by="libvirt")

@@ -203,7 +203,11 @@ def notify(
 
 
 def update(
-    paths: HostPaths, container_id: str, cpus: str, wait: float
+    paths: HostPaths,
+    container_id: str,
+    cpus: str,
+    wait: float,
+    meanwhile: Callable[[], object] | None = None,
 ) -> tuple[UpdateReply | None, bool]:
     """``vmpin update`` written and re-pinned by the agent (a vmpin.wire.control_commands.
     Update: the container, its CPU list, a deadline ``wait`` seconds from now): the answer,
@@ -212,7 +216,8 @@ def update(
     none that answered by the deadline -- the caller does it itself, and waits for that
     agent no more.  An answer not done says the agent wrote nothing (or put its write
     back), so the caller may go on at once; with none, it is the deadline that ends the
-    exchange, and the agent writes nothing past it."""
+    exchange, and the agent writes nothing past it.  ``meanwhile`` runs while the agent
+    works on it (see :func:`_send`)."""
     if _agent_socket(paths) is None:
         return None, False
     from vmpin.wire.control import reply_from_json
@@ -221,7 +226,7 @@ def update(
     until = time.monotonic() + wait
     message = Update(container_id, cpus, until, wait, dict(paths._asdict()))
     # (the exchange ends at ``until`` or after it, never before: see the docstring)
-    buf = _send(paths, message, until - time.monotonic(), answer=True)
+    buf = _send(paths, message, until - time.monotonic(), answer=True, meanwhile=meanwhile)
     if not buf:
         return None, False
     return UpdateReply.from_obj(reply_from_json(buf)), True

@@ -2,8 +2,10 @@
 
 :meth:`Settings.from_env` is the only reader of vmpin's environment variables (the host roots
 of DESIGN.md, ``VMPIN_HELPER_POLICY``, ``VMPIN_HOUSEKEEPING``, ``VMPIN_VCPU_POLICY``,
-``VMPIN_GUEST_FLOAT``, ``VMPIN_HOLDOFF``): options given explicitly (CLI, hook argv) win over
-the environment, which wins over the defaults.  The hook, ``vmpin update``, ``reconcile``,
+``VMPIN_GUEST_FLOAT``, ``VMPIN_HOLDOFF``), but for the host roots alone, which
+:meth:`vmpin.linux.paths.HostPaths.from_env` reads for it and for a hook that only journals
+(vmpin.service.hook: it plans with no policy): options given explicitly (CLI, hook argv) win
+over the environment, which wins over the defaults.  The hook, ``vmpin update``, ``reconcile``,
 the read-only views and the agent then build their :class:`Reconciler` with
 :func:`build_reconciler`, so that they all plan alike (issue 9: ``update`` without the agent
 used to plan with the default policy).

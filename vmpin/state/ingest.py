@@ -75,9 +75,11 @@ def ingest(
     only once a checkpoint has its event in the database file, and an event whose commit
     did not reach the disk is applied again from its file.
     """
+    # (the journal dir listed once: for the temporary files and the events)
+    listed = journal.listing(store.state_dir)
     if consume:
-        journal.sweep_tmp(store.state_dir)
-    names = journal.pending(store.state_dir)
+        journal.sweep_tmp(store.state_dir, names=listed)
+    names = journal.pending(store.state_dir, listed)
     if not names:
         return []
     deadline = None if budget is None else time.monotonic() + budget

@@ -145,7 +145,7 @@ def sync(state_dir: str, name: str) -> None:
         raise StateError(f"{path}: event not recorded durably: {err.strerror}") from None
 
 
-def sweep_tmp(state_dir: str, now_ns: int | None = None) -> int:
+def sweep_tmp(state_dir: str, now_ns: int | None = None, names: list[str] | None = None) -> int:
     """Remove temporary files of hooks killed mid-write; how many.
 
     Their age is read from their names: :func:`append` names a temp file after the
@@ -153,13 +153,18 @@ def sweep_tmp(state_dir: str, now_ns: int | None = None) -> int:
     time, and a clock stepped forward made a live hook's file look a minute old: another
     process swept it mid-write and the hook blamed a full or read-only disk (issue 26).  A
     stamp ahead of the clock is from an earlier boot (a state dir on a disk).
+
+    ``names``: the journal dir as :func:`listing` just read it (an ingest lists it once for
+    this and :func:`pending`); else it is listed here.
     """
     d = journal_dir(state_dir)
     removed = 0
-    try:
-        names = [n for n in os.listdir(d) if n.startswith(".") and n.endswith(".tmp")]
-    except OSError:
-        return 0
+    if names is None:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return 0
+    names = [n for n in names if n.startswith(".") and n.endswith(".tmp")]
     # The clock is read after the listing: a file listed was made, and its stamp taken,
     # before it.  Read before, a hook that named its file in between had a stamp "ahead of
     # the clock", taken for an earlier boot's, and its live file was swept from under it
@@ -208,15 +213,22 @@ def backlog(state_dir: str) -> int:
     return sum(1 for n in names if n.endswith(".json") and not n.startswith("."))
 
 
-def pending(state_dir: str) -> list[str]:
-    """The pending events' file names, oldest first; a journal dir that cannot be listed
-    (EMFILE, ENOMEM, EIO) is a StateError naming it: every ingest starts here, and an OSError
-    from it ended the agent's main loop (issue 26)."""
+def listing(state_dir: str) -> list[str]:
+    """The journal dir's names, as listed (none when it does not exist yet); a journal dir
+    that cannot be listed (EMFILE, ENOMEM, EIO) is a StateError naming it: every ingest
+    starts here, and an OSError from it ended the agent's main loop (issue 26)."""
     d = journal_dir(state_dir)
     try:
-        names = os.listdir(d)
+        return os.listdir(d)
     except FileNotFoundError:
         return []
     except OSError as err:
         raise StateError(f"{d}: cannot list the journal: {err.strerror}") from err
+
+
+def pending(state_dir: str, names: list[str] | None = None) -> list[str]:
+    """The pending events' file names, oldest first, of ``names`` (:func:`listing`'s, when
+    the caller has it already) or of the journal dir listed now."""
+    if names is None:
+        names = listing(state_dir)
     return sorted(n for n in names if n.endswith(".json") and not n.startswith("."))
