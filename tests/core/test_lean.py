@@ -112,6 +112,35 @@ def test_dataclass_stand_in_behaves_like_dataclasses() -> None:
         F(1, w=2)
 
 
+def test_dataclass_stand_in_leaves_uncompared_fields_out_of_eq_and_hash() -> None:
+    """``field(default=, compare=False)`` (NodePlan.moved_from: where a plan was made from,
+    which two plans of one node need not share)."""
+    import dataclasses
+
+    from vmpin.lean.dataclass import dataclass, field
+
+    @dataclass(frozen=True)
+    class U:
+        x: int
+        note: str | None = field(default=None, compare=False)
+
+    @dataclasses.dataclass(frozen=True)
+    class RealU:
+        x: int
+        note: str | None = dataclasses.field(default=None, compare=False)
+
+    a, b = U(1), U(1, "other")
+    assert a == b and hash(a) == hash(b) and a != U(2, "other")
+    assert RealU(1) == RealU(1, "other")  # (as dataclasses has it)
+    assert b.note == "other" and a.note is None
+    assert repr(b) == repr(RealU(1, "other")).replace("RealU", "U")
+    assert [(f.name, f.compare) for f in dataclasses.fields(U)] == [
+        (f.name, f.compare) for f in dataclasses.fields(RealU)
+    ]
+    with pytest.raises(TypeError):
+        field(default=1)  # (what vmpin uses alone: a plain default needs no field)
+
+
 def test_shapes_module_is_generated_and_current() -> None:
     """vmpin/lean/shapes.py is what _lean writes (``python -m vmpin.lean.records``), and each
     template in it is the code _lean would compile for that shape."""

@@ -152,7 +152,8 @@ def test_check_global_finds_double_pins() -> None:
     t = topo("no-smt-server")
     a = plan_sandbox(t, "a", cs("0-1"), threads(2))
     b = plan_sandbox(t, "b", cs("0-1"), threads(2))
-    assert check_global([a, b])
+    assert check_global([a, b]) == ["CPU 0: vCPU 0 of b and a/0", "CPU 1: vCPU 1 of b and a/1"]
+    assert check_global([a, a]) == []  # (a plan is not its own rival)
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,11 @@ import pytest
 
 from tests.reconcile.test_plan import cs, kata, runc, static, topo, vmm_threads
 from vmpin.core.planner import Policy
+from vmpin.reconcile.apply import Applied
 from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import Observation, SandboxObs
 from vmpin.reconcile.plan import PlanMemo, plan_node
+from vmpin.reconcile.settled import Settled
 from vmpin.reconcile.summarizer import SummaryCounts, summarize
 
 CPUS = ["2", "3", "2-3", "4-5", "4-7", "6", "8-11", "2,4"]
@@ -91,6 +93,11 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
 
     monkeypatch.setattr(plan_module, "_plan_moved", spy)
     rng = random.Random(seed)
+    # what the agent keeps per sandbox plan between passes, fed as its passes feed them:
+    # each looks at the sandboxes a plan moved alone (NodePlan.moved_from), and answers what
+    # the same fed the same plans without that says (``whole``: each plan with none)
+    counts, settled, whole = SummaryCounts(), Settled(), Settled()
+    asked_moved = 0
     machine = topo("amd-epyc-7313-2s")
     node: dict[str, SandboxObs] = {f"k{i:02d}": _kata(rng, i) for i in range(size)}
     for i in range(size // 6 + 1):  # (runc's cpuset as last seen there: nothing to adopt)
@@ -116,5 +123,23 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
                 node[sid] = replace(s, record=rec._replace(done_gen=rec.gen + step))
         obs = Observation(tuple(node[k] for k in sorted(node)), None)
         planned = plan_node(obs, machine, memo=memo)
-        assert planned == plan_node(obs, machine), (seed, step)
+        fresh = plan_node(obs, machine)
+        assert planned == fresh and fresh.moved_from is None, (seed, step)
+        counts.update(planned)
+        assert counts.summary(planned, [], "", "") == summarize(fresh, [], "", ""), (seed, step)
+        named = rng.sample([s.id for s in obs.sandboxes], 1)
+        base = planned.moved_from
+        known = settled._open  # (whether to_apply may ask of the moved sandboxes alone)
+        asked_moved += base is not None and known is not None and base[0] is known[0]
+        full = step % 20 == 0  # (the periodic pass applies every sandbox)
+        only = None if full else settled.to_apply(planned, named)
+        assert only == (None if full else whole.to_apply(replace(planned, moved_from=None), named))
+        applied = Applied()
+        applied.sandboxes = [sp for sp in planned.sandboxes if only is None or sp.id in only]
+        for sp in applied.sandboxes:
+            if rng.random() < 0.1:  # (an error: applied again by the next pass)
+                applied.errors[sp.id] = ["EPERM"]
+        settled.note(planned, applied, only)
+        whole.note(planned, applied, None if only is None else set(only))
     assert sum(moved) > 10, moved  # (the walk took the short way, many times)
+    assert asked_moved == sum(moved)  # (and the settled plans each time, as the counts)

@@ -12,11 +12,12 @@ in-process.  Modules on that path write::
 (:mod:`vmpin.lean.records` hands these names over from here when first asked: a plain
 container's hook, which makes NamedTuples only, does not load this module.)  mypy checks
 against the real dataclasses.  What is supported is what vmpin uses:
-``@dataclass(frozen=..., slots=True)`` with plain defaults and ``field(default_factory=)``;
-the class gets the same ``__init__``, ``__repr__``, ``__eq__``, ``__hash__`` (frozen: of the
-fields; else unhashable), ``__match_args__``, ``__slots__`` and frozen-ness as from
-dataclasses, and pickles/copies like it.  ``__init__`` is compiled on first use, from the
-templates vmpin.lean.records keeps (see there).
+``@dataclass(frozen=..., slots=True)`` with plain defaults, ``field(default_factory=)`` and
+``field(default=, compare=False)``; the class gets the same ``__init__``, ``__repr__``,
+``__eq__``, ``__hash__`` (frozen: of the compared fields; else unhashable),
+``__match_args__``, ``__slots__`` and frozen-ness as from dataclasses, and pickles/copies
+like it.  ``__init__`` is compiled on first use, from the templates vmpin.lean.records
+keeps (see there).
 
 Stdlib only, no ``typing`` at run time (the hook's closure).
 """
@@ -44,11 +45,31 @@ class _Factory:
         self.factory = factory
 
 
+class _Uncompared:
+    """``field(default=..., compare=False)``: a field ``__eq__`` and ``__hash__`` leave out."""
+
+    __slots__ = ("default",)
+
+    def __init__(self, default: object) -> None:
+        self.default = default
+
+
 _MISSING = object()
 
 
-def field(*, default_factory: Callable[[], Any]) -> Any:
-    return _Factory(default_factory)
+def field(
+    *,
+    default: Any = _MISSING,
+    default_factory: Callable[[], Any] | None = None,
+    compare: bool = True,
+) -> Any:
+    """What vmpin uses of ``dataclasses.field``: ``default_factory=``, or ``default=`` with
+    ``compare=False``."""
+    if default_factory is not None and default is _MISSING and compare:
+        return _Factory(default_factory)
+    if default_factory is None and default is not _MISSING and not compare:
+        return _Uncompared(default)
+    raise TypeError("vmpin.lean.dataclass.field: default_factory=, or default= with compare=False")
 
 
 class _LazyFields:
@@ -66,6 +87,7 @@ class _LazyFields:
                 f = dataclasses.field(default=default) if default is not _MISSING else (
                     dataclasses.field())  # fmt: skip
             f.name, f.type = n, cls.__annotations__[n]
+            f.compare = n in cls.__dict__["_lean_compared"]
             f._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
             fields[n] = f
         return fields
@@ -88,14 +110,18 @@ def _dc_repr(self: Any) -> str:
     return f"{type(self).__qualname__}({inner})"
 
 
+def _dc_compared(self: Any) -> tuple[Any, ...]:
+    return tuple([getattr(self, n) for n in self._lean_compared])
+
+
 def _dc_eq(self: Any, other: object) -> Any:
     if other.__class__ is not self.__class__:
         return NotImplemented
-    return _dc_values(self) == _dc_values(other)
+    return _dc_compared(self) == _dc_compared(other)
 
 
 def _dc_hash(self: Any) -> int:
-    return hash(_dc_values(self))
+    return hash(_dc_compared(self))
 
 
 def _dc_setstate(self: Any, state: tuple[Any, ...]) -> None:
@@ -123,6 +149,7 @@ def _record(cls: type, frozen: bool) -> type:
     kinds: list[str] = []
     argdefs: list[object] = []
     defaults = {n: ns.get(n, _MISSING) for n in names}
+    compared = list(names)
     for i, n in enumerate(names):
         if n not in ns:
             if argdefs:
@@ -132,6 +159,11 @@ def _record(cls: type, frozen: bool) -> type:
             scope[f"_f{i}"] = ns.pop(n).factory
             kinds.append("f")
             argdefs.append(_MISSING)
+        elif isinstance(ns[n], _Uncompared):
+            kinds.append("=")
+            defaults[n] = ns.pop(n).default  # (a plain default as the class has it)
+            argdefs.append(defaults[n])
+            compared.remove(n)
         else:
             # (a default lives on the function, __defaults__, not in its code: such a field
             # compiles as a required one does)
@@ -147,7 +179,7 @@ def _record(cls: type, frozen: bool) -> type:
         init(self, *values, **named)
 
     ns.update(__slots__=names, __match_args__=names, __init__=__init__, _lean_defaults=defaults,
-              __dataclass_fields__=_LazyFields(),
+              _lean_compared=tuple(compared), __dataclass_fields__=_LazyFields(),
               __repr__=_dc_repr, __eq__=_dc_eq, __getstate__=_dc_values,
               __setstate__=_dc_setstate)  # fmt: skip
     if "__hash__" not in cls.__dict__ or cls.__dict__["__hash__"] is None:

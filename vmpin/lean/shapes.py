@@ -170,23 +170,6 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8):
 CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10):
-    _set(self, "_a0", _p0)
-    _set(self, "_a1", _p1)
-    _set(self, "_a2", _p2)
-    _set(self, "_a3", _p3)
-    _set(self, "_a4", _p4)
-    _set(self, "_a5", _p5)
-    _set(self, "_a6", _p6)
-    _set(self, "_a7", _p7)
-    _set(self, "_a8", _p8)
-    _set(self, "_a9", _p9)
-    _set(self, "_a10", _p10)
-
-
-CODE[('init', True, ('=', '=', '=', '=', '=', '=', '=', '=', '=', '=', '='))] = __init__.__code__
-
-
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10, _p11):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
@@ -310,7 +293,7 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6):
 CODE[('init', True, ('=', '=', '=', 'f', '=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9):
+def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9, _p10):
     _set(self, "_a0", _p0)
     _set(self, "_a1", _p1)
     _set(self, "_a2", _p2)
@@ -321,9 +304,10 @@ def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5, _p6, _p7, _p8, _p9):
     _set(self, "_a7", _p7)
     _set(self, "_a8", _p8)
     _set(self, "_a9", _f9() if _p9 is _MISSING else _p9)
+    _set(self, "_a10", _p10)
 
 
-CODE[('init', True, ('=', '=', '=', '=', '=', 'f', '=', '=', '=', 'f'))] = __init__.__code__
+CODE[('init', True, ('=', '=', '=', '=', '=', 'f', '=', '=', '=', 'f', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2):

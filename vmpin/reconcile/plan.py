@@ -54,16 +54,22 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping
     from dataclasses import dataclass, field
-    from typing import Any
+    from typing import Any, NamedTuple
 else:  # dataclasses imports inspect and re: a stand-in on the hook's path
-    from vmpin.lean.records import dataclass, field
+    from vmpin.lean.records import NamedTuple, dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
-class ThreadPlan:
+class ThreadPlan(NamedTuple):
+    """One thread's part of a sandbox's plan.  A NamedTuple, not a frozen dataclass: a pass
+    makes one per thread of each VMM it plans (37 for a 32-vCPU VMM), and a frozen dataclass
+    sets its eleven fields through ``object.__setattr__`` one by one (~14 k instructions a
+    record, a tuple ~3.5 k; a field read costs ~0.15 k more: the event pass of a 37-thread
+    VMM, bench/bench_event_pass.py, 5.45 -> 5.21 M)."""
+
     tid: int
     role: str
-    index: int | None
+    #: its vCPU index (shadows tuple.index, which nothing asks of a ThreadPlan)
+    index: int | None  # type: ignore[assignment]
     name: str | None
     layer: str
     desired: CpuSet | None
@@ -173,6 +179,14 @@ class NodePlan:
     scope: Scope = FULL
     #: each sandbox's mask as the node's rules counted it (before the planner's own cuts)
     masks: Mapping[str, CpuSet] = field(default_factory=dict)
+    #: made as the last call's plan with some sandboxes planned again (plan_node's memo, an
+    #: event's pass): that plan's ``sandboxes`` and the indexes of those here that may differ
+    #: -- every other sandbox plan, and its mask, is the very object there.  Who keeps
+    #: something per sandbox plan of the last plan it saw looks at those alone (issue 28).
+    #: (Not compared: a plan equals the one made from nothing for the same node.)
+    moved_from: tuple[tuple[SandboxPlan, ...], tuple[int, ...]] | None = field(
+        default=None, compare=False
+    )
 
     def sandbox(self, sandbox_id: str) -> SandboxPlan | None:
         return next((s for s in self.sandboxes if s.id == sandbox_id), None)
@@ -653,6 +667,7 @@ def _walk(
         tuple(obs.originals),
         obs.scope,
         masks,
+        None if moved is None else (moved[1].sandboxes, tuple(moved[0])),
     )
     simple = alloc is NONE and pool is None and not crane and not adoptions and not forget
     if isinstance(memo, PlanMemo) and simple:

@@ -186,6 +186,10 @@ def _members(
             pos += 1
 
 
+#: the key types json's sort and the indented writer agree on (see _indented)
+_STR_ONLY = frozenset({str})
+
+
 def _default(o: object) -> Any:
     raise TypeError(f"Object of type {o.__class__.__name__} is not JSON serializable")
 
@@ -286,7 +290,7 @@ def _indented(
         first = True
         items: Iterable[tuple[object, object]] = d.items()
         if sort_keys:
-            if any(type(k) is not str for k in d):
+            if not _STR_ONLY.issuperset(map(type, d)):  # (in C: a generator was ~5% of a map)
                 raise NotImplementedError
             items = sorted(d.items())  # (by key: keys are unique, values never compared)
         for k, v in items:
