@@ -334,6 +334,16 @@ def _event_passes(paths: HostPaths, ids: list[str]) -> list[tuple[int, int, list
             with _Touched(store) as touched:
                 [report] = rec.reconcile([ids[0]], fresh={ids[0]})
             assert report.mask == CpuSet.parse(cpus)
+            _read_once(touched.statements)
             seen.append((len(touched.statements), touched.rows, sorted(touched.files),
                          touched.dirs))  # fmt: skip
     return seen
+
+
+def _read_once(statements: list[str]) -> None:
+    """What every layer of a pass asked again (issue 28: the data version five times a pass,
+    the change log twice) is read once: the pass holds its version (Reader.hold_version) and
+    shares the log's delta (Reader.changes_since)."""
+    assert statements.count("PRAGMA data_version") == 1, statements
+    log = [s for s in statements if "FROM changes WHERE" in s or "name = 'changes'" in s]
+    assert len(log) <= 2, statements  # (the log's top, and its rows past the pass's seq)

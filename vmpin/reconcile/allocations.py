@@ -171,7 +171,7 @@ def _asking(store: Store) -> bool:
         )
 
     memo: tuple[int, set[str], set[str]] | None = getattr(store, _ASKS, None)
-    delta = changes.since(store.db, memo[0]) if memo is not None else None
+    delta = store.changes_since(memo[0]) if memo is not None else None
     if memo is None or delta is None:
         seq = changes.top(store.db)
         oci, api = store.policy_records()

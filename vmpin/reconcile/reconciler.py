@@ -329,6 +329,8 @@ class Reconciler:
         try:
             for attempt in range(REPLANS + 1):
                 seen = store.data_version()
+                # (one read of it per pass: every layer's Reader.version() answers with it)
+                store.hold_version(seen)
                 inputs = summarizer.inputs() if held else None
                 self._inputs = inputs
                 reports = self._reconcile(sandbox_ids, True, again=attempt > 0, fresh=fresh)
@@ -344,6 +346,7 @@ class Reconciler:
                 elif store.data_version() == seen:
                     break  # (no lock: nothing committed while this pass ran, so it is current)
         finally:
+            store.hold_version(None)
             self._inputs = None
             if not summarized:
                 # (went on without the lock, failed, or an event still disagrees with it:

@@ -85,12 +85,13 @@ class Tables:
         """Bring the tables to the store as it is now (``version`` read just before); False
         when the change log cannot say what moved (read them whole then)."""
         store = self.store
-        delta = changes.since(store.db, self.seq)
+        delta = store.changes_since(self.seq)
         if delta is None:
             return False
         # what to read again: each sandbox's tables written, and its meta keys (the VMM's
         # missing vCPUs and original affinities, its pod's policy record: "meta", "policy")
-        what = delta.tables
+        # (a copy: the delta is the store's, shared with the pass's other readers)
+        what = {sid: set(tables) for sid, tables in delta.tables.items()}
         api = False
         for key in delta.keys:
             if key.startswith(API_POLICY_META):

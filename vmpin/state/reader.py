@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import sqlite3
     from typing import TypeVar
 
+    from vmpin.state.changes import Delta
+
     _R = TypeVar("_R", bound="Reader")
 
 _CONTAINERS = f"SELECT {','.join(CONTAINER_COLS)} FROM containers"
@@ -46,6 +48,10 @@ class Reader:
     readonly = True
     #: a read-only view of a node where vmpin has recorded nothing yet (empty, in memory)
     fresh = False
+    #: the data_version a pass holds while it runs (:meth:`hold_version`), else None
+    _held_version: int | None = None
+    #: the change log as :meth:`changes_since` last read it: (version, from seq, delta)
+    _changes_read: tuple[tuple[int, int], int, Delta | None] | None = None
 
     def __init__(self, state_dir: str, db: sqlite3.Connection, *, fresh: bool = False) -> None:
         self.state_dir = state_dir
@@ -107,8 +113,40 @@ class Reader:
         data_version`` moves when another connection commits, ``total_changes`` when this
         one writes.  Equal versions mean equal tables, so what was read or derived from
         them under the first may be used again (one small query, where re-reading every
-        table of a 2,000-sandbox node is ~25 ms of each pass)."""
-        return (self.db.execute("PRAGMA data_version").fetchone()[0], self.db.total_changes)
+        table of a 2,000-sandbox node is ~25 ms of each pass).
+
+        While a pass holds the ``data_version`` it read when it began (:meth:`hold_version`),
+        that value stands for it: read before anything the pass reads, it can only make what
+        is kept under it look older than it is (read again by the next pass), never newer --
+        and every layer of the pass asking again was five reads of it per pass (issue 28)."""
+        held = self._held_version
+        if held is None:
+            held = self.db.execute("PRAGMA data_version").fetchone()[0]
+        return (held, self.db.total_changes)
+
+    def changes_since(self, seq: int) -> Delta | None:
+        """:func:`vmpin.state.changes.since` ``seq``, read once per :meth:`version` while a
+        pass holds it (:meth:`hold_version`): a pass's layers that follow the log from the
+        same point (the allocations' askers, the observation's tables) share one read of it
+        rather than each reading it again (issue 28).  The Delta is shared: whoever takes it
+        does not change it."""
+        from vmpin.state import changes
+
+        held = self._held_version
+        if held is None:  # (outside a pass: read as asked, no version read to key it by)
+            return changes.since(self.db, seq)
+        version = (held, self.db.total_changes)
+        memo = self._changes_read
+        if memo is not None and memo[0] == version and memo[1] == seq:
+            return memo[2]
+        delta = changes.since(self.db, seq)
+        self._changes_read = (version, seq, delta)
+        return delta
+
+    def hold_version(self, seen: int | None) -> None:
+        """Until called with None, :meth:`version` answers with ``seen``: the
+        :meth:`data_version` a pass read before it read anything else."""
+        self._held_version = seen
 
     def data_version(self) -> int:
         """A value that moves when *another* connection commits (``PRAGMA data_version``):
