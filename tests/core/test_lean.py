@@ -141,16 +141,20 @@ def test_dataclass_stand_in_leaves_uncompared_fields_out_of_eq_and_hash() -> Non
         field(default=1)  # (what vmpin uses alone: a plain default needs no field)
 
 
-def test_shapes_module_is_generated_and_current() -> None:
-    """vmpin/lean/shapes.py is what _lean writes (``python -m vmpin.lean.records``), and each
-    template in it is the code _lean would compile for that shape."""
+@pytest.mark.parametrize("kind", ["new", "init"])
+def test_shapes_module_is_generated_and_current(kind: str) -> None:
+    """vmpin/lean/shapes.py and initshapes.py are what _lean writes (``python -m
+    vmpin.lean.records``), each with the templates of its kind, and each template in them is
+    the code _lean would compile for that shape."""
+    import importlib
     from pathlib import Path
 
     from vmpin.lean import records as _lean
-    from vmpin.lean import shapes as _shapes
 
-    assert Path(_shapes.__file__).read_text() == _lean.shapes_source()
-    assert list(_shapes.CODE) == list(_lean.SHAPES)
+    _shapes = importlib.import_module(f"vmpin.lean.{_lean.GENERATED[kind]}")
+    assert Path(_shapes.__file__).read_text() == _lean.shapes_source(kind)
+    assert list(_shapes.CODE) == [key for key in _lean.SHAPES if key[0] == kind]
+    assert {k for key in _lean.SHAPES for k in [key[0]]} == set(_lean.GENERATED)
     for key, code in _shapes.CODE.items():
         scope: dict[str, object] = {}
         exec(_lean._source(key), scope)
@@ -161,7 +165,8 @@ def test_shapes_module_is_generated_and_current() -> None:
 
 def test_namedtuples_alone_load_no_dataclass_half() -> None:
     """A process that makes NamedTuples only (a plain container's hook) does not load the
-    dataclass half (vmpin.lean.dataclass)."""
+    dataclass half (vmpin.lean.dataclass), nor its templates (vmpin.lean.initshapes); one
+    that makes a dataclass loads those, and no NamedTuple templates when it makes none."""
     import subprocess
     import sys
 
@@ -176,6 +181,20 @@ print(sorted(m for m in sys.modules if m.startswith("vmpin.lean.")))
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['vmpin.lean.records', 'vmpin.lean.shapes']"
+    probe = """
+import sys
+from vmpin.lean.records import dataclass
+@dataclass(frozen=True)
+class D:
+    a: int
+    b: int
+    c: int
+assert D(1, 2, 3).c == 3
+print(sorted(m for m in sys.modules if m.startswith("vmpin.lean.")))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "['vmpin.lean.dataclass', 'vmpin.lean.initshapes', 'vmpin.lean.records']")
 
 
 def test_records_compile_nothing_for_known_shapes_and_the_rest_on_first_use() -> None:
@@ -227,7 +246,7 @@ def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
     import pkgutil
 
     import vmpin
-    from vmpin.lean import shapes as _shapes
+    from vmpin.lean import initshapes, shapes
     from vmpin.lean.dataclass import _Factory
 
     missing = []
@@ -246,6 +265,6 @@ def test_every_record_of_vmpin_has_a_precompiled_template() -> None:
                 key = ("new", len(cls._fields))  # type: ignore[attr-defined]
             else:
                 continue
-            if key not in _shapes.CODE:
+            if key not in (shapes.CODE if key[0] == "new" else initshapes.CODE):
                 missing.append((info.name, cls.__name__, key))
     assert not missing

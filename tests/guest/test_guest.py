@@ -273,8 +273,9 @@ def assert_loads_what_the_zipapp_ships(mods: set[str], not_loaded: set[str]) -> 
         for rel in bundle.GUEST_MODULES
     }
     assert not_loaded <= shipped
-    # (_shapes: precompiled record templates, used where present; the zipapp compiles them)
-    assert {m for m in mods if m.startswith("vmpin")} - {"vmpin.lean.shapes"} == (
+    # (shapes: precompiled record templates, used where present; the zipapp compiles them)
+    templates = {"vmpin.lean.shapes", "vmpin.lean.initshapes"}
+    assert {m for m in mods if m.startswith("vmpin")} - templates == (
         shipped - not_loaded - {"vmpin.guest.program"}
     ) | {"vmpin.entry"}
     assert {"vmpin.core.cpuset", "vmpin.linux.procfs", "vmpin.linux.affinity",

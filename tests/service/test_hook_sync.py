@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fakeagent import SyncWatchingAgent, watch_syncs
+from tests.support.fakeagent import OneReplyAgent, SyncWatchingAgent, watch_syncs
 from tests.support.session import new_id
 from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
@@ -42,11 +42,34 @@ def _prestart(
     return cid, json.dumps(state).encode(), events, synced
 
 
+def _touches(mocker: Any, paths: HostPaths) -> dict[str, int]:
+    """Count what the hook does to its own files: opens of its event's file (``.tmp`` or
+    renamed: "event opened") and looks at the agent's socket file ("socket stat")."""
+    counts = {"event opened": 0, "socket stat": 0}
+    jdir = journal_dir(paths.state_dir)
+    real_open, real_stat = os.open, os.stat
+
+    def opening(path: Any, *args: Any, **kw: Any) -> int:
+        if os.path.dirname(str(path)) == jdir and str(path).endswith((".json", ".json.tmp")):
+            counts["event opened"] += 1
+        return real_open(path, *args, **kw)
+
+    def stat(path: Any, *args: Any, **kw: Any) -> os.stat_result:
+        if path == paths.control_socket:
+            counts["socket stat"] += 1
+        return real_stat(path, *args, **kw)
+
+    mocker.patch("os.open", side_effect=opening)
+    mocker.patch("os.stat", side_effect=stat)
+    return counts
+
+
 def test_hook_syncs_the_journal_while_the_agent_works(
     paths: HostPaths, tmp_path: Path, mocker: Any
 ) -> None:
     cid, data, events, synced = _prestart(paths, tmp_path, mocker)
     agent = SyncWatchingAgent(paths.control_socket, synced, events)
+    touches = _touches(mocker, paths)
     try:
         assert hook.run(paths, "prestart", data) == cid
     finally:
@@ -57,6 +80,9 @@ def test_hook_syncs_the_journal_while_the_agent_works(
     # file and its directory synced after that and before the answer was read
     assert events == ["request", "synced file", "synced", "reply", "returned"]
     assert len(pending(paths.state_dir)) == 1
+    # the file synced through the descriptor it was written by (not opened again), the
+    # agent's socket file looked at once (not again by the request)
+    assert touches == {"event opened": 1, "socket stat": 1}
 
 
 def test_hook_without_an_agent_syncs_before_it_returns(
@@ -167,4 +193,31 @@ def test_a_plain_hook_renames_its_event_into_place_then_syncs_it(
     assert hook.run(paths, "prestart", json.dumps(state).encode()) == cid
     events.append("returned")
     assert events == ["renamed", "synced file", "synced", "returned"]
+    assert len(pending(paths.state_dir)) == 1
+
+
+def test_a_plain_hook_beside_an_agent_opens_its_event_and_the_socket_file_once(
+    paths: HostPaths, tmp_path: Path, mocker: Any
+) -> None:
+    """A plain container with an agent up: the event's file is opened once (written, then
+    synced through the same descriptor), and the agent's socket file looked at once -- by
+    the hook, which then posts to the agent without notify or the exchange looking again."""
+    os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
+    events: list[str] = []
+    watch_syncs(mocker, journal_dir(paths.state_dir), events, journal_dir(paths.state_dir))
+    agent = OneReplyAgent(paths.control_socket, {"ok": True, "queued": 1})
+    touches = _touches(mocker, paths)
+    cid = new_id("ho")
+    bundle = tmp_path / cid
+    bundle.mkdir()
+    ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": cid}
+    (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
+    state = {"id": cid, "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
+    try:
+        assert hook.run(paths, "prestart", json.dumps(state).encode()) == cid
+    finally:
+        agent.close()
+    assert agent.request == {"op": "dirty", "sandboxes": [cid]}
+    assert events == ["synced file", "synced"]
+    assert touches == {"event opened": 1, "socket stat": 1}
     assert len(pending(paths.state_dir)) == 1

@@ -13,7 +13,7 @@ import pytest
 from vmpin.core.errors import SpecError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import hook_event, parse_state
-from vmpin.state.journal import append, journal_dir, pending, sync
+from vmpin.state.journal import append, append_unsynced, journal_dir, pending, sync
 from vmpin.state.store import Store
 from vmpin.wire.hookevent import HookEvent
 
@@ -232,9 +232,10 @@ def test_sync_puts_a_deferred_commit_on_the_disk_and_says_what_failed(
 def test_a_deferred_event_is_whole_at_once_and_synced_by_its_caller(
     paths: HostPaths, tmp_path: Path, mocker: Any
 ) -> None:
-    """append(durable=False) renames the whole file into place and syncs nothing; sync()
-    then syncs the file and the journal directory, in that order, and an event already
-    applied and settled (its file gone) leaves only the directory to sync."""
+    """append_unsynced renames the whole file into place and syncs nothing; sync() then
+    syncs the file (through the descriptor it was written by: opened once) and the journal
+    directory, in that order, and closes the descriptor -- also when the event was applied
+    and settled meanwhile (its file gone)."""
     real = os.fsync
     synced: list[str] = []
 
@@ -243,21 +244,32 @@ def test_a_deferred_event_is_whole_at_once_and_synced_by_its_caller(
         real(fd)
 
     mocker.patch("os.fsync", side_effect=fsync)
-    name = append(paths.state_dir, event(paths, "prestart", "c1", bundle(tmp_path, "c1")),
-                  durable=False)  # fmt: skip
+    opened = mocker.spy(os, "open")
+    name, fd = append_unsynced(paths.state_dir,
+                               event(paths, "prestart", "c1", bundle(tmp_path, "c1")))  # fmt: skip
     jdir = os.path.realpath(journal_dir(paths.state_dir))
     assert synced == []
     assert json.loads(Path(jdir, name).read_text())["ident"]["container_id"] == "c1"
     assert [n for n in os.listdir(jdir) if n.endswith(".tmp")] == []
-    sync(paths.state_dir, name)
+    sync(paths.state_dir, name, fd)
     assert synced == [os.path.join(jdir, name), jdir]
+    jd = journal_dir(paths.state_dir)
+    assert [p for c in opened.call_args_list for p in [c.args[0]] if p.startswith(jd)][-2:] == [
+        os.path.join(jd, f".{name}.tmp"), jd]  # (the file's, the dir's; not the file again)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # (closed)
+    name, fd = append_unsynced(paths.state_dir,
+                               event(paths, "prestart", "c2", bundle(tmp_path, "c2")))  # fmt: skip
     with Store(paths.state_dir, ingest=False) as store:
         store.defer_durability()
         assert store.ingest(durable=False) == ["pod"]
-        assert store.settle_journal() == 1
+        assert store.settle_journal() == 2
+    assert not os.path.exists(os.path.join(jdir, name))
     synced.clear()
-    sync(paths.state_dir, name)
-    assert synced == [jdir]
+    sync(paths.state_dir, name, fd)
+    assert synced == [os.path.join(jdir, name) + " (deleted)", jdir]
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 @pytest.mark.parametrize("cut", [0, 0.5])

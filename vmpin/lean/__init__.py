@@ -16,8 +16,9 @@ The rules, inside the closure:
 - Records are :mod:`vmpin.lean.records`' ``NamedTuple`` and ``dataclass``: the same classes
   ``typing.NamedTuple`` and ``dataclasses.dataclass`` build, without importing ``typing``,
   ``collections``, ``inspect`` (``dataclasses`` alone is ~10 ms) and with their generated
-  ``__new__``/``__init__`` precompiled per shape in :mod:`vmpin.lean.shapes` (compiling them
-  was ~2.8 ms of a Kata hook).
+  ``__new__``/``__init__`` precompiled per shape in :mod:`vmpin.lean.shapes` and
+  :mod:`vmpin.lean.initshapes` (compiling them was ~2.8 ms of a Kata hook; each is loaded by
+  the first record of its kind).
 - A module imports at the top what every path through it needs, and inside a function what
   only one path needs (a plain container's hook never opens the store).
 

@@ -73,7 +73,7 @@ def _agent_socket(paths: HostPaths) -> str | None:
 
 
 def _send(
-    paths: HostPaths,
+    path: str,
     message: Request | Mapping[str, Any],
     timeout: float,
     answer: bool,
@@ -81,14 +81,13 @@ def _send(
     limit: int | None = None,
 ) -> bytes | None:
     """Send one request line (``message``: a request of vmpin.wire.control, or any object:
-    tests send what they like); None when no agent took it, else its answer (b"" without
-    ``answer``, or when the agent closed without one).  ``meanwhile`` runs once the agent
-    has the request, before its answer is read (what raises there is the caller's: only a
-    failed exchange means no agent).  The exchange ends within ``timeout`` seconds in all
-    (an answer not complete by then, or longer than ``limit`` bytes: no agent)."""
-    path = _agent_socket(paths)
-    if path is None:
-        return None
+    tests send what they like) to the socket ``path`` (its file found by the caller:
+    :func:`_agent_socket`, once per exchange); None when no agent took it, else its answer
+    (b"" without ``answer``, or when the agent closed without one).  ``meanwhile`` runs once
+    the agent has the request, before its answer is read (what raises there is the
+    caller's: only a failed exchange means no agent).  The exchange ends within ``timeout``
+    seconds in all (an answer not complete by then, or longer than ``limit`` bytes: no
+    agent)."""
     from vmpin.wire.control import request_to_json
 
     line = request_to_json(message)
@@ -138,7 +137,18 @@ def request(
 ) -> dict[str, Any] | None:
     """Send one request; the reply, or None when no agent answered.  ``meanwhile`` runs
     while the agent works on it (see :func:`_send`)."""
-    buf = _send(paths, message, timeout, answer=True, meanwhile=meanwhile)
+    path = _agent_socket(paths)
+    return None if path is None else _ask(path, message, timeout, meanwhile)
+
+
+def _ask(
+    path: str,
+    message: Request | Mapping[str, Any],
+    timeout: float,
+    meanwhile: Callable[[], object] | None = None,
+) -> dict[str, Any] | None:
+    """:func:`request` to the socket ``path``, found already."""
+    buf = _send(path, message, timeout, answer=True, meanwhile=meanwhile)
     if not buf:
         return None
     from vmpin.wire.control import reply_from_json
@@ -150,12 +160,13 @@ def view(paths: HostPaths, message: View, timeout: float) -> ViewReply | None:
     """A read command's view from the agent's plan (``message``: vmpin.wire.control_commands.View);
     None when no agent answered it (none, an old one, a refusal, past ``timeout``, a reply
     longer than MAX_REPLY): the command then observes in-process."""
-    if _agent_socket(paths) is None:
+    path = _agent_socket(paths)
+    if path is None:
         return None
     from vmpin.wire.control import MAX_REPLY, reply_from_json
     from vmpin.wire.control_commands import ViewReply
 
-    buf = _send(paths, message, timeout, answer=True, limit=MAX_REPLY)
+    buf = _send(path, message, timeout, answer=True, limit=MAX_REPLY)
     return ViewReply.from_obj(reply_from_json(buf), message.view) if buf else None
 
 
@@ -167,7 +178,8 @@ def post(paths: HostPaths, message: Request | Mapping[str, Any], timeout: float 
     round trip (the agent's accept, a thread, its reply) on every container start.  The agent
     reads the line all the same; its reply meets a closed socket, which it ignores.
     """
-    return _send(paths, message, timeout, answer=False) is not None
+    path = _agent_socket(paths)
+    return path is not None and _send(path, message, timeout, answer=False) is not None
 
 
 def notify(
@@ -179,6 +191,7 @@ def notify(
     maps_first: bool = True,
     *,
     answered: bool = True,
+    seen: bool = False,
 ) -> bool:
     """Mark sandboxes dirty in the running agent; False when there is none to tell.
 
@@ -188,17 +201,20 @@ def notify(
     syncs its write then).  Without ``maps_first`` the answer may come before the pass's
     guest maps are published (for a caller that waits only on the host's pins).  Without
     ``answered`` (and ``wait``) the request is only :func:`post`-ed: True once a socket took it.
+    ``seen``: the caller found the socket file just now (a plain container's hook, which
+    imports this module only then): it is not looked for again.
     """
-    if _agent_socket(paths) is None:
+    path = paths.control_socket if seen else _agent_socket(paths)
+    if path is None:
         return False  # (before the protocol's module is imported: see the docstring)
     from vmpin.wire.control import Dirty, DirtyReply
 
     if wait is None:
         message = Dirty(sandbox_ids)
         if not answered:
-            return post(paths, message, timeout)
-        return DirtyReply.from_obj(request(paths, message, timeout)) is not None
-    got = DirtyReply.from_obj(request(paths, Dirty(sandbox_ids, wait, maps_first), wait, meanwhile))
+            return _send(path, message, timeout, answer=False) is not None
+        return DirtyReply.from_obj(_ask(path, message, timeout)) is not None
+    got = DirtyReply.from_obj(_ask(path, Dirty(sandbox_ids, wait, maps_first), wait, meanwhile))
     return bool(got and got.done)
 
 
@@ -218,7 +234,8 @@ def update(
     back), so the caller may go on at once; with none, it is the deadline that ends the
     exchange, and the agent writes nothing past it.  ``meanwhile`` runs while the agent
     works on it (see :func:`_send`)."""
-    if _agent_socket(paths) is None:
+    path = _agent_socket(paths)
+    if path is None:
         return None, False
     from vmpin.wire.control import reply_from_json
     from vmpin.wire.control_commands import Update, UpdateReply
@@ -226,7 +243,7 @@ def update(
     until = time.monotonic() + wait
     message = Update(container_id, cpus, until, wait, dict(paths._asdict()))
     # (the exchange ends at ``until`` or after it, never before: see the docstring)
-    buf = _send(paths, message, until - time.monotonic(), answer=True, meanwhile=meanwhile)
+    buf = _send(path, message, until - time.monotonic(), answer=True, meanwhile=meanwhile)
     if not buf:
         return None, False
     return UpdateReply.from_obj(reply_from_json(buf)), True

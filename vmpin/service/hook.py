@@ -67,7 +67,7 @@ from vmpin.runtimes.oci import hook_event
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.state.allocations import asks_exclusive
 from vmpin.state.allocations import present as allocations_present
-from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, backlog
+from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, append_unsynced, backlog
 from vmpin.state.journal import sync as journal_sync
 from vmpin.wire.hookevent import STAGES
 
@@ -170,21 +170,19 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         # off the start's path) and always before this hook says the event is recorded,
         # i.e. returns (issue 14).  (Journaled already, and synced: by _beside_vms.)
         synced = [True] if name is not None else []
-        if name is None:
-            name = append(paths.state_dir, event, durable=False)
-        journaled = name
+        journaled = ("", -1) if name is not None else append_unsynced(paths.state_dir, event)
 
         def sync() -> None:
             if not synced:
-                journal_sync(paths.state_dir, journaled)
-                synced.append(True)
+                synced.append(True)  # (the descriptor is closed by the first try)
+                journal_sync(paths.state_dir, *journaled)
 
         # The invariant is to hold when the hook returns: the agent replies "done" only after
         # a node pass that started after this request (so it ingested our event) has ended.
         # (An agent that took the request ran the syncs; a "done" implies it took it.)
-        # (the agent's answer first: the deadline is the whole budget away still)
-        done = notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT, meanwhile=sync)
         try:
+            # (the agent's answer first: the deadline is the whole budget away still)
+            done = notify(paths, [sandbox] if sandbox else [], wait=AGENT_WAIT, meanwhile=sync)
             if not done:
                 if settings is None:
                     from vmpin.service.settings import Settings
@@ -198,23 +196,24 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
             # and ~0.02x slower on tmpfs (its GIL hand-offs), so there is none.
             sync()
         return sandbox
-    durable = name is not None  # (journaled by _beside_vms, durably)
-    if name is None:
+    # (else journaled by _beside_vms, durably)
+    journaled = append_unsynced(paths.state_dir, event) if name is None else ("", -1)
+    try:
         # Renamed into place first, then synced (the Kata path's order, issue 14): the
         # file's sync commits the rename with it, and the directory's then finds little left
         # to write (ext4; the directory's sync: 3.6 -> 1.5 ms at load 30 in a loop of
         # appends, 0.3 -> 0.1-0.35 ms in this hook at load 2).  A sync that fails is the
         # hook's one line ("not recorded durably"), the event left in the journal, as there.
-        name = append(paths.state_dir, event, durable=False)
-    if sandbox is not None and os.path.exists(paths.control_socket):
-        from vmpin.service.control import notify
+        if sandbox is not None and os.path.exists(paths.control_socket):
+            from vmpin.service.control import notify
 
-        # without waiting for the answer.  No socket file, no agent: control's module is
-        # not even imported (0.3 M of the runc hook's instructions; notify() would say the
-        # same after its own check)
-        notify(paths, [sandbox], answered=False)
-    if not durable:
-        journal_sync(paths.state_dir, name)  # before the hook says the event is recorded
+            # without waiting for the answer.  No socket file, no agent: control's module is
+            # not even imported (0.3 M of the runc hook's instructions); the file just seen
+            # is not looked for again (seen=True)
+            notify(paths, [sandbox], answered=False, seen=True)
+    finally:
+        if name is None:
+            journal_sync(paths.state_dir, *journaled)  # before the hook says it is recorded
     if backlog(paths.state_dir) > INGEST_THRESHOLD:
         # No one has applied the journal for a while (no agent, no CLI): keep it bounded
         # here, in batches within a time budget, so no later hook inherits a huge backlog.

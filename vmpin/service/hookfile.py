@@ -61,6 +61,7 @@ HOOK_MODULES = (
     "vmpin/core/__init__.py",
     "vmpin/lean/__init__.py",
     "vmpin/lean/dataclass.py",
+    "vmpin/lean/initshapes.py",
     "vmpin/lean/records.py",
     "vmpin/lean/shapes.py",
     "vmpin/core/allocate.py",

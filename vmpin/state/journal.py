@@ -58,23 +58,36 @@ def journal_dir(state_dir: str) -> str:
     return os.path.join(state_dir, JOURNAL)
 
 
-def append(state_dir: str, event: HookEvent, *, durable: bool = True) -> str:
+def append(state_dir: str, event: HookEvent) -> str:
     """Write one event file, complete or not at all; its name sorts in the order events happened.
 
     Every write is checked (a nearly full filesystem gives short writes), the file is fsynced
     before the rename publishes it, and the directory after, so an event the hook reported
     as recorded survives a crash.  Any failure removes the temporary file and raises
     StateError naming the file (the hook prints it; ``--strict`` fails the start).
-
-    ``durable=False`` renames the whole file into place without either sync: the caller must
-    :func:`sync` it before it reports the event recorded (a Kata hook: while the agent's
-    pass runs, or after its own when no agent answers; a disk's two syncs are ~0.5 ms of
-    every start, issue 14; a plain one: at once, since the file's sync then commits the
-    rename too and the directory's has nothing left to write).  Readers never see a partial
-    file (the rename comes after the writes); a crash before the sync may lose the event, or
-    leave its file empty or cut short, which ingest quarantines and never applies.  Nothing
-    was promised then: the hook had not returned.
     """
+    return _write(state_dir, event, durable=True)[0]
+
+
+def append_unsynced(state_dir: str, event: HookEvent) -> tuple[str, int]:
+    """:func:`append` without either sync: the whole file renamed into place, and its name
+    and its still open descriptor, which the caller must hand to :func:`sync` (it closes
+    it) before it reports the event recorded (a Kata hook: while the agent's pass runs, or
+    after its own when no agent answers; a disk's two syncs are ~0.5 ms of every start,
+    issue 14; a plain one: at once, since the file's sync then commits the rename too and
+    the directory's has nothing left to write).  The descriptor is kept for the file's sync,
+    not opened again by name: one open and close fewer on every start.
+
+    Readers never see a partial file (the rename comes after the writes); a crash before
+    the sync may lose the event, or leave its file empty or cut short, which ingest
+    quarantines and never applies.  Nothing was promised then: the hook had not returned.
+    """
+    return _write(state_dir, event, durable=False)
+
+
+def _write(state_dir: str, event: HookEvent, *, durable: bool) -> tuple[str, int]:
+    """The event's file written and renamed into place (see :func:`append`): its name, and,
+    when not ``durable``, its descriptor, open (-1 when durable: closed, both synced)."""
     data = event.to_json()
     d = journal_dir(state_dir)
     # CLOCK_MONOTONIC is system-wide: names from different hook processes sort by time.
@@ -100,10 +113,13 @@ def append(state_dir: str, event: HookEvent, *, durable: bool = True) -> str:
                 view = view[written:]
             if durable:
                 os.fsync(fd)
-        finally:
+            os.rename(tmp, os.path.join(d, name))
+        except BaseException:
             os.close(fd)
-        os.rename(tmp, os.path.join(d, name))
+            raise
         if durable:
+            os.close(fd)
+            fd = -1
             fsync_path(d)  # the rename itself survives a crash
     except BaseException as err:
         # whatever failed (ENOSPC, EIO, anything), no temp file is left in the state dir
@@ -122,23 +138,24 @@ def append(state_dir: str, event: HookEvent, *, durable: bool = True) -> str:
         raise StateError(
             f"{os.path.join(d, name)}: event not recorded: {err.strerror}{hint}"
         ) from None
-    return name
+    return name, fd
 
 
-def sync(state_dir: str, name: str) -> None:
-    """Make the event ``name``, appended with ``durable=False``, survive a crash: fsync its
-    file, then the journal directory (its rename); StateError naming what failed.
+def sync(state_dir: str, name: str, fd: int) -> None:
+    """Make the event ``name``, appended by :func:`append_unsynced` (``fd``: its open
+    descriptor, closed here whatever happens), survive a crash: fsync its file, then the
+    journal directory (its rename); StateError naming what failed.
 
-    A file already gone was applied and settled (its event is in the database file, which a
-    checkpoint synced before the file was removed): nothing of it is left to sync.
+    (A file applied and settled meanwhile -- removed, its event in the database file -- is
+    synced through its descriptor all the same: a few blocks at most, never written again.)
     """
     d = journal_dir(state_dir)
     path = os.path.join(d, name)
     try:
-        try:  # noqa: SIM105 (contextlib would cost every hook its import)
-            fsync_path(path)
-        except FileNotFoundError:
-            pass
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         path = d
         fsync_path(d)
     except OSError as err:
