@@ -35,6 +35,7 @@ Exits 1 when a path's ratio is above its limit (--limit, default 1.5; Kata witho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -45,8 +46,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -211,41 +213,68 @@ def state(cid: str, pid: int | None, bundle: Path, ann: dict, kata: bool) -> byt
     return json.dumps(doc).encode()
 
 
-def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str, object]:
-    """Set the node up for one path, time it, take everything down again (by pid)."""
-    work = Path(tempfile.mkdtemp(prefix=f"vmpin-bench-hook-{name}-", dir=args.tmpdir))
-    env = dict(os.environ, VMPIN_STATE_DIR=str(work / "state"), VMPIN_VM_DIR=str(work / "vm"),
-               VMPIN_RUNC_ROOT=str(work / "runc"), VMPIN_KUBELET_STATE=str(work / "none"),
-               VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING")  # fmt: skip
-    (work / "vm").mkdir()
+class Node(NamedTuple):
+    """One path's node (:func:`hook_node`): its dirs, the hooks' environment, the process a
+    container's state names (a Kata sandbox's QEMU, a runc container's sleeper) and the
+    sandbox id ("" for runc: each container its own pod)."""
+
+    work: Path
+    env: dict[str, str]
+    pid: int
+    sid: str
+    kata: bool
+
+
+@contextlib.contextmanager
+def hook_node(
+    name: str,
+    vmpin: list[str],
+    tool: str,
+    tmpdir: str | None = None,
+    env: dict[str, str] | None = None,
+    code_cache: bool = True,
+) -> Iterator[Node]:
+    """Set the node up for path ``name`` (:data:`PATHS`), yield it, take everything down
+    again (by pid): this bench, bench_hook_ir and bench_hook_split measure the same node.
+
+    ``tool`` names the work dir; ``env`` is added to the hooks' environment; ``code_cache``
+    False removes the hook's code cache and keeps it from being written.  A Kata sandbox is
+    a real QEMU with Kata's shared dir (``<publish>/<id>/mounts``: each prestart publishes
+    the guest map as on a node), its sandbox container hooked; a runc container is a sleeper
+    in a cpuset cgroup of its own.  The ``-agent`` paths have ``vmpin serve`` up."""
+    work = Path(tempfile.mkdtemp(prefix=f"vmpin-{tool}-{name}-", dir=tmpdir))
+    hook_env = dict(os.environ, VMPIN_STATE_DIR=str(work / "state"),
+                    VMPIN_VM_DIR=str(work / "vm"), VMPIN_RUNC_ROOT=str(work / "runc"),
+                    VMPIN_KUBELET_STATE=str(work / "none"),
+                    VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING",
+                    **(env or {}))  # fmt: skip
     # As on a node, where nothing tells Python not to write bytecode: the first hooks (the
-    # warm-up) write the hook's code cache and the timed ones use it.  --no-code-cache
+    # warm-up) write the hook's code cache and the timed ones use it.  ``code_cache`` False
     # removes it and keeps it from being written.
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if not args.code_cache:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    hook_env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not code_cache:
+        hook_env["PYTHONDONTWRITEBYTECODE"] = "1"
         cache = code_cache_file(vmpin)
         if cache and os.path.exists(cache):
             os.unlink(cache)
+    (work / "vm").mkdir()
     kata = name.startswith("kata")
-    cleanup: list[Callable[[], None]] = []
+    cleanup: list[Callable[[], object]] = []
     try:
-        hook = [*vmpin, "hook", "prestart"]
-        bare = [sys.executable, "-c", "pass"]
         if kata:
             from tests.support.qemu_util import launch
 
             sid = f"bh{os.getpid()}{name.replace('-', '')}"
             q = launch(work / "vm", sid, smp=2, debug_threads=True)
             cleanup.append(q.kill)
-            # Kata's shared dir for the sandbox: each prestart publishes the new guest map
             (work / "publish" / sid / "mounts").mkdir(parents=True)
             b, ann = write_bundle(work, sid, sid, None)
             for stage in ("prestart", "createRuntime", "poststart"):
-                timed([*vmpin, "hook", "--strict", stage], state(sid, q.pid, b, ann, True), env)
+                timed([*vmpin, "hook", "--strict", stage], state(sid, q.pid, b, ann, True),
+                      hook_env)  # fmt: skip
             pid = q.pid
         else:
-            cgroup = Path(CGROUP) / f"vmpin-bench-{os.getpid()}-{name}"
+            cgroup = Path(CGROUP) / f"vmpin-{tool}-{os.getpid()}-{name}"
             if Path(CGROUP).is_dir():
                 cgroup.mkdir()
                 cleanup.append(cgroup.rmdir)  # (after the sleeper is gone: undone in reverse)
@@ -257,48 +286,9 @@ def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str,
                 (cgroup / "cgroup.procs").write_text(str(sleeper.pid))
             pid, sid = sleeper.pid, ""
         if name.endswith("-agent"):
-            agent = Agent(vmpin, env, work / "state", work / "agent.log")
+            agent = Agent(vmpin, hook_env, work / "state", work / "agent.log")
             cleanup.append(agent.stop)
-        n = 0
-
-        def one() -> tuple[float, float]:
-            nonlocal n
-            n += 1
-            cid = f"ctr{n}"
-            b, ann = write_bundle(work, cid, sid or f"pod{n}", "1" if kata else "0",
-                                  args.containerd_spec)
-            doc = state(cid, pid, b, ann, kata)
-            if n % 2:
-                h = timed(hook, doc, env)
-                t = timed(bare, b"", env)
-            else:
-                t = timed(bare, b"", env)
-                h = timed(hook, doc, env)
-            if kata:  # Kata's poststop names the sandbox; undo the pin (untimed)
-                timed([*vmpin, "hook", "poststop"], state(sid, None, b, ann, True), env)
-            return h, t
-
-        for _ in range(args.warmup):
-            one()
-        series = []
-        all_ratios: list[float] = []
-        hooks: list[float] = []
-        bares: list[float] = []
-        for _ in range(args.series):
-            pairs = [one() for _ in range(args.runs)]
-            ratios = [h / t for h, t in pairs]
-            all_ratios += ratios
-            hooks += [h for h, _ in pairs]
-            bares += [t for _, t in pairs]
-            series.append(round(statistics.median(ratios), 3))
-        limit = args.kata_limit if name == "kata" else args.limit
-        ratio = statistics.median(all_ratios)
-        cache = code_cache_file(vmpin)
-        return {"path": name, "ratio": round(ratio, 3), "series": series,
-                "hook_median_ms": round(statistics.median(hooks) * 1000, 2),
-                "bare_median_ms": round(statistics.median(bares) * 1000, 2),
-                "runs": args.runs, "limit": limit, "ok": ratio <= limit,
-                "code_cache": bool(cache and os.path.exists(cache))}  # fmt: skip
+        yield Node(work, hook_env, pid, sid, kata)
     finally:
         for undo in reversed(cleanup):
             try:
@@ -306,6 +296,61 @@ def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str,
             except OSError as err:
                 print(f"cleanup: {err}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_path(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str, object]:
+    """Set the node up for one path, time it, take everything down again (by pid)."""
+    with hook_node(name, vmpin, "bench-hook", args.tmpdir, code_cache=args.code_cache) as node:
+        return _time_path(name, args, vmpin, node)
+
+
+def _time_path(
+    name: str, args: argparse.Namespace, vmpin: list[str], node: Node
+) -> dict[str, object]:
+    """The path's figures on its node: pairs of a prestart and a bare interpreter."""
+    work, env, pid, sid, kata = node
+    hook = [*vmpin, "hook", "prestart"]
+    bare = [sys.executable, "-c", "pass"]
+    n = 0
+
+    def one() -> tuple[float, float]:
+        nonlocal n
+        n += 1
+        cid = f"ctr{n}"
+        b, ann = write_bundle(work, cid, sid or f"pod{n}", "1" if kata else "0",
+                              args.containerd_spec)
+        doc = state(cid, pid, b, ann, kata)
+        if n % 2:
+            h = timed(hook, doc, env)
+            t = timed(bare, b"", env)
+        else:
+            t = timed(bare, b"", env)
+            h = timed(hook, doc, env)
+        if kata:  # Kata's poststop names the sandbox; undo the pin (untimed)
+            timed([*vmpin, "hook", "poststop"], state(sid, None, b, ann, True), env)
+        return h, t
+
+    for _ in range(args.warmup):
+        one()
+    series = []
+    all_ratios: list[float] = []
+    hooks: list[float] = []
+    bares: list[float] = []
+    for _ in range(args.series):
+        pairs = [one() for _ in range(args.runs)]
+        ratios = [h / t for h, t in pairs]
+        all_ratios += ratios
+        hooks += [h for h, _ in pairs]
+        bares += [t for _, t in pairs]
+        series.append(round(statistics.median(ratios), 3))
+    limit = args.kata_limit if name == "kata" else args.limit
+    ratio = statistics.median(all_ratios)
+    cache = code_cache_file(vmpin)
+    return {"path": name, "ratio": round(ratio, 3), "series": series,
+            "hook_median_ms": round(statistics.median(hooks) * 1000, 2),
+            "bare_median_ms": round(statistics.median(bares) * 1000, 2),
+            "runs": args.runs, "limit": limit, "ok": ratio <= limit,
+            "code_cache": bool(cache and os.path.exists(cache))}  # fmt: skip
 
 
 def _paths(text: str) -> list[str]:

@@ -25,11 +25,8 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,44 +55,10 @@ def run(argv: list[str], stdin: bytes, env: dict[str, str]) -> None:
 
 
 def measure(name: str, vmpin: list[str], containerd: bool = False) -> float:
-    """Set the node up for one path (as bench_hook.run_path), count one prestart, take
+    """Set the node up for one path (bench_hook.hook_node), count one prestart, take
     everything down again (by pid)."""
-    work = Path(tempfile.mkdtemp(prefix=f"vmpin-bench-hook-ir-{name}-"))
-    env = dict(os.environ, VMPIN_STATE_DIR=str(work / "state"), VMPIN_VM_DIR=str(work / "vm"),
-               VMPIN_RUNC_ROOT=str(work / "runc"), VMPIN_KUBELET_STATE=str(work / "none"),
-               VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING",
-               VMPIN_LIBVIRT="none", PYTHONHASHSEED="0")  # fmt: skip
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # (the warm-ups write the code cache)
-    (work / "vm").mkdir()
-    kata = name.startswith("kata")
-    cleanup: list[Callable[[], object]] = []
-    try:
-        if kata:
-            from tests.support.qemu_util import launch
-
-            sid = f"bi{os.getpid()}{name.replace('-', '')}"
-            q = launch(work / "vm", sid, smp=2, debug_threads=True)
-            cleanup.append(q.kill)
-            (work / "publish" / sid / "mounts").mkdir(parents=True)
-            b, ann = bh.write_bundle(work, sid, sid, None)
-            for stage in ("prestart", "createRuntime", "poststart"):
-                run([*vmpin, "hook", "--strict", stage], bh.state(sid, q.pid, b, ann, True), env)
-            pid = q.pid
-        else:
-            cgroup = Path(bh.CGROUP) / f"vmpin-bench-ir-{os.getpid()}-{name}"
-            if Path(bh.CGROUP).is_dir():
-                cgroup.mkdir()
-                cleanup.append(cgroup.rmdir)
-                (cgroup / "cpuset.mems").write_text("0")
-                (cgroup / "cpuset.cpus").write_text("0")
-            sleeper = subprocess.Popen(["sleep", "3600"])
-            cleanup.append(lambda: (sleeper.kill(), sleeper.wait()))
-            if cgroup.is_dir():
-                (cgroup / "cgroup.procs").write_text(str(sleeper.pid))
-            pid, sid = sleeper.pid, ""
-        if name.endswith("-agent"):
-            agent = bh.Agent(vmpin, env, work / "state", work / "agent.log")
-            cleanup.append(agent.stop)
+    extra = {"VMPIN_LIBVIRT": "none", "PYTHONHASHSEED": "0"}
+    with bh.hook_node(name, vmpin, "bench-hook-ir", env=extra) as (work, env, pid, sid, kata):
         figure = 0.0
         for n in range(1, 5):
             cid = f"ctr{n}"
@@ -109,14 +72,6 @@ def measure(name: str, vmpin: list[str], containerd: bool = False) -> float:
             if kata:
                 run([*vmpin, "hook", "poststop"], bh.state(sid, None, b, ann, True), env)
         return figure
-    finally:
-        for undo in reversed(cleanup):
-            try:
-                undo()
-            except OSError as err:
-                print(f"cleanup: {err}", file=sys.stderr)
-        shutil.rmtree(work, ignore_errors=True)
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])

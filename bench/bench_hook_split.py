@@ -35,9 +35,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -96,35 +94,9 @@ def traced(argv: list[str], stdin: bytes, env: dict[str, str], out: Path) -> tup
 
 
 def split(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str, object]:
-    """Set the node up as bench_hook.run_path does, trace ``args.runs`` prestarts, take
+    """Set the node up as bench_hook does (hook_node), trace ``args.runs`` prestarts, take
     everything down again (by pid)."""
-    work = Path(tempfile.mkdtemp(prefix=f"vmpin-bench-split-{name}-", dir=args.tmpdir))
-    env = dict(os.environ, VMPIN_STATE_DIR=str(work / "state"), VMPIN_VM_DIR=str(work / "vm"),
-               VMPIN_RUNC_ROOT=str(work / "runc"), VMPIN_KUBELET_STATE=str(work / "none"),
-               VMPIN_PUBLISH_DIR=str(work / "publish"), VMPIN_LOG_LEVEL="WARNING")  # fmt: skip
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # (the warm-ups write the code cache)
-    (work / "vm").mkdir()
-    kata = name.startswith("kata")
-    cleanup: list[Callable[[], object]] = []
-    try:
-        if kata:
-            from tests.support.qemu_util import launch
-
-            sid = f"bs{os.getpid()}"
-            q = launch(work / "vm", sid, smp=2, debug_threads=True)
-            cleanup.append(q.kill)
-            (work / "publish" / sid / "mounts").mkdir(parents=True)
-            b, ann = bh.write_bundle(work, sid, sid, None)
-            for stage in ("prestart", "createRuntime", "poststart"):
-                bh.timed([*vmpin, "hook", "--strict", stage], bh.state(sid, q.pid, b, ann, True),
-                         env)  # fmt: skip
-            pid = q.pid
-        else:
-            sleeper = subprocess.Popen(["sleep", "3600"])
-            cleanup.append(lambda: (sleeper.kill(), sleeper.wait()))
-            pid, sid = sleeper.pid, ""
-        agent = bh.Agent(vmpin, env, work / "state", work / "agent.log")
-        cleanup.append(agent.stop)
+    with bh.hook_node(name, vmpin, "bench-split", args.tmpdir) as (work, env, pid, sid, kata):
         rows: dict[str, list[float]] = {"own": [], "wait": [], "after": [], "hook": [],
                                         "bare": []}  # fmt: skip
         for n in range(1, args.warmup + args.runs + 1):
@@ -146,14 +118,6 @@ def split(name: str, args: argparse.Namespace, vmpin: list[str]) -> dict[str, ob
             rows["bare"].append(bare)
         figures = {k: round(statistics.median(v) * 1e3, 3) for k, v in rows.items()}
         return {"path": name, "runs": args.runs, "ms": figures}
-    finally:
-        for undo in reversed(cleanup):
-            try:
-                undo()
-            except OSError as err:
-                print(f"cleanup: {err}", file=sys.stderr)
-        shutil.rmtree(work, ignore_errors=True)
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
