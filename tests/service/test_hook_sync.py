@@ -33,13 +33,19 @@ def _prestart(
     os.makedirs(journal_dir(paths.state_dir), exist_ok=True)
     events: list[str] = []
     synced = watch_syncs(mocker, journal_dir(paths.state_dir), events, journal_dir(paths.state_dir))
-    cid = new_id("hs")
+    cid, state = _pod(tmp_path, "hs")
+    return cid, state, events, synced
+
+
+def _pod(tmp_path: Path, prefix: str) -> tuple[str, bytes]:
+    """A pod's sandbox container: its id, and its OCI state (its bundle written)."""
+    cid = new_id(prefix)
     bundle = tmp_path / cid
     bundle.mkdir()
     ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": cid}
     (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
     state = {"id": cid, "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
-    return cid, json.dumps(state).encode(), events, synced
+    return cid, json.dumps(state).encode()
 
 
 def _touches(mocker: Any, paths: HostPaths) -> dict[str, int]:
@@ -207,14 +213,9 @@ def test_a_plain_hook_beside_an_agent_opens_its_event_and_the_socket_file_once(
     watch_syncs(mocker, journal_dir(paths.state_dir), events, journal_dir(paths.state_dir))
     agent = OneReplyAgent(paths.control_socket, {"ok": True, "queued": 1})
     touches = _touches(mocker, paths)
-    cid = new_id("ho")
-    bundle = tmp_path / cid
-    bundle.mkdir()
-    ann = {CRI + "container-type": "sandbox", CRI + "sandbox-id": cid}
-    (bundle / "config.json").write_text(json.dumps({"annotations": ann}))
-    state = {"id": cid, "bundle": str(bundle), "annotations": ann, "pid": os.getpid()}
+    cid, state = _pod(tmp_path, "ho")
     try:
-        assert hook.run(paths, "prestart", json.dumps(state).encode()) == cid
+        assert hook.run(paths, "prestart", state) == cid
     finally:
         agent.close()
     assert agent.request == {"op": "dirty", "sandboxes": [cid]}
