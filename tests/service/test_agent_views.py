@@ -321,14 +321,15 @@ def test_an_answer_from_the_agent_loads_neither_typing_nor_sqlite(
 def test_which_pass_a_view_answers_from(paths: HostPaths) -> None:
     """The rules of vmpin.service.agent_views on plans made by hand: a pass asked for answers
     when it read the whole node and changed nothing, or when it is the last try, or for
-    ``audit``; an event's pass (which did not read everything) never does."""
+    ``audit``; an event's pass (which did not read everything) never does: it leaves no
+    plan (test_an_events_pass_leaves_the_views_no_plan_and_reads_no_version)."""
     views = AgentViews(paths.state_dir, Settings(paths), DirtyQueue())
     req, audit = View("sandboxes", {}, 1.0), View("audit", {}, 1.0, fresh=True)
 
-    def made(number: int, read_all: bool, clean: bool) -> Any:
-        return _Plan(number, None, None, read_all, clean, 1)  # type: ignore[arg-type]
+    def made(number: int, clean: bool) -> Any:
+        return _Plan(number, None, None, clean, 1)  # type: ignore[arg-type]
 
-    unclean, clean, event = made(5, True, False), made(5, True, True), made(6, False, True)
+    unclean, clean, event = made(5, False), made(5, True), None
     assert views._verdict(clean, 5, req, last_try=False) == "answer"
     assert views._verdict(unclean, 5, req, last_try=False) == "ask"
     assert views._verdict(unclean, 5, req, last_try=True) == "answer"
@@ -361,6 +362,6 @@ def test_an_events_pass_leaves_the_views_no_plan_and_reads_no_version(
             assert views._plan is None
             assert reads.call_count == 0 and store.version.call_count == 0
     p = views._plan
-    assert p is not None and p.number == 2 and p.read_all and p.clean
+    assert p is not None and p.number == 2 and p.clean
     assert reads.call_count == 1 and store.version.call_count == 1
     views.close()

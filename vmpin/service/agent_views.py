@@ -84,17 +84,18 @@ VIEW_WORK = "vmpin-read-view"
 
 
 class _Plan:
-    """One pass's plan as the views see it, and the views built from it (text, once each)."""
+    """The plan of a pass that read the whole node, as the views see it, and the views built
+    from it (text, once each).  An event's pass leaves none (:meth:`AgentViews.pass_ends`)."""
 
     __slots__ = ("at", "built", "clean", "data_version", "lock", "number", "obs", "online",
-                 "plan", "read_all")  # fmt: skip
+                 "plan")  # fmt: skip
 
     def __init__(
-        self, number: int, obs: Observation, plan: NodePlan, read_all: bool, clean: bool,
+        self, number: int, obs: Observation, plan: NodePlan, clean: bool,
         data_version: int | None, online: str | None = None,
     ) -> None:  # fmt: skip
         self.number, self.obs, self.plan = number, obs, plan
-        self.read_all, self.clean, self.data_version = read_all, clean, data_version
+        self.clean, self.data_version = clean, data_version
         #: the online CPU list the plan's topology was read after (the agent follows hotplug)
         self.online = online
         self.at = time.monotonic()
@@ -160,7 +161,7 @@ class AgentViews:
         # (an event's pass read its own sandboxes alone: no view is answered from its plan,
         # so neither version is read for it -- ~6 % of the planner's time under churn)
         if last is not None and last[3]:
-            obs, plan, version, read_all = last
+            obs, plan, version, _ = last
             # (read before the store's version: a commit in between makes the plan unclean,
             # one after moves this value)
             seen = self._data_version()
@@ -168,7 +169,7 @@ class AgentViews:
                 clean = reconciler.last_writes == 0 and store.version() == version
             except sqlite3.Error:  # (the planner's own pass is what says so, not the views)
                 clean = False
-            made = _Plan(number, obs, plan, read_all, clean, seen, reconciler.online_seen)
+            made = _Plan(number, obs, plan, clean, seen, reconciler.online_seen)
             if self._observer is None and reconciler.domains is None:
                 self._sys = reconciler.paths.sys
                 self._observer = Observer(
@@ -246,10 +247,10 @@ class AgentViews:
         for answers whatever it did (under a storm of events every pass changes something,
         and a command observing in-process would see the node mid-change as well)."""
         if asked:
-            if p is None or p.number < asked or not p.read_all:
+            if p is None or p.number < asked:
                 return "wait"  # (the pass holding our work has not ended yet)
             return "answer" if p.clean or req.view == "audit" or last_try else "ask"
-        if p is None or not (p.read_all and p.clean):
+        if p is None or not p.clean:
             return "ask"
         if req.max_age is not None and time.monotonic() - p.at > req.max_age:
             return "ask"
