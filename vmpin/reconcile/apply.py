@@ -74,9 +74,15 @@ class Applied:
 
     def add(self, sandbox_id: str, tid: int, o: Outcome) -> None:
         """A thread's outcome, counted where it belongs (pinned, unclean) as it comes."""
-        self.threads.setdefault(sandbox_id, {})[tid] = o
+        threads = self.threads.get(sandbox_id)
+        if threads is None:  # (not setdefault: a dict made and dropped for every thread)
+            threads = self.threads[sandbox_id] = {}
+        threads[tid] = o
         if o.action == "pinned" and o.actual is not None:
-            self.pinned.setdefault(sandbox_id, {})[tid] = o.actual
+            pinned = self.pinned.get(sandbox_id)
+            if pinned is None:
+                pinned = self.pinned[sandbox_id] = {}
+            pinned[tid] = o.actual
         elif o.action not in CLEAN:
             self.unclean.add(sandbox_id)
 
@@ -113,7 +119,9 @@ class Applier:
 
     def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
         """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
-        if plan.scope != FULL:  # a view's plan leaves threads out: applying it would undo them
+        # (FULL itself first: comparing scopes is a dataclass's __eq__)
+        if plan.scope is not FULL and plan.scope != FULL:
+            # a view's plan leaves threads out: applying it would undo them
             raise ValueError("a plan observed for a read-only view is never applied")
         out = Applied()
         # (the sandboxes applied, picked once: an event's pass applies a few of the node's)
