@@ -308,22 +308,20 @@ def _indented(
         if not d:
             out.append("{}")
             return
+        if not _STR_ONLY.issuperset(map(type, d)):  # (in C: a generator was ~5% of a map)
+            raise NotImplementedError
         inner = nl + step
         comma = "," + inner
         append = out.append
         append("{")
-        first = True
+        sep = inner
         items: Iterable[tuple[object, object]] = d.items()
         if sort_keys:
-            if not _STR_ONLY.issuperset(map(type, d)):  # (in C: a generator was ~5% of a map)
-                raise NotImplementedError
             items = sorted(d.items())  # (by key: keys are unique, values never compared)
         for k, v in items:
-            if type(k) is not str:
-                raise NotImplementedError
-            append(inner if first else comma)
-            first = False
-            append(quote(k))
+            append(sep)
+            sep = comma
+            append(quote(k))  # type: ignore[arg-type]
             # the common leaves written here, not by a call each (a view is mostly leaves)
             tv = type(v)
             if tv is str:
