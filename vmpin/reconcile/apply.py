@@ -27,7 +27,7 @@ from vmpin.state.store import Store
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import sqlite3
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
     from dataclasses import dataclass
     from functools import partial
     from typing import Any
@@ -74,17 +74,25 @@ class Applied:
 
     def add(self, sandbox_id: str, tid: int, o: Outcome) -> None:
         """A thread's outcome, counted where it belongs (pinned, unclean) as it comes."""
-        threads = self.threads.get(sandbox_id)
-        if threads is None:  # (not setdefault: a dict made and dropped for every thread)
-            threads = self.threads[sandbox_id] = {}
-        threads[tid] = o
-        if o.action == "pinned" and o.actual is not None:
-            pinned = self.pinned.get(sandbox_id)
-            if pinned is None:
-                pinned = self.pinned[sandbox_id] = {}
-            pinned[tid] = o.actual
-        elif o.action not in CLEAN:
-            self.unclean.add(sandbox_id)
+        self.extend(sandbox_id, ((tid, o),))
+
+    def extend(self, sandbox_id: str, outcomes: Iterable[tuple[int, Outcome]]) -> None:
+        """:meth:`add` of each of one sandbox's ``(tid, outcome)``, as each comes (a thread
+        applied is added before the next is: one that raises leaves those before it told).
+        One call per sandbox, not per thread: an event's pass over a 37-thread VM pins them
+        all (issue 28)."""
+        threads = pinned = None
+        for tid, o in outcomes:
+            if threads is None:  # (a sandbox with none added has no entry, as before)
+                threads = self.threads.setdefault(sandbox_id, {})
+            threads[tid] = o
+            action = o.action
+            if action == "pinned" and o.actual is not None:
+                if pinned is None:
+                    pinned = self.pinned.setdefault(sandbox_id, {})
+                pinned[tid] = o.actual
+            elif action not in CLEAN:
+                self.unclean.add(sandbox_id)
 
 
 def outcome_without_apply(t: ThreadPlan) -> Outcome:
@@ -140,9 +148,8 @@ class Applier:
                     continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
-                for t in sp.threads:
-                    if t.role != "container":
-                        out.add(sp.id, t.tid, self._thread(t))
+                thread = self._thread
+                out.extend(sp.id, ((t.tid, thread(t)) for t in sp.threads if t.role != "container"))
             except Exception as err:
                 # A bug or an unforeseen error while applying one sandbox is an error against
                 # that sandbox: every other sandbox of the node is still brought into line.
