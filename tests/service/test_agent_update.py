@@ -132,9 +132,9 @@ def test_an_update_reads_the_row_once_and_lists_the_journal_once(
     paths: HostPaths, mocker: Any
 ) -> None:
     """What the agent does per update, counted so that it cannot creep back (issue 28): one
-    read of the container (its checks), one transaction that writes the row, reads it back
-    as written (its stamp and sandbox) and bumps its sandbox's generation, and one listing
-    of the journal dir (the ingest before the checks)."""
+    transaction that reads the container (its checks; the record as written is made from
+    that read, not read back), writes the row and bumps its sandbox's generation, and one
+    listing of the journal dir (the ingest before the checks)."""
     cid = _container(paths)
     updates = AgentUpdates(paths, Planner())
     statements: list[str] = []
@@ -154,8 +154,8 @@ def test_an_update_reads_the_row_once_and_lists_the_journal_once(
         for s in run
     ]  # fmt: skip
     assert kinds == [
-        "SELECT containers", "PRAGMA busy_timeout", "BEGIN IMMEDIATE",
-        "UPDATE containers", "SELECT containers", "UPDATE sandboxes", "COMMIT",
+        "PRAGMA busy_timeout", "BEGIN IMMEDIATE", "SELECT containers",
+        "UPDATE containers", "UPDATE sandboxes", "COMMIT",
     ], statements  # fmt: skip
     assert [c.args for c in listed.call_args_list] == [(os.path.join(paths.state_dir, "journal"),)]
 
