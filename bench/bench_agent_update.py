@@ -28,7 +28,7 @@ recorded.  The wrappers cost ~1 us each, ~40 per round.  Per round, each phase's
     wake        the planner's take_batch returning the batch (its thread woken, the GIL)
     prepass     the pass begun: ingest, the API's policies, the batch's records
     pins        Reconciler.reconcile: observe, plan, apply (the pins), the summary
-    ends        the pass ended: DirtyQueue.done_all, Waiters.pass_ends answering
+    ends        the pass ended: Waiters.pass_ends answering (then DirtyQueue.done_all)
     answer      the answer written on the socket (Reply.send, by the planner)
     client      the client's recv returning (its wake-up)
 
