@@ -23,7 +23,7 @@ import sys
 import time
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, SpecError, StateError
+from vmpin.core.errors import CpuSetError, SpecError, StateError, VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
@@ -107,21 +107,30 @@ def record_update(
     before it, checked under SQLite's write lock (:class:`Late`): the agent's, whose caller
     writes the set itself once ``until`` has passed (vmpin.wire.control_commands.Update).
 
-    The checks are made in the write's transaction, a failed one rolling it back: the
-    record read there is the one the write replaces, so the write's own record is made
-    from it rather than read back (:meth:`vmpin.state.writer.Writer.set_container_cpus`'s
-    ``old``; issue 28: one statement fewer, and one read of the store after the planner's
-    commits rather than two)."""
-    # (the online list alone: the rest of the topology is the pass's, which reads it anyway)
+    The checks are made in the write's transaction (the online list read just before
+    it), a failed one rolling it back: the record read there is the one the write
+    replaces, so the write's own record is made from it rather than read back
+    (:meth:`vmpin.state.writer.Writer.set_container_cpus`'s ``old``; issue 28: one
+    statement fewer, and one read of the store after the planner's commits rather than
+    two)."""
+    # (the online list alone: the rest of the topology is the pass's, which reads it anyway;
+    # read before the transaction, so that no writer waits for sysfs, and said in the
+    # checks' order: a container unknown first)
     from vmpin.core.topology import check_online
     from vmpin.linux.sysfs import online_cpus
 
     store.ingest()
+    try:
+        online: CpuSet | VmpinError = online_cpus(paths.sys)
+    except VmpinError as err:
+        online = err
     with store.transaction():
         old = _record(store, container_id)
         if not cpus:
             raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
-        check_online(cpus, online_cpus(paths.sys), f"container {container_id}")
+        if isinstance(online, VmpinError):
+            raise online
+        check_online(cpus, online, f"container {container_id}")
         if until is not None and time.monotonic() >= until:
             raise Late(f"update of {container_id}: the caller's deadline has passed")
         new = store.set_container_cpus(container_id, cpus, "update", old)
