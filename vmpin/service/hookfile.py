@@ -128,6 +128,7 @@ HOOK_MODULES = (
     "vmpin/wire/argv.py",
     "vmpin/wire/control.py",
     "vmpin/wire/control_commands.py",
+    "vmpin/wire/control_update.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/hookevent.py",
     "vmpin/wire/jsonio.py",
