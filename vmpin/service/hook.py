@@ -19,7 +19,7 @@ exactly once.  Then bring the sandbox into line:
   does not grow with the node (issue 26: 1.9 s at 10,000 containers); else the node is
   re-planned as for Kata.
 - a plain container whose pod asks vmpin for exclusive CPUs, or any container while vmpin
-  holds allocations (vmpin.state.allocations.MARKER): re-planned as for Kata, so its pod is
+  holds allocations (vmpin.state.allocating.MARKER): re-planned as for Kata, so its pod is
   allocated, or the shared pool shrinks or grows, before the hook returns (issue 30).
 
 Never stalled by another process (issue 26): every wait on one -- the agent's answer, the
@@ -65,8 +65,8 @@ from vmpin.linux.paths import ENVVARS as PATH_OPTIONS
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import hook_event
 from vmpin.service.budget import AGENT_WAIT, BUDGET
-from vmpin.state.allocations import asks_exclusive
-from vmpin.state.allocations import present as allocations_present
+from vmpin.state.allocating import asks_exclusive
+from vmpin.state.allocating import present as allocations_present
 from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, append_unsynced, backlog
 from vmpin.state.journal import sync as journal_sync
 from vmpin.wire.hookevent import STAGES

@@ -112,6 +112,7 @@ HOOK_MODULES = (
     "vmpin/service/hook.py",
     "vmpin/service/settings.py",
     "vmpin/state/__init__.py",
+    "vmpin/state/allocating.py",
     "vmpin/state/allocations.py",
     "vmpin/state/changes.py",
     "vmpin/state/ingest.py",
