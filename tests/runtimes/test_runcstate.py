@@ -20,7 +20,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux import procfs
 from vmpin.linux.cgroups import find_container_cgroup, read_cpus, tasks, write_cpus
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes import RuntimeKindError
+from vmpin.runtimes.errors import RuntimeKindError
 from vmpin.runtimes.runcstate import runc_cgroup_paths, runc_cpus, runc_init_pid, state_path
 from vmpin.wire.hookevent import STAGES
 

@@ -49,7 +49,7 @@ from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, SpecError
 from vmpin.linux.files import load_json, read_host_file
-from vmpin.runtimes import RuntimeKindError
+from vmpin.runtimes.errors import RuntimeKindError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:

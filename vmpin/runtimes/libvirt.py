@@ -58,7 +58,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import CpuSetError, HostError, ProcessGone
 from vmpin.linux import cgroups, procfs
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes import RuntimeKindError
+from vmpin.runtimes.errors import RuntimeKindError
 from vmpin.runtimes.threads import Classification, VmmThread
 
 

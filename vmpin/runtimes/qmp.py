@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 import time
 
-from vmpin.runtimes import RuntimeKindError
+from vmpin.runtimes.errors import RuntimeKindError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
