@@ -162,6 +162,8 @@ def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) ->
     # module and its record class stay unloaded (~0.4 M); and no runtime adapter's error
     # class is made (vmpin.core.errors keeps the shared ones: tests/core/test_errors.py)
     assert "vmpin.state.allocations" not in loaded
+    # it waits on no other process: the budget's module is the waiting paths' (~0.05 M)
+    assert "vmpin.service.budget" not in loaded
     assert not {"vmpin.core.topology", "vmpin.core.planner", "vmpin.linux.affinity",
                 "vmpin.runtimes.qmp", "vmpin.runtimes.kubelet", "vmpin.runtimes.errors",
                 "vmpin.wire.errors"} & loaded  # fmt: skip
