@@ -19,9 +19,10 @@ module is imported; the file names the interpreter's bytecode magic and the pack
 directory it was made for; a file that is not ours (another owner, writable by group or
 others, not a regular file) or not whole (the index names its size) is not read. Whatever
 does not check out is imported the ordinary way, and the hook that saw a miss writes the
-file again after its work (once per install and hook path: ~5 ms), unless Python is told not
-to write bytecode (``-B``, ``PYTHONDONTWRITEBYTECODE``). A file that cannot be written (a
-read-only install) only means ordinary imports.
+file again after its work (once per install and hook path: ~5 ms; its writer,
+:mod:`vmpin.lean.codewriter`, is loaded then only), unless Python is told not to write
+bytecode (``-B``, ``PYTHONDONTWRITEBYTECODE``). A file that cannot be written (a read-only
+install) only means ordinary imports.
 
 Served without the import system's machinery, where it can be (issue 14): importlib's own
 steps for one module (a module lock, the finders asked, the spec's attributes set one by one,
