@@ -26,7 +26,8 @@ from vmpin.service.update import update_container
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
 from vmpin.wire.control import request_to_json
-from vmpin.wire.control_commands import Update, UpdateReply, request_from_json
+from vmpin.wire.control_commands import request_from_json
+from vmpin.wire.control_update import Update, UpdateReply
 
 
 def _container(paths: HostPaths, cpus: str = "0") -> str:
@@ -94,7 +95,7 @@ def test_the_request_reads_back_as_written(paths: HostPaths) -> None:
 def test_a_malformed_request_is_refused(
     paths: HostPaths, change: dict[str, object], error: str
 ) -> None:
-    from vmpin.core.errors import WireError
+    from vmpin.wire.errors import WireError
 
     obj = _request(paths, "c1", "0").to_obj() | change
     with pytest.raises(WireError, match=error):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from vmpin.core.errors import WireError
 from vmpin.wire import jsonio, views
 from vmpin.wire.control import (
     MAX_REPLY,
@@ -25,6 +24,7 @@ from vmpin.wire.control_commands import (
     request_from_json,
     view_reply_to_json,
 )
+from vmpin.wire.errors import WireError
 
 
 @pytest.mark.parametrize(
