@@ -58,5 +58,5 @@ def test_core_errors_holds_the_shared_classes_alone() -> None:
     own = {n for n, v in vars(errors).items()
            if isinstance(v, type) and v.__module__ == errors.__name__}  # fmt: skip
     assert own == {"VmpinError", *(n for n, _, m in tree() if m == "vmpin.core.errors")}
-    assert own == {"VmpinError", "CpuSetError", "SpecError", "IdError", "StateError",
+    assert own == {"VmpinError", "CpuSetError", "SpecError", "IdError", "WireError", "StateError",
                    "HostError", "ProcessGone", "PermissionDenied"}  # fmt: skip

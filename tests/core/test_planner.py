@@ -8,8 +8,9 @@ import pytest
 
 from tests.conftest import FIXTURES
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import PlanError
 from vmpin.core.guestmap import guest_siblings, map_container, map_sandbox
-from vmpin.core.planner import PlanError, Policy, Thread, check_global, exclusive_cpus, plan_sandbox
+from vmpin.core.planner import Policy, Thread, check_global, exclusive_cpus, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.linux.sysfs import read_topology
 

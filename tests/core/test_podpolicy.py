@@ -6,7 +6,8 @@ import pytest
 
 from tests.core.test_planner import cs, threads, topo, vcpu_pins
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.planner import PlanError, Policy, plan_sandbox
+from vmpin.core.errors import PlanError
+from vmpin.core.planner import Policy, plan_sandbox
 from vmpin.core.podpolicy import PodPolicy, parse, policy_for
 
 NODE = Policy(helpers="isolate", housekeeping=CpuSet.parse("0-1"))

@@ -16,7 +16,8 @@ import pytest
 from tests.conftest import FIXTURES, ROOT, vmpin_cmd
 from tests.support.make_sysfs import MACHINES, write_all
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.topology import CpuInfo, Topology, TopologyError
+from vmpin.core.errors import TopologyError
+from vmpin.core.topology import CpuInfo, Topology
 from vmpin.linux.sysfs import read_topology
 from vmpin.wire import views
 

@@ -16,9 +16,8 @@ import pytest
 
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import IdError, ProcessGone
+from vmpin.core.errors import AffinityRejected, IdError, ProcessGone
 from vmpin.linux import procfs
-from vmpin.linux.affinity import AffinityRejected
 from vmpin.linux.cgroups import (
     CgroupRef,
     candidate_paths,

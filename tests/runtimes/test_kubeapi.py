@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.kubeserver import KubeServer, serving
+from vmpin.core.errors import KubeError
 from vmpin.runtimes import kubeapi
 from vmpin.runtimes.kubeapi import Backoff, EventRecorder, NodeReport, Pod, PodRef, PodWatch
-from vmpin.runtimes.kubelet import KubeError
 
 
 def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]

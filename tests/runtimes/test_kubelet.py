@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import KubeError
 from vmpin.runtimes.kubelet import (
     Checkpoint,
     CheckpointReader,
-    KubeError,
     cpus_for,
     is_infra,
     parse_checkpoint,

@@ -24,9 +24,9 @@ from tests.support.libvirt_util import DomainHandle, domain_factory, libvirtd_ur
 from tests.support.qemu_util import wait_until
 from tests.support.session import new_id
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import LibvirtError
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes import libvirt as lv
-from vmpin.runtimes.libvirt import LibvirtError
 
 pytestmark = pytest.mark.libvirtd
 NCPUS = os.cpu_count() or 1

@@ -17,10 +17,10 @@ import pytest
 from tests.support import runc_util
 from tests.support.runc_util import HOST_STAGES, RuncSession, new_id, own_cpuset_cgroup
 from vmpin.core.cpuset import CpuSet
+from vmpin.core.errors import RuntimeKindError
 from vmpin.linux import procfs
 from vmpin.linux.cgroups import find_container_cgroup, read_cpus, tasks, write_cpus
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.errors import RuntimeKindError
 from vmpin.runtimes.runcstate import runc_cgroup_paths, runc_cpus, runc_init_pid, state_path
 from vmpin.wire.hookevent import STAGES
 

@@ -36,10 +36,10 @@ from tests.support.qemu_util import (
     wait_until,
 )
 from tests.support.session import new_id
-from vmpin.core.errors import ProcessGone
+from vmpin.core.errors import ProcessGone, QmpError
 from vmpin.linux import debugfs, procfs
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.qmp import QmpClient, QmpError, QmpTimeout, query_vmm
+from vmpin.runtimes.qmp import QmpClient, QmpTimeout, query_vmm
 from vmpin.runtimes.threads import Classification, VmmThread, classify, find_vhost_kthreads
 from vmpin.runtimes.vmm import Vmm, find_vmm
 from vmpin.state.records import ThreadRec

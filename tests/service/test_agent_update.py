@@ -95,7 +95,7 @@ def test_the_request_reads_back_as_written(paths: HostPaths) -> None:
 def test_a_malformed_request_is_refused(
     paths: HostPaths, change: dict[str, object], error: str
 ) -> None:
-    from vmpin.wire.errors import WireError
+    from vmpin.core.errors import WireError
 
     obj = _request(paths, "c1", "0").to_obj() | change
     with pytest.raises(WireError, match=error):

@@ -165,8 +165,7 @@ def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) ->
     # it waits on no other process: the budget's module is the waiting paths' (~0.05 M)
     assert "vmpin.service.budget" not in loaded
     assert not {"vmpin.core.topology", "vmpin.core.planner", "vmpin.linux.affinity",
-                "vmpin.runtimes.qmp", "vmpin.runtimes.kubelet", "vmpin.runtimes.errors",
-                "vmpin.wire.errors"} & loaded  # fmt: skip
+                "vmpin.runtimes.qmp", "vmpin.runtimes.kubelet"} & loaded  # fmt: skip
     # ...and the event it journaled is in the store for the next reader
     listed = subprocess.run(
         [sys.executable, "-m", "vmpin", "--state-dir", paths.state_dir, "containers", "--json"],

@@ -21,12 +21,11 @@ import pytest
 
 from tests.conftest import vmpin_cmd
 from tests.support.agents import AgentProc
-from vmpin.core.errors import HostError, SpecError, StateError
+from vmpin.core.errors import HostError, QmpError, SpecError, StateError
 from vmpin.linux.files import load_json, read_bytes
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes import publish
 from vmpin.runtimes.kubelet import read_checkpoint
-from vmpin.runtimes.qmp import QmpError
 from vmpin.state.reader import Reader
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from vmpin.core.errors import WireError
 from vmpin.wire import jsonio, views
 from vmpin.wire.control import (
     MAX_REPLY,
@@ -24,7 +25,6 @@ from vmpin.wire.control_commands import (
     request_from_json,
     view_reply_to_json,
 )
-from vmpin.wire.errors import WireError
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from vmpin.core.errors import WireError
 from vmpin.wire import guestmap as wire
-from vmpin.wire.errors import WireError
 
 BUILT = {
     "sandbox": "sb",

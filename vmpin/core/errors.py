@@ -7,30 +7,19 @@ stderr and an exit code, nothing below the CLI exits the process::
     +-- CpuSetError        a CPU list or mask that does not parse, or names impossible CPUs
     +-- SpecError          OCI state / config.json / resources JSON that is malformed
     |   +-- UnsafeFile         a file others can write that is a symlink, FIFO, device or huge
-    |                          (vmpin.linux.files)
     +-- IdError            an id that could name a path outside the state dir
     +-- WireError          a document in one of vmpin's wire formats that is malformed
-    |                      (vmpin.wire.errors)
-    +-- TopologyError      a sysfs tree that cannot describe the host (vmpin.core.topology)
-    +-- PlanError          a placement that cannot be made, e.g. CPUs offline (vmpin.core.planner)
+    +-- TopologyError      a sysfs tree that cannot describe the host
+    +-- PlanError          a placement that cannot be made (e.g. CPUs offline)
     +-- StateError         the SQLite store: unknown container, schema too new
     +-- HostError          the host refused or changed under us
     |   +-- ProcessGone        a pid/tid exited (or was reused) mid-pass: expected, skip it
     |   +-- PermissionDenied   EPERM/EACCES on an affinity or cgroup write
     |   +-- AffinityRejected   EINVAL: the kernel refused the mask (cpuset cgroup, offline)
-    |                          (vmpin.linux.affinity)
-    +-- RuntimeKindError   a runtime adapter failed (vmpin.runtimes.errors)
-        +-- QmpError           (vmpin.runtimes.qmp)
-        +-- LibvirtError       (vmpin.runtimes.libvirt)
-        +-- KubeError          the kubelet checkpoint or the API (vmpin.runtimes.kubelet)
-
-This module holds the classes that several layers raise; a class that one layer alone
-raises lives in that layer, in the module named above (the one that raises it, or the
-layer's ``errors`` module when several of its modules do), so that a process that never
-reaches that layer -- the hook at every container start, ``vmpin update`` -- does not create
-it: each class created is ~0.1 M instructions (of the nine that moved, the runc hook now
-creates one and ``vmpin update`` none: ~0.9 M of each one's ~45 M, a bare interpreter
-~39 M).  Catch one by importing it from there.
+    +-- RuntimeKindError   a runtime adapter failed
+        +-- QmpError
+        +-- LibvirtError
+        +-- KubeError
 """
 
 from __future__ import annotations
@@ -50,7 +39,23 @@ class SpecError(VmpinError, ValueError):
     pass
 
 
+class UnsafeFile(SpecError):
+    """A file others can write, refused unread (vmpin.linux.files): symlink, FIFO, device, huge."""
+
+
+class WireError(VmpinError, ValueError):
+    pass
+
+
 class IdError(VmpinError, ValueError):
+    pass
+
+
+class TopologyError(VmpinError):
+    pass
+
+
+class PlanError(VmpinError):
     pass
 
 
@@ -67,4 +72,24 @@ class ProcessGone(HostError):
 
 
 class PermissionDenied(HostError):
+    pass
+
+
+class AffinityRejected(HostError):
+    pass
+
+
+class RuntimeKindError(VmpinError):
+    pass
+
+
+class QmpError(RuntimeKindError):
+    pass
+
+
+class LibvirtError(RuntimeKindError):
+    pass
+
+
+class KubeError(RuntimeKindError):
     pass

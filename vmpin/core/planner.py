@@ -46,7 +46,7 @@ The rules, and the failure each one prevents:
 from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
-from vmpin.core.errors import VmpinError
+from vmpin.core.errors import PlanError
 from vmpin.core.topology import Topology
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -68,10 +68,6 @@ if TYPE_CHECKING:
         def label(self) -> str | None: ...
 else:
     from vmpin.lean.records import NamedTuple
-
-class PlanError(VmpinError):
-    """A placement that cannot be made (vmpin.core.errors draws the tree)."""
-
 
 ROLES = ("vcpu", "iothread", "vhost", "emulator", "container")
 HELPER_POLICIES = ("share", "isolate", "none")

@@ -24,7 +24,7 @@ vCPU, see docs/design.md).
 from __future__ import annotations
 
 from vmpin.core.cpuset import EMPTY, CpuSet
-from vmpin.core.errors import VmpinError
+from vmpin.core.errors import TopologyError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from typing import NamedTuple
 else:
     from vmpin.lean.records import NamedTuple
-
-
-class TopologyError(VmpinError):
-    """A sysfs tree that cannot describe the host (vmpin.core.errors draws the tree)."""
 
 
 class CpuInfo(NamedTuple):

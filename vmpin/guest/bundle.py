@@ -25,7 +25,6 @@ GUEST_MODULES = (
     "vmpin/linux/procfs.py",
     "vmpin/linux/affinity.py",
     "vmpin/wire/__init__.py",
-    "vmpin/wire/errors.py",
     "vmpin/wire/guestmap.py",
     "vmpin/wire/jsonio.py",
     "vmpin/guest/__init__.py",

@@ -12,11 +12,10 @@ import json
 import time
 from typing import NamedTuple
 
-from vmpin.core.errors import VmpinError
+from vmpin.core.errors import VmpinError, WireError
 from vmpin.guest.common import GuestError
 from vmpin.linux.files import read_bytes
 from vmpin.wire import guestmap as wire
-from vmpin.wire.errors import WireError
 from vmpin.wire.guestmap import Entry, GuestMap
 
 

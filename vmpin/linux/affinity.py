@@ -18,7 +18,7 @@ import errno
 import os
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
+from vmpin.core.errors import AffinityRejected, HostError, PermissionDenied, ProcessGone
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -29,10 +29,6 @@ if TYPE_CHECKING:
 
         def get(self, tid: int) -> CpuSet: ...
         def set(self, tid: int, cpus: CpuSet) -> CpuSet: ...
-
-
-class AffinityRejected(HostError):
-    """EINVAL: the kernel refused the mask (vmpin.core.errors draws the tree)."""
 
 
 def _translate(err: OSError, tid: int, cpus: CpuSet | None) -> HostError:

@@ -44,10 +44,9 @@ import errno
 import os
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
+from vmpin.core.errors import AffinityRejected, HostError, PermissionDenied, ProcessGone
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
-from vmpin.linux.affinity import AffinityRejected
 from vmpin.linux.paths import HostPaths
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)

@@ -26,7 +26,7 @@ import os
 import stat
 import time
 
-from vmpin.core.errors import PermissionDenied, SpecError
+from vmpin.core.errors import PermissionDenied, SpecError, UnsafeFile
 from vmpin.wire.jsonio import loads, loads_members
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -36,11 +36,6 @@ if TYPE_CHECKING:
 
     from vmpin.core.errors import VmpinError
     from vmpin.wire.jsonio import Selector
-
-
-class UnsafeFile(SpecError):
-    """A file others can write, refused unread: symlink, FIFO, device, huge (in the error
-    tree of vmpin.core.errors, which names this module as its home)."""
 
 #: default size limit: every file vmpin reads this way is a few KiB (a Kata config.json with
 #: all its annotations is ~20 KiB; a 1,000-pod kubelet checkpoint ~200 KiB).

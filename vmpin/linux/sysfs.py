@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 
 from vmpin.core.cpuset import EMPTY, CpuSet
-from vmpin.core.errors import CpuSetError
-from vmpin.core.topology import CpuInfo, Topology, TopologyError
+from vmpin.core.errors import CpuSetError, TopologyError
+from vmpin.core.topology import CpuInfo, Topology
 
 
 def _read(path: str) -> str | None:

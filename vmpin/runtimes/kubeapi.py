@@ -19,7 +19,7 @@ takes 335 ms to import here; the agent imports this module only when the API is 
 
 Patches are JSON merge patches (RFC 7386): the client would otherwise pick JSON patch or
 strategic merge, and custom resources accept neither strategic merge nor a dict as JSON patch.
-Errors reach callers as :class:`vmpin.runtimes.kubelet.KubeError`.
+Errors reach callers as :class:`vmpin.core.errors.KubeError`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from vmpin.runtimes.kubelet import KubeError
+from vmpin.core.errors import KubeError
 
 log = logging.getLogger("vmpin.kube")
 

@@ -47,21 +47,14 @@ import os
 
 from vmpin.core import gojson
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, SpecError
+from vmpin.core.errors import CpuSetError, KubeError, SpecError
 from vmpin.linux.files import load_json, read_host_file
-from vmpin.runtimes.errors import RuntimeKindError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, Mapping, NamedTuple
 else:
     from vmpin.lean.records import NamedTuple
-
-
-class KubeError(RuntimeKindError):
-    """The kubelet checkpoint or the Kubernetes API (vmpin.runtimes.kubeapi) failed: here,
-    in the stdlib-only half (vmpin.core.errors draws the tree)."""
-
 
 STATIC = "static"
 

@@ -55,16 +55,10 @@ import libvirt
 import libvirt_qemu
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, HostError, ProcessGone
+from vmpin.core.errors import CpuSetError, HostError, LibvirtError, ProcessGone
 from vmpin.linux import cgroups, procfs
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.errors import RuntimeKindError
 from vmpin.runtimes.threads import Classification, VmmThread
-
-
-class LibvirtError(RuntimeKindError):
-    """A libvirt call failed (vmpin.core.errors draws the tree)."""
-
 
 DEFAULT_URI = "qemu:///system"
 #: the operator's (or ``vmpin update``'s) mask for a domain: ``<vmpin:mask cpus="LIST"/>``.

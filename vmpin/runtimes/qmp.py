@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 import time
 
-from vmpin.runtimes.errors import RuntimeKindError
+from vmpin.core.errors import QmpError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
     from types import TracebackType
     from typing import Any
-
-
-class QmpError(RuntimeKindError):
-    """A QMP session failed (vmpin.core.errors draws the tree)."""
-
 
 #: connect + greeting, together.  A held socket answers nothing: this is how long we wait.
 DEFAULT_CONNECT_TIMEOUT = 0.3

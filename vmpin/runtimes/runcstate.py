@@ -58,13 +58,13 @@ from vmpin.core.errors import (
     CpuSetError,
     HostError,
     ProcessGone,
+    RuntimeKindError,
     SpecError,
 )
 from vmpin.core.ids import check_id
 from vmpin.linux import procfs
 from vmpin.linux.files import load_json, read_host_file
 from vmpin.linux.paths import HostPaths
-from vmpin.runtimes.errors import RuntimeKindError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:

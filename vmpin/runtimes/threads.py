@@ -77,7 +77,7 @@ from __future__ import annotations
 import os
 import time
 
-from vmpin.core.errors import HostError, PermissionDenied, ProcessGone
+from vmpin.core.errors import HostError, PermissionDenied, ProcessGone, QmpError
 from vmpin.linux import debugfs, procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.vmm import Vmm, iothread_ids
@@ -329,7 +329,7 @@ def _layer_qmp(st: _Pass, qmp_socket: str | None, timeout: float | None) -> bool
         return False
     # Imported here: a pass that reuses remembered roles (every pass but a VMM's first) opens
     # no QMP session, and a Kata hook that pins in-process should not load the client.
-    from vmpin.runtimes.qmp import DEFAULT_CONNECT_TIMEOUT, QmpError, query_vmm
+    from vmpin.runtimes.qmp import DEFAULT_CONNECT_TIMEOUT, query_vmm
 
     try:
         peer, cpus, iothreads = query_vmm(

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vmpin.core.errors import WireError
 from vmpin.service.agent_accounting import Accounting
 from vmpin.service.logs import Throttle, log_event
 from vmpin.service.metrics import Metrics
@@ -26,7 +27,6 @@ from vmpin.wire.control import OK, Dirty, DirtyReply, refused
 from vmpin.wire.control_commands import Reconcile, Status, View
 from vmpin.wire.control_commands import request_from_json as read_request
 from vmpin.wire.control_update import Update
-from vmpin.wire.errors import WireError
 
 #: the least time between two log lines about bad requests
 BAD_LOG_EVERY = 60.0

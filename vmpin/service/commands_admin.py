@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from vmpin.core.errors import SpecError
+from vmpin.core.errors import KubeError, SpecError
 from vmpin.service.commands import Ctx, echo, emit, table
 from vmpin.wire.views import VIEWS
 
@@ -95,7 +95,6 @@ def schema(c: Ctx, command: str | None) -> int:
 def cluster(c: Ctx, kubeconfig: str | None, as_json: bool) -> int:
     from vmpin.reconcile.clusterview import cluster_rows
     from vmpin.runtimes import kubeapi
-    from vmpin.runtimes.kubelet import KubeError
 
     api = kubeapi.connect(kubeconfig)
     if api is None:

@@ -156,7 +156,7 @@ class Settings(NamedTuple):
 
     def float_policy(self) -> str:
         if self.guest_float not in ("all", "proportional"):
-            from vmpin.core.planner import PlanError
+            from vmpin.core.errors import PlanError
 
             raise PlanError(
                 f"guest float policy {self.guest_float!r}: expected all or proportional"

@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-from vmpin.core.errors import SpecError, StateError
-from vmpin.linux.files import UnsafeFile, fsync_path
+from vmpin.core.errors import SpecError, StateError, UnsafeFile
+from vmpin.linux.files import fsync_path
 from vmpin.runtimes.oci import identify
 from vmpin.state import allocations, journal
 from vmpin.state.records import (

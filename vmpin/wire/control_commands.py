@@ -11,11 +11,10 @@ they cannot drift: :mod:`vmpin.service.control` writes them, the agent
 
 from __future__ import annotations
 
-from vmpin.core.errors import IdError
+from vmpin.core.errors import IdError, WireError
 from vmpin.core.ids import check_id
 from vmpin.wire.control import MAX_AGE, MAX_WAIT, OPS, VIEW_NAMES, Dirty
 from vmpin.wire.control_update import Update
-from vmpin.wire.errors import WireError
 from vmpin.wire.jsonio import dumps, loads
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)

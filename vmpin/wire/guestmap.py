@@ -25,9 +25,8 @@ inside a small guest image, and the host hook path imports it too.
 from __future__ import annotations
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError
+from vmpin.core.errors import CpuSetError, WireError
 from vmpin.wire import jsonio as json  # json without re: the hook reaches this module
-from vmpin.wire.errors import WireError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
