@@ -26,7 +26,8 @@ from vmpin.service.update import update_container
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
 from vmpin.wire.control import request_to_json
-from vmpin.wire.control_commands import Update, UpdateReply, request_from_json
+from vmpin.wire.control_commands import request_from_json
+from vmpin.wire.control_update import Update, UpdateReply
 
 
 def _container(paths: HostPaths, cpus: str = "0") -> str:

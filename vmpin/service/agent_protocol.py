@@ -24,8 +24,9 @@ from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
 from vmpin.wire.control import OK, Dirty, DirtyReply, refused
-from vmpin.wire.control_commands import Reconcile, Status, Update, View
+from vmpin.wire.control_commands import Reconcile, Status, View
 from vmpin.wire.control_commands import request_from_json as read_request
+from vmpin.wire.control_update import Update
 
 #: the least time between two log lines about bad requests
 BAD_LOG_EVERY = 60.0

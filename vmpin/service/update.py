@@ -105,7 +105,7 @@ def record_update(
     an event not yet in the store would otherwise land after this write and undo it), a set
     not empty, every CPU online.  ``until`` (``time.monotonic()``): the write happens only
     before it, checked under SQLite's write lock (:class:`Late`): the agent's, whose caller
-    writes the set itself once ``until`` has passed (vmpin.wire.control_commands.Update).
+    writes the set itself once ``until`` has passed (vmpin.wire.control_update.Update).
 
     The checks are made in the write's transaction (the online list read just before
     it), a failed one rolling it back: the record read there is the one the write
