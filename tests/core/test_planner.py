@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
+from pytest_mock import MockerFixture
 
 from tests.conftest import FIXTURES
 from vmpin.core.cpuset import CpuSet
@@ -239,6 +240,18 @@ def test_guest_map_follows_updates() -> None:
     m = map_sandbox(shrink, {"a": cs("4-5")}, t)["containers"]["a"]
     assert m["guest_cpus"] == "2-3" and m["exact"]
     assert shrink.mode == "partial"
+
+
+def test_guest_map_orders_the_mask_only_for_a_proportional_share(mocker: MockerFixture) -> None:
+    """The mask in topology order is a walk over the node's CPUs: made only for the one
+    policy that reads it, not for every map an event's pass publishes."""
+    t = topo("no-smt-server")
+    plan = plan_sandbox(t, "sb", cs("4-7"), threads(4))
+    ordered = mocker.spy(Topology, "ordered")
+    assert map_sandbox(plan, {"a": cs("4-5")}, t)["containers"]["a"]["guest_cpus"] == "0-1"
+    assert ordered.call_count == 0
+    assert map_sandbox(plan, {"a": cs("4-5")}, t, "proportional")["containers"]["a"]["exact"]
+    assert ordered.call_count == 1
 
 
 def test_guest_map_no_cpus() -> None:

@@ -4,8 +4,10 @@ node being re-planned (vmpin.state.summary), and the file that carries them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pytest_mock import MockerFixture
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.state import summary
@@ -118,3 +120,31 @@ def test_the_vm_dir_is_listed_again_once_it_changed(tmp_path: Path) -> None:
         assert summarizer.inputs()[0] == ["a", "b"]  # (even within the kernel's tick)
         os.rmdir(vm / "a")
         assert summarizer.inputs()[0] == ["b"]
+
+
+def test_a_pass_writes_the_summary_once_per_change(tmp_path: Path, mocker: MockerFixture) -> None:
+    """The summary is written when its text changes (made once, compared, then written: not
+    made again by the write), and not rewritten while it stands."""
+    from vmpin.linux.paths import HostPaths
+    from vmpin.reconcile.summarizer import Summarizer
+    from vmpin.state.store import Store
+
+    one, two = _s(), _s(private=CpuSet.parse("7"))
+    made = mocker.patch.object(Summarizer, "_summary", return_value=one)
+    saved = mocker.spy(summary, "save_cache")
+    texts = mocker.spy(summary, "to_text")
+    paths = HostPaths(state_dir=str(tmp_path / "state"), vm_dir=str(tmp_path / "vm"))
+    plan: Any = object()  # (what the summary is made of is _summary's: patched)
+    with Store(paths.state_dir) as store:
+        summarizer = Summarizer(paths, store)
+        assert summarizer.write(plan, [], "-", "0-7")
+        assert (saved.call_count, texts.call_count) == (1, 1)
+        got = summary.read(paths.state_dir)
+        assert got is not None and got[1] == one
+        assert summarizer.write(plan, [], "-", "0-7")  # the same summary: not written again
+        assert saved.call_count == 1 and summary.read(paths.state_dir) == got
+        made.return_value = two
+        assert summarizer.write(plan, [], "-", "0-7")  # a change is
+        assert (saved.call_count, texts.call_count) == (2, 3)
+        got = summary.read(paths.state_dir)
+        assert got is not None and got[1] == two

@@ -83,6 +83,23 @@ def test_indented_cycle_and_odd_keys_are_jsons() -> None:
         jsonio.dumps({1: 0, "a": 1}, indent=1, sort_keys=True)  # as json: no order for those
 
 
+def test_flat_dicts_and_number_lists_are_jsons() -> None:
+    """A dict of leaves (written by _json's encoder in one call) and lists of numbers (one
+    join): the guest map's shapes, with every leaf json writes its own way."""
+    leaves = {"x": 1, "\u00e9": "\u00fc", "t": True, "f": False, "n": None, "z": 1.5,
+              "inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "big": 10**30}
+    doc = {"b": leaves, "a": [[3, 1], [2], [], [True], [1, "x"], 7, [[1]]], "c": {"0": 0},
+           "d": (1, 2), "e": {}, "g": {"k": leaves, "v": 2}, "i": [leaves]}  # fmt: skip
+    for ascii_ in (True, False):
+        for sort in (True, False):
+            for indent in (0, 1, 2):
+                got = jsonio.dumps(doc, ensure_ascii=ascii_, sort_keys=sort, indent=indent)
+                assert got == json.dumps(doc, ensure_ascii=ascii_, sort_keys=sort, indent=indent)
+    # keys json converts (and cannot order among str keys): left to json, as before
+    odd = {"a": {1: 2, None: 3, 1.5: 4}}
+    assert jsonio.dumps(odd, indent=1) == json.dumps(odd, indent=1)
+
+
 @given(st.text(max_size=30) | st.binary(max_size=30))
 def test_same_outcome_on_any_input(data: str | bytes) -> None:
     try:

@@ -110,7 +110,9 @@ def map_sandbox(
     float_policy: str = "all",
 ) -> dict[str, object]:
     """The whole sandbox's map, as published to the guest and shown by ``vmpin show``."""
-    order = topology.ordered(plan.mask)
+    # (only a proportional share reads the order: a walk over the node's CPUs otherwise
+    # made for nothing, in every pass that publishes a map)
+    order = topology.ordered(plan.mask) if float_policy == "proportional" else None
     maps = [
         map_container(plan, cid, cpus, float_policy=float_policy, order=order)
         for cid, cpus in sorted(containers.items())

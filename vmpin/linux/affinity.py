@@ -71,9 +71,19 @@ class SchedAffinity:
         return current(tid)
 
     def set(self, tid: int, cpus: CpuSet) -> CpuSet:
-        """Set, then read back and return what the kernel actually holds."""
+        """Set, then read back and return what the kernel actually holds: ``cpus`` itself
+        when it holds just those (told by the numbers set, not by a CpuSet made and
+        compared: a pass pins every thread of a VM whose set moved, issue 28), else what
+        :func:`current` then reads."""
+        wanted = cpus.sorted()
         try:
-            os.sched_setaffinity(tid, cpus.sorted())
+            os.sched_setaffinity(tid, wanted)
         except OSError as err:
             raise _translate(err, tid, cpus) from err
+        try:
+            held = os.sched_getaffinity(tid)
+        except OSError as err:
+            raise _translate(err, tid, None) from err
+        if len(held) == len(wanted) and held.issuperset(wanted):
+            return cpus
         return current(tid)

@@ -27,7 +27,7 @@ from vmpin.state.store import Store
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import sqlite3
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
     from dataclasses import dataclass
     from functools import partial
     from typing import Any
@@ -74,11 +74,25 @@ class Applied:
 
     def add(self, sandbox_id: str, tid: int, o: Outcome) -> None:
         """A thread's outcome, counted where it belongs (pinned, unclean) as it comes."""
-        self.threads.setdefault(sandbox_id, {})[tid] = o
-        if o.action == "pinned" and o.actual is not None:
-            self.pinned.setdefault(sandbox_id, {})[tid] = o.actual
-        elif o.action not in CLEAN:
-            self.unclean.add(sandbox_id)
+        self.extend(sandbox_id, ((tid, o),))
+
+    def extend(self, sandbox_id: str, outcomes: Iterable[tuple[int, Outcome]]) -> None:
+        """:meth:`add` of each of one sandbox's ``(tid, outcome)``, as each comes (a thread
+        applied is added before the next is: one that raises leaves those before it told).
+        One call per sandbox, not per thread: an event's pass over a 37-thread VM pins them
+        all (issue 28)."""
+        threads = pinned = None
+        for tid, o in outcomes:
+            if threads is None:  # (a sandbox with none added has no entry, as before)
+                threads = self.threads.setdefault(sandbox_id, {})
+            threads[tid] = o
+            action = o.action
+            if action == "pinned" and o.actual is not None:
+                if pinned is None:
+                    pinned = self.pinned.setdefault(sandbox_id, {})
+                pinned[tid] = o.actual
+            elif action not in CLEAN:
+                self.unclean.add(sandbox_id)
 
 
 def outcome_without_apply(t: ThreadPlan) -> Outcome:
@@ -113,7 +127,9 @@ class Applier:
 
     def apply(self, store: Store, plan: NodePlan, only: set[str] | None = None) -> Applied:
         """Make the host match ``plan`` (every sandbox, or those in ``only``), then record."""
-        if plan.scope != FULL:  # a view's plan leaves threads out: applying it would undo them
+        # (FULL itself first: comparing scopes is a dataclass's __eq__)
+        if plan.scope is not FULL and plan.scope != FULL:
+            # a view's plan leaves threads out: applying it would undo them
             raise ValueError("a plan observed for a read-only view is never applied")
         out = Applied()
         # (the sandboxes applied, picked once: an event's pass applies a few of the node's)
@@ -132,9 +148,8 @@ class Applier:
                     continue
                 if sp.runtime == "runc":
                     self._cgroups(sp, out)
-                for t in sp.threads:
-                    if t.role != "container":
-                        out.add(sp.id, t.tid, self._thread(t))
+                thread = self._thread
+                out.extend(sp.id, ((t.tid, thread(t)) for t in sp.threads if t.role != "container"))
             except Exception as err:
                 # A bug or an unforeseen error while applying one sandbox is an error against
                 # that sandbox: every other sandbox of the node is still brought into line.
@@ -219,7 +234,8 @@ class Applier:
             return Outcome("gone", None)
         except HostError as err:
             return Outcome("error", t.actual, str(err))
-        if actual != t.desired:
+        # (the backend gives the set asked for itself when the kernel holds just that)
+        if actual is not t.desired and actual != t.desired:
             return Outcome("error", actual, f"kernel holds {actual} after setting {t.desired}")
         return Outcome("pinned", actual)
 

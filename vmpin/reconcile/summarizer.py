@@ -25,6 +25,8 @@ import os
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import StateError, VmpinError
+from vmpin.linux.files import identity
+from vmpin.state import journal, summary
 from vmpin.state.summary import Summary
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -105,9 +107,6 @@ class Summarizer:
         one replaces: the pass then plans again, with it).  ``hold``: the replaced file is
         freed when the caller closes what is appended there (the agent: after the answers,
         with the guest maps it replaced; Reconciler.held_maps)."""
-        from vmpin.linux.files import identity
-        from vmpin.state import journal, summary
-
         state_dir = self.store.state_dir
         if plan is None or self.store.readonly:
             return False
@@ -115,7 +114,7 @@ class Summarizer:
         text = summary.to_text(s)
         memo = self._memo
         if memo is None or memo[0] != text or not summary.current(state_dir, memo[1]):
-            summary.write(state_dir, s, hold)
+            summary.write(state_dir, s, hold, text)
             # (the file this pass just wrote: its identity is all the memo needs -- read back
             # and parsed, it was ~5% of an event's pass, issue 28)
             ident = identity(summary.path(state_dir))
@@ -264,12 +263,18 @@ class SummaryCounts:
             checkpoint,
             online.strip(),
             plan.shared_pool,
-            CpuSet(cpu for cpu in self.vms if holders[cpu] == 1),
-            CpuSet(cpu for cpu in self.vms if holders[cpu] == 2),
-            CpuSet(self.claimed),
-            CpuSet(self.isolate),
-            CpuSet(cpu for cpu, n in self.masks.items() if n > 1),
+            _cpus([cpu for cpu in self.vms if holders[cpu] == 1]),
+            _cpus([cpu for cpu in self.vms if holders[cpu] == 2]),
+            _cpus(self.claimed),
+            _cpus(self.isolate),
+            _cpus([cpu for cpu, n in self.masks.items() if n > 1]),
         )
+
+
+def _cpus(cpus: list[int] | dict[int, int]) -> CpuSet:
+    """The set of ``cpus``; none is :data:`EMPTY` (most of a summary's sets on most nodes),
+    whose text is made once, not by every pass that writes a summary."""
+    return CpuSet(cpus) if cpus else EMPTY
 
 
 def _helper_cpus(sp: SandboxPlan) -> CpuSet:

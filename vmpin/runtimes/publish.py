@@ -132,17 +132,23 @@ def _strip(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def render(
-    new: Mapping[str, Any], old: Mapping[str, Any] | None, now: float | None = None
+    new: Mapping[str, Any],
+    old: Mapping[str, Any] | None,
+    now: float | None = None,
+    old_content: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The document to write: ``new`` content, one generation past ``old``'s.
 
     A container's own ``generation`` is the one at which its entry last changed, so a guest
-    program can tell whether *its* container's vCPUs moved.
+    program can tell whether *its* container's vCPUs moved.  ``old_content``: ``old``'s
+    content (:func:`content`), when the caller knows it (a map this process wrote): its
+    entries are compared as they are, not stripped of their generation again.
     """
     old_gen = old.get("generation") if old is not None else None
     gen = old_gen + 1 if isinstance(old_gen, int) and old_gen >= 0 else 1
     old_ctrs = old.get("containers") if old is not None else None
     old_ctrs = old_ctrs if isinstance(old_ctrs, dict) else {}
+    known = old_content["containers"] if old_content is not None else None
     containers: dict[str, Any] = {}
     for cid, entry in new["containers"].items():
         prev = old_ctrs.get(cid)
@@ -150,11 +156,15 @@ def render(
         same = (
             isinstance(prev, dict)
             and isinstance(prev_gen, int)
-            and {k: v for k, v in prev.items() if k != "generation"} == entry
+            and (
+                known.get(cid) == entry
+                if known is not None
+                else {k: v for k, v in prev.items() if k != "generation"} == entry
+            )
         )
         containers[cid] = {**entry, "generation": prev_gen if same else gen}
     published_at = time.time() if now is None else now
-    doc = {k: v for k, v in new.items() if k != "containers"}
+    doc = dict(new)  # (its containers replaced below: the keys are written sorted)
     doc.update(generation=gen, published_at=round(published_at, 3), containers=containers)
     return doc
 
@@ -259,9 +269,8 @@ def publish_map(
         remember(_PUBLISHED, path, known[0], (guest_map, known[1][1]))
         return Published(path, False, known[1][1], "unchanged")
     new = content(sandbox_id, guest_map)
-    directory = os.path.dirname(path)
-    shared = os.path.dirname(directory)
-    name = os.path.basename(directory)
+    directory, fname = os.path.split(path)
+    shared, name = os.path.split(directory)
     try:
         shared_fd = _open_dir(shared)
     except HostError:
@@ -294,7 +303,6 @@ def publish_map(
         os.close(shared_fd)
     try:
         # (no lock here: the caller holds the node's plan lock, see the module's docstring)
-        fname = os.path.basename(path)
         ident = identity(fname, dir_fd)
         wrote = _WRITTEN.pop(path, None)
         if created and ident is None:
@@ -306,8 +314,10 @@ def publish_map(
             _write_atomically(dir_fd, directory, path, doc, replacing=False)
             _wrote(path, fname, dir_fd, doc, new)
             return Published(path, True, doc["generation"], "written")
+        old_content: Mapping[str, Any] | None = None
         if wrote is not None and ident is not None and wrote[0] == ident and wrote[2] != new:
             old: Mapping[str, Any] | None = wrote[1]  # (ours, untouched since: see _WRITTEN)
+            old_content = wrote[2]
         else:
             old = read_published(fname, dir_fd)
             if old is not None and _strip(old) == new:
@@ -317,7 +327,7 @@ def publish_map(
                     remember(_PUBLISHED, path, ident, (guest_map, gen))
                 return Published(path, False, gen, "unchanged")
         _PUBLISHED.pop(path, None)
-        doc = render(new, old, now)
+        doc = render(new, old, now, old_content)
         _remove_stale_temps(dir_fd, fname)
         _write_atomically(dir_fd, directory, path, doc, replacing=ident is not None, hold=hold)
         _wrote(path, fname, dir_fd, doc, new)

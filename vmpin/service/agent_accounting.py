@@ -225,39 +225,37 @@ class Accounting:
         # start-up) pass over a dirty sandbox is applying an update whose notification is
         # still on its way, or that a crash interrupted.
         drift = work.cause != "event" and not dirty
-        pinned_threads = []
+        # the threads pinned, by role (one counter update per role, not per thread: an
+        # event's pass over a 37-thread VM pins them all, issue 28), counted in the one walk
+        writes: dict[str, int] = {}
         failed = []
         pinned: dict[str, int] = {}
         for t in r.threads:
-            if t.action == "pinned":
-                pinned_threads.append(t)
-            elif t.action == "error":
+            action, role = t.action, t.role
+            if action == "pinned":
+                writes[role] = writes.get(role, 0) + 1
+            elif action == "error":
                 failed.append(t)
             # "ok" / "pinned": the kernel holds the plan (actual == desired, read back; a
             # container outside its cgroup's set is "drift"), so no need to compare again
             if (
                 t.desired is not None
                 and t.actual is not None
-                and (t.action in _CARRYING or not t.violates())
+                and (action in _CARRYING or not t.violates())
             ):
-                pinned[t.role] = pinned.get(t.role, 0) + 1
+                pinned[role] = pinned.get(role, 0) + 1
+        npinned = sum(writes.values())
         cgroup_fixed = sum(1 for d in r.cgroup_drift if d.get("repaired")) if r.cgroup_drift else 0
         errors = list(r.errors) + [f"tid {t.tid}: {t.error}" for t in failed]
-        if pinned_threads:
-            # (one counter update per role, not per thread: an event's pass over a 37-thread
-            # VM pins them all, issue 28)
-            writes: dict[str, int] = {}
-            for t in pinned_threads:
-                writes[t.role] = writes.get(t.role, 0) + 1
-            for role, n in writes.items():
-                self.metrics.affinity_writes.labels(role).inc(n)
+        for role, n in writes.items():
+            self.metrics.affinity_writes.labels(role).inc(n)
         if failed:
             self.metrics.errors.labels("affinity").inc(len(failed))
         if r.errors:
             self.metrics.errors.labels("sandbox").inc(len(r.errors))
         if drift:
-            if pinned_threads:
-                self.metrics.drift.labels("thread").inc(len(pinned_threads))
+            if npinned:
+                self.metrics.drift.labels("thread").inc(npinned)
             if cgroup_fixed:
                 self.metrics.drift.labels("cgroup").inc(cgroup_fixed)
             if r.vanished:
@@ -269,7 +267,7 @@ class Accounting:
             p = self._pass
             if p is not None and work.sandbox_id in p.remaining:
                 if drift:
-                    p.repaired += len(pinned_threads) + cgroup_fixed + int(r.vanished)
+                    p.repaired += npinned + cgroup_fixed + int(r.vanished)
                 p.errors += len(errors)
             if r.vanished:
                 self._stats.pop(work.sandbox_id, None)
@@ -286,7 +284,7 @@ class Accounting:
                 st.mode = r.mode
                 st.errors = errors
                 st.pinned = pinned
-        changed = bool(pinned_threads or cgroup_fixed or r.vanished or errors)
+        changed = bool(npinned or cgroup_fixed or r.vanished or errors)
         level = logging.INFO if changed else logging.DEBUG
         if log.isEnabledFor(level):
             log_event(
@@ -297,10 +295,10 @@ class Accounting:
                 gen=gen,
                 mode=r.mode,
                 mask=r.mask.to_list(),
-                pinned=len(pinned_threads),
+                pinned=npinned,
                 cgroups=cgroup_fixed,
                 vanished=r.vanished,
-                drift=drift and bool(pinned_threads or cgroup_fixed or r.vanished),
+                drift=drift and bool(npinned or cgroup_fixed or r.vanished),
                 errors=errors,
             )
         return drift

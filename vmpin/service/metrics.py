@@ -218,7 +218,7 @@ class CounterChild(_Value):
     def inc(self, amount: float = 1.0) -> None:
         if amount < 0:
             raise ValueError("counters can only be incremented by non-negative amounts")
-        super().inc(amount)
+        _Value.inc(self, amount)  # (not through super(): an object made per call)
 
 
 class GaugeChild(_Value):
@@ -295,11 +295,15 @@ class _Metric:
             raise ValueError(f"{self.name}: no labels")
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: expected labels {self.labelnames}")
-        key = tuple(str(v) for v in values)
-        with self._lock:
-            child = self._children.get(key)
-            if child is None:
-                child = self._children[key] = self._child()
+        key = tuple(map(str, values))
+        # (a child once made stays: found without the lock, which only its making needs;
+        # a pass touches a few of them, issue 28)
+        child = self._children.get(key)
+        if child is None:
+            with self._lock:
+                child = self._children.get(key)
+                if child is None:
+                    child = self._children[key] = self._child()
         return child
 
     def _only(self) -> object:

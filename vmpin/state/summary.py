@@ -168,11 +168,15 @@ def current(state_dir: str, ident: Ident) -> bool:
     return identity(path(state_dir)) == ident
 
 
-def write(state_dir: str, s: Summary, hold: list[int] | None = None) -> None:
+def write(
+    state_dir: str, s: Summary, hold: list[int] | None = None, text: str | None = None
+) -> None:
     """Replace the summary (a reader sees the old file or the new one; best effort); with
     ``hold``, the old one is freed when the caller closes what it appends there
-    (:func:`vmpin.linux.files.save_cache`)."""
-    save_cache(path(state_dir), to_text(s).encode("utf-8"), hold)
+    (:func:`vmpin.linux.files.save_cache`).  ``text``: ``to_text(s)``, when the caller has
+    it already (a pass compares it with the last one written)."""
+    data = (to_text(s) if text is None else text).encode("utf-8")
+    save_cache(path(state_dir), data, hold)
 
 
 def remove(state_dir: str) -> None:

@@ -188,6 +188,10 @@ def _members(
 
 #: the key types json's sort and the indented writer agree on (see _indented)
 _STR_ONLY = frozenset({str})
+#: the values _json's encoder writes as json's indented writer does (see _flat)
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+#: a list of these is written in one join (see _indented)
+_INT_ONLY = frozenset({int})
 
 
 def _default(o: object) -> Any:
@@ -244,6 +248,8 @@ def _indented(
     NotImplementedError for a value it leaves to json (its text would differ otherwise):
     a builtin's, not a class of ours, which every hook would build for nothing."""
     t = type(o)
+    if t is dict and o and _flat(o, quote, nl, nl + step, out, sort_keys):  # type: ignore[arg-type]
+        return
     if t is list or t is tuple or t is dict:
         if id(o) in seen:
             raise NotImplementedError
@@ -272,33 +278,50 @@ def _indented(
             out.append("[]")
             return
         inner = nl + step
-        out.append("[")
-        for i, v in enumerate(seq):
-            out.append(inner if i == 0 else "," + inner)
-            _indented(v, quote, step, inner, out, seen, sort_keys)
-        out.append(nl + "]")
+        comma = "," + inner
+        append = out.append
+        append("[")
+        first = True
+        opened = ""  # (a list of numbers' opening and separator, one level down: made once)
+        for v in seq:
+            append(inner if first else comma)
+            first = False
+            # numbers and lists of them here, the rest by a call each (a guest map's
+            # siblings: a call per vCPU and per number was most of writing a map)
+            tv = type(v)
+            if tv is int:
+                append(int.__repr__(v))
+            elif tv is list and v and _INT_ONLY.issuperset(map(type, v)):  # type: ignore[call-overload]
+                if not opened:
+                    opened = "[" + inner + step
+                    numbers = "," + opened[1:]
+                    closed = inner + "]"
+                append(opened)
+                append(numbers.join(map(int.__repr__, v)))  # type: ignore[call-overload]
+                append(closed)
+            else:
+                _indented(v, quote, step, inner, out, seen, sort_keys)
+        append(nl + "]")
         seen.discard(id(o))
     elif t is dict:
         d: dict[object, object] = o  # type: ignore[assignment]
         if not d:
             out.append("{}")
             return
+        if not _STR_ONLY.issuperset(map(type, d)):  # (in C: a generator was ~5% of a map)
+            raise NotImplementedError
         inner = nl + step
         comma = "," + inner
         append = out.append
         append("{")
-        first = True
+        sep = inner
         items: Iterable[tuple[object, object]] = d.items()
         if sort_keys:
-            if not _STR_ONLY.issuperset(map(type, d)):  # (in C: a generator was ~5% of a map)
-                raise NotImplementedError
             items = sorted(d.items())  # (by key: keys are unique, values never compared)
         for k, v in items:
-            if type(k) is not str:
-                raise NotImplementedError
-            append(inner if first else comma)
-            first = False
-            append(quote(k))
+            append(sep)
+            sep = comma
+            append(quote(k))  # type: ignore[arg-type]
             # the common leaves written here, not by a call each (a view is mostly leaves)
             tv = type(v)
             if tv is str:
@@ -309,6 +332,10 @@ def _indented(
             elif tv is int:
                 append(": ")
                 append(int.__repr__(v))
+            elif v is True:
+                append(": true")
+            elif v is False:
+                append(": false")
             else:
                 append(": ")
                 _indented(v, quote, step, inner, out, seen, sort_keys)
@@ -316,3 +343,26 @@ def _indented(
         seen.discard(id(o))
     else:
         raise NotImplementedError
+
+
+def _flat(
+    d: dict[object, object],
+    quote: Callable[[str], str],
+    nl: str,
+    inner: str,
+    out: list[str],
+    sort_keys: bool,
+) -> bool:
+    """Write the non-empty ``d`` as :func:`_indented` would when it holds only leaves (str
+    keys, scalar values), in one call to _json's encoder; False (nothing written) when not.
+
+    Its items are json's indented text, each on its own line: the encoder writes a leaf
+    as json's indented writer does (the same repr, quoting and constants), and the line
+    break and indent of ``d``'s level is its item separator.  (A guest map's vCPU table and
+    its containers' entries are such dicts: a call per leaf was most of writing them.)"""
+    if not _LEAVES.issuperset(map(type, d.values())) or not _STR_ONLY.issuperset(map(type, d)):
+        return False  # (other keys: json's conversions and its order of those, by _indented)
+    encode = _c.make_encoder(None, _default, quote, None, ": ", "," + inner, sort_keys, False, True)
+    text = "".join(encode(d, 0))
+    out.append("{" + inner + text[1:-1] + nl + "}")
+    return True
