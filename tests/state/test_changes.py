@@ -147,3 +147,60 @@ def test_schema_4s_log_is_read_as_any_table_and_its_triggers_replaced(tmp_path: 
         store.save_threads("a", 10, 20, [ThreadRec(12, "vcpu", 0, "CPU 0/KVM", "names")])
         delta = changes.since(store.db, seq)
         assert delta is not None and delta.tables == {"a": {"threads"}}
+
+
+def test_the_allocations_table_logs_its_writes_apart_from_the_sandboxes(tmp_path: Path) -> None:
+    from vmpin.state import allocations as table
+    from vmpin.state.allocations import Allocation
+
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        seq = changes.top(store.db)
+        row = Allocation("a", None, CpuSet.parse("1"), 1, "vmpin.io/exclusive-cpus=1", None, 1, 1)
+        with other.transaction() as db:
+            table.write(db, [row], [])
+        delta = changes.since(store.db, seq)
+        # (the sandbox's own records did not move: a pass follows no table of it again)
+        assert delta is not None and delta.allocations and delta.tables == {}
+        assert changes.since(store.db, delta.top).allocations is False  # type: ignore[union-attr]
+        with other.transaction() as db:
+            table.write(db, [], ["a"])
+        assert changes.since(store.db, delta.top).allocations is True  # type: ignore[union-attr]
+
+
+def test_the_log_is_read_in_one_statement(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        seq = changes.top(store.db)
+        other.set_container_cpus("a-app", CpuSet.parse("1"), "update")
+        sql: list[str] = []
+        store.db.set_trace_callback(sql.append)
+        try:
+            delta = changes.since(store.db, seq)
+            assert delta is not None and delta.tables == {"a": {"containers", "sandboxes"}}
+            assert changes.since(store.db, delta.top).tables == {}  # type: ignore[union-attr]
+        finally:
+            store.db.set_trace_callback(None)
+        assert len(sql) == 2, sql
+    # a fresh log (nothing logged when its top was read), and one whose first rows are gone
+    with Store(str(tmp_path / "fresh")) as store:
+        assert changes.top(store.db) == 0
+        assert changes.since(store.db, 0).sandboxes == set()  # type: ignore[union-attr]
+        _sandbox(store, "a")
+        assert changes.since(store.db, 0).sandboxes == {"a"}  # type: ignore[union-attr]
+        store.db.execute("DELETE FROM changes WHERE seq = 1")
+        assert changes.since(store.db, 0) is None
+        assert changes.since(store.db, 1) is None
+
+
+def test_a_schema_5_store_gains_the_allocations_triggers(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, store.transaction():
+        for when in ("ins", "upd", "del"):
+            store.db.execute(f"DROP TRIGGER changes_allocations_{when}")
+        store.db.execute("PRAGMA user_version=5")
+    ro = Store.open_readonly(str(tmp_path))  # (a read-only view reads schema 5 as it is)
+    ro.close()
+    with Store(str(tmp_path)) as store:
+        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        names = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master")}
+        assert {"changes_allocations_ins", "changes_allocations_del"} <= names

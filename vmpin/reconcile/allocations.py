@@ -111,9 +111,7 @@ def settle(
     if getattr(store, _SETTLED, None) == version:
         return False  # nothing moved since this store's last settle: nothing to decide
     asks = _asking(store)
-    found = tuple(table.read(store.db))
-    # (what the pass's observation reads next, at this version: recorded())
-    setattr(store, _READ, (version, found))
+    found = _rows(store, version)
     held = any(a.sandbox_id != NODE_ROW for a in found)
     if not asks and not held and not table.present(store.state_dir):
         setattr(store, _SETTLED, version)
@@ -147,9 +145,9 @@ def settle(
 
 
 #: the attribute a store carries its version after its last settle in (an idle agent
-#: settles nothing), its allocations as last read with that version (:func:`recorded`), and
-#: who asks (:func:`_asking`): kept on the store itself, so that no other store (a later
-#: one at the same address) is ever answered from them
+#: settles nothing), its allocations as last read (:func:`_rows`), and who asks
+#: (:func:`_asking`): kept on the store itself, so that no other store (a later one at the
+#: same address) is ever answered from them
 _SETTLED = "_vmpin_allocations_settled"
 _READ = "_vmpin_allocations_read"
 _ASKS = "_vmpin_allocations_asks"
@@ -342,13 +340,33 @@ def overlay(obs: Observation, topology: Topology) -> Overlay:
 
 
 def recorded(store: Reader) -> tuple[Allocation, ...]:
-    """The allocations table as the store holds it (read again only when the store moved)."""
-    version = store.version()
-    memo: tuple[tuple[int, int], tuple[Allocation, ...]] | None = getattr(store, _READ, None)
-    if memo is not None and memo[0] == version:
-        return memo[1]
+    """The allocations table as the store holds it (read again only when it moved)."""
+    return _rows(store, store.version())
+
+
+def _rows(store: Reader, version: tuple[int, int]) -> tuple[Allocation, ...]:
+    """The allocations table at ``version`` (the store's now): as last read while the store
+    has not moved, or while its change log names no write of the table since (a store this
+    process writes: brought to the schema whose log names them, vmpin.state.changes); else
+    read.  Every event's pass read it, on a node that allocates nothing (issue 28)."""
+    from vmpin.state import changes
+
+    memo: tuple[tuple[int, int], int | None, tuple[Allocation, ...]] | None = getattr(
+        store, _READ, None
+    )
+    if memo is not None:
+        if memo[0] == version:
+            return memo[2]
+        if memo[1] is not None:
+            delta = store.changes_since(memo[1])
+            if delta is not None and not delta.allocations:
+                setattr(store, _READ, (version, delta.top, memo[2]))
+                return memo[2]
+    # (the log's top before the table: a write meanwhile is in the next delta; a read-only
+    # view may hold an older schema, whose log says nothing of the table)
+    seq = None if store.readonly else changes.top(store.db)
     rows = tuple(table.read(store.db))
-    setattr(store, _READ, (version, rows))
+    setattr(store, _READ, (version, seq, rows))
     return rows
 
 

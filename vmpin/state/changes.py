@@ -11,7 +11,10 @@ long-lived reader remembers the last ``seq`` it read and asks for the rows after
 (:func:`since`: the primary key's range, rows proportional to what changed), then re-reads
 what those sandboxes had written through the indexes: an update of a container's CPUs, or
 the pass marking a sandbox done, does not make its 37 thread rows be read again.
-(Schema 4's triggers named no table: such a row stands for all three.)
+(Schema 4's triggers named no table: such a row stands for all three.)  vmpin's own
+allocations (:mod:`vmpin.state.allocations`, schema 6) log a row naming the sandbox and
+``allocations``: a pass that finds none since its last read of that table takes it as read
+(it was read on every pass, issue 28).
 
 The log keeps itself short: every :data:`KEEP`-th row removes the :data:`KEEP` before the
 last :data:`KEEP` (so it holds between one and two times that).  ``seq`` is AUTOINCREMENT
@@ -43,6 +46,9 @@ CREATE TABLE IF NOT EXISTS changes (
 
 #: the tables a sandbox's rows live in (what a sandbox's row in the log names)
 TABLES = ("sandboxes", "containers", "threads")
+#: what a row logged by the allocations table names (not a sandbox's own table: the
+#: sandbox's records did not move, vmpin's allocation of its pod did)
+ALLOCATIONS = "allocations"
 
 
 def _logged(row: str, table: str) -> str:
@@ -70,6 +76,9 @@ _TRIGGERS = (
     ("changes_threads_ins", "AFTER INSERT", "threads", _logged("new", "threads")),
     ("changes_threads_upd", "AFTER UPDATE", "threads", _logged("new", "threads")),
     ("changes_threads_del", "AFTER DELETE", "threads", _logged("old", "threads")),
+    ("changes_allocations_ins", "AFTER INSERT", "allocations", _logged("new", ALLOCATIONS)),
+    ("changes_allocations_upd", "AFTER UPDATE", "allocations", _logged("new", ALLOCATIONS)),
+    ("changes_allocations_del", "AFTER DELETE", "allocations", _logged("old", ALLOCATIONS)),
     ("changes_meta_ins", "AFTER INSERT", "meta", _KEY.format("new")),
     ("changes_meta_upd", "AFTER UPDATE", "meta", _KEY.format("new")),
     ("changes_meta_del", "AFTER DELETE", "meta", _KEY.format("old")),
@@ -88,18 +97,24 @@ def create(db: sqlite3.Connection) -> None:
 
 class Delta:
     """What moved between two points of the log: sandbox ids (with the tables of theirs that
-    were written) and meta keys."""
+    were written), meta keys, and whether the allocations table was written."""
 
-    __slots__ = ("keys", "sandboxes", "tables", "top")
+    __slots__ = ("allocations", "keys", "sandboxes", "tables", "top")
 
     def __init__(
-        self, top: int, keys: set[str], tables: dict[str, set[str]] | None = None
+        self,
+        top: int,
+        keys: set[str],
+        tables: dict[str, set[str]] | None = None,
+        allocations: bool = False,
     ) -> None:
         self.top = top
         self.keys = keys
         #: each moved sandbox's tables written (of :data:`TABLES`)
         self.tables: dict[str, set[str]] = tables if tables is not None else {}
         self.sandboxes: set[str] = set(self.tables)
+        #: a row of the allocations table was written (:data:`ALLOCATIONS`)
+        self.allocations = allocations
 
 
 #: :func:`top` of a database without the log (an older schema a read-only view opened)
@@ -120,23 +135,39 @@ def top(db: sqlite3.Connection) -> int:
 
 def since(db: sqlite3.Connection, seq: int) -> Delta | None:
     """What changed after ``seq`` (a :func:`top` or a Delta's ``top``); None when the log no
-    longer holds all of it (the reader then reads the tables whole)."""
-    last = top(db)
-    if last == NO_LOG or seq == NO_LOG:
+    longer holds all of it (the reader then reads the tables whole).
+
+    One statement: the rows from ``seq`` on, its own row first.  That row still there says
+    the log reaches back that far (it is trimmed oldest first, and only once rows newer than
+    it were logged, which come along); gone, it was trimmed, and what came between may be
+    too.  ``seq`` 0 (nothing logged yet when it was read) has no row: then the first row must
+    be the first ever logged."""
+    if seq == NO_LOG:
         return None
-    if last == seq:
+    from vmpin.state.sqlite import sqlite3 as module
+
+    try:
+        rows = db.execute(
+            "SELECT seq, sandbox_id, key FROM changes WHERE seq >= ? ORDER BY seq", (seq,)
+        ).fetchall()
+    except module.OperationalError:  # no log at all: schema 3 or older
+        return None
+    if seq:
+        if not rows or rows[0][0] != seq:
+            return None  # trimmed past it (or another database at this path)
+        del rows[0]
+    elif rows and rows[0][0] != 1:
+        return None
+    if not rows:
         return Delta(seq, set())
-    if last < seq:
-        return None  # (another database at this path: nothing of it is known)
-    rows = db.execute(
-        "SELECT seq, sandbox_id, key FROM changes WHERE seq > ? ORDER BY seq", (seq,)
-    ).fetchall()
-    if not rows or rows[0][0] != seq + 1 or rows[-1][0] < last:
-        return None  # a hole: kept short since (a rolled-back write leaves none)
     tables: dict[str, set[str]] = {}
     keys: set[str] = set()
+    allocations = False
     for _, sid, key in rows:
         if sid is not None:
+            if key == ALLOCATIONS:
+                allocations = True
+                continue
             named = tables.get(sid)
             if named is None:
                 named = tables[sid] = set()
@@ -146,4 +177,4 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
                 named.add(key)
         elif key is not None:
             keys.add(key)
-    return Delta(int(rows[-1][0]), keys, tables)
+    return Delta(int(rows[-1][0]), keys, tables, allocations)
