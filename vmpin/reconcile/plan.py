@@ -37,7 +37,6 @@ from vmpin.core.planner import Plan, check_global, plan_sandbox
 from vmpin.core.topology import Topology
 from vmpin.reconcile.allocations import NONE, Overlay, overlay
 from vmpin.reconcile.allocations import SOURCE as ALLOC
-from vmpin.reconcile.observation import replace
 from vmpin.reconcile.observe import (
     FULL,
     ContainerObs,
@@ -342,8 +341,19 @@ def _moved_books(before: SandboxObs, s: SandboxObs) -> bool:
     was, rec = before.record, s.record
     if was is None or rec is None or was is rec:
         return False
-    books = was._replace(gen=rec.gen, done_gen=rec.done_gen, updated_at=rec.updated_at)
-    return books == rec and replace(before, record=rec) == s
+    if was._replace(gen=rec.gen, done_gen=rec.done_gen, updated_at=rec.updated_at) != rec:
+        return False
+    # (field by field, the same objects mostly: building ``before`` with ``rec`` to compare
+    # it whole was ~6 % of an event's pass at 60 sandboxes, for the last pass's sandbox)
+    for name in _BESIDE_RECORD:
+        was_it, it = getattr(before, name), getattr(s, name)
+        if was_it is not it and was_it != it:
+            return False
+    return True
+
+
+#: what a sandbox's observation holds beside its record (:func:`_moved_books`)
+_BESIDE_RECORD = tuple(name for name in SandboxObs.__match_args__ if name != "record")
 
 
 def _records(
