@@ -52,6 +52,7 @@ from vmpin.core.podpolicy import exclusive_request
 from vmpin.runtimes.kubelet import is_infra
 from vmpin.state import allocations as table
 from vmpin.state.allocations import Allocation
+from vmpin.state.changes import top
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -160,7 +161,6 @@ def _asking(store: Store) -> bool:
     asks, the pods whose API record asks), and brought up to date from the records whose
     keys the change log names (vmpin.state.changes): an event's pass on a node where no pod
     asks reads no policy record but its own sandbox's (issue 28: every record, every pass)."""
-    from vmpin.state import changes
     from vmpin.state.records import API_POLICY_META, POLICY_META, policy_record
 
     def asks(raw: str | None, source: str) -> bool:
@@ -171,7 +171,7 @@ def _asking(store: Store) -> bool:
     memo: tuple[int, set[str], set[str]] | None = getattr(store, _ASKS, None)
     delta = store.changes_since(memo[0]) if memo is not None else None
     if memo is None or delta is None:
-        seq = changes.top(store.db)
+        seq = top(store.db)
         oci, api = store.policy_records()
         memo = (
             seq,
@@ -349,8 +349,6 @@ def _rows(store: Reader, version: tuple[int, int]) -> tuple[Allocation, ...]:
     has not moved, or while its change log names no write of the table since (a store this
     process writes: brought to the schema whose log names them, vmpin.state.changes); else
     read.  Every event's pass read it, on a node that allocates nothing (issue 28)."""
-    from vmpin.state import changes
-
     memo: tuple[tuple[int, int], int | None, tuple[Allocation, ...]] | None = getattr(
         store, _READ, None
     )
@@ -364,7 +362,7 @@ def _rows(store: Reader, version: tuple[int, int]) -> tuple[Allocation, ...]:
                 return memo[2]
     # (the log's top before the table: a write meanwhile is in the next delta; a read-only
     # view may hold an older schema, whose log says nothing of the table)
-    seq = None if store.readonly else changes.top(store.db)
+    seq = None if store.readonly else top(store.db)
     rows = tuple(table.read(store.db))
     setattr(store, _READ, (version, seq, rows))
     return rows
