@@ -31,7 +31,7 @@ vmpin last saw it there (:func:`adopt`); the adoption is part of the plan, and a
 
 from __future__ import annotations
 
-from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.core.cpuset import EMPTY, CpuSet, checked
 from vmpin.core.errors import VmpinError
 from vmpin.core.planner import Plan, check_global, plan_sandbox
 from vmpin.core.topology import Topology
@@ -592,8 +592,8 @@ def _walk(
     )  # fmt: skip
     if moved is not None and (not steady or fp_moved):
         return None  # (the others' inputs moved: the full walk asks each; counts spent)
-    moved_cpus = CpuSet(fp_moved) if fp_moved else EMPTY
-    excl_all = CpuSet(exclusive) if exclusive else EMPTY
+    moved_cpus = checked(fp_moved) if fp_moved else EMPTY
+    excl_all = checked(exclusive) if exclusive else EMPTY
     excl_own: dict[str, set[int]] = {}
     for cpu, cl in exclusive.items():
         excl_own.setdefault(cl.pod, set()).add(cpu)
@@ -622,7 +622,7 @@ def _walk(
             pod = pods[s.id]
             foreign_excl = foreign_by_pod.get(pod) if excl_all else EMPTY
             if foreign_excl is None:
-                foreign_excl = foreign_by_pod[pod] = excl_all - CpuSet(excl_own.get(pod, ()))
+                foreign_excl = foreign_by_pod[pod] = excl_all - checked(excl_own.get(pod, ()))
             excl = (others_excl | foreign_excl) if foreign_excl else others_excl
             inputs = (
                 topology, float_policy, obs.scope, own, footprint[s.id], others, excl, pool,
@@ -729,19 +729,19 @@ class _Others:
                 for cpu in cpus:
                     counts[cpu] = counts.get(cpu, 0) + 1
         self._count = counts
-        self.total = CpuSet(counts)
+        self.total = checked(counts)
 
     @property
     def alone(self) -> CpuSet:
         """The CPUs exactly one set holds."""
-        return CpuSet(cpu for cpu, n in self._count.items() if n == 1)
+        return checked([cpu for cpu, n in self._count.items() if n == 1])
 
     def without(self, name: str) -> CpuSet:
         own = self._sets.get(name)
         if not own:
             return self.total
         only_own = [cpu for cpu in own if self._count[cpu] == 1]
-        return self.total - CpuSet(only_own) if only_own else self.total
+        return self.total - checked(only_own) if only_own else self.total
 
 
 def _counted(
@@ -1052,7 +1052,7 @@ def check_node(
     pins = [(p, pinned) for p in plans if (pinned := p.pinned_cpus)]
     holders: dict[int, list[str]] = {}
     if pins:
-        pinned_set = CpuSet(cpu for _, pinned in pins for cpu in pinned)
+        pinned_set = checked([cpu for _, pinned in pins for cpu in pinned])
         for q in plans:
             for cpu in q.footprint & pinned_set:
                 holders.setdefault(cpu, []).append(q.id)
