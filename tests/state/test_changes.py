@@ -104,7 +104,9 @@ def test_a_sandboxs_row_names_the_table_written(tmp_path: Path) -> None:
         seq = delta.top
         other.mark_done("b", 1)
         delta = changes.since(store.db, seq)
-        assert delta is not None and delta.tables == {"b": {"sandboxes"}}
+        # (its done_gen alone: the value is in the log, the row need not be read again)
+        assert delta is not None and delta.tables == {"b": {changes.DONE}}
+        assert delta.done == {"b": 1}
 
 
 def test_an_update_reads_its_sandboxs_row_and_containers_again_not_its_threads(
@@ -204,3 +206,39 @@ def test_a_schema_5_store_gains_the_allocations_triggers(tmp_path: Path) -> None
         assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
         names = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master")}
         assert {"changes_allocations_ins", "changes_allocations_del"} <= names
+
+
+def test_a_pass_marking_a_sandbox_done_is_followed_without_reading_its_row(
+    tmp_path: Path,
+) -> None:
+    """The last pass's own write of ``done_gen`` (issue 28: the next event's pass read the
+    row of its sandbox again for it) logs its value; any other write of the row, with it
+    or not, names the row as before."""
+    from vmpin.state.records import SANDBOX_COLS
+
+    assert [c for c in SANDBOX_COLS if c != "done_gen"] == list(changes._SANDBOX_BOOKS)
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        with store.transaction():  # (16: three moving is within what is followed)
+            for i in range(16):
+                _sandbox(store, f"s{i:02d}")
+        followed = Tables(store, FULL)
+        other.mark_done("s01", 1)
+        sql: list[str] = []
+        store.db.set_trace_callback(sql.append)
+        try:
+            assert followed.follow(store.version())
+        finally:
+            store.db.set_trace_callback(None)
+        assert followed.moved == {"s01"}
+        assert not [s for s in sql if "FROM sandboxes" in s], sql
+        assert _whole(followed) == _whole(Tables(store, FULL))
+        # done_gen with another column, or another column alone: the row read again
+        other.db.execute("UPDATE sandboxes SET done_gen=5, vmm_pid=7 WHERE id='s02'")
+        other.set_vmm("s03", 9, 10)
+        other.mark_done("s04", 3)
+        delta = changes.since(store.db, followed.seq)
+        assert delta is not None and delta.tables == {
+            "s02": {"sandboxes"}, "s03": {"sandboxes"}, "s04": {changes.DONE}}
+        assert followed.follow(store.version())
+        assert _whole(followed) == _whole(Tables(store, FULL))
+        assert followed.records[followed._at["s04"]].done_gen == 3

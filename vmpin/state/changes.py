@@ -14,7 +14,9 @@ the pass marking a sandbox done, does not make its 37 thread rows be read again.
 (Schema 4's triggers named no table: such a row stands for all three.)  vmpin's own
 allocations (:mod:`vmpin.state.allocations`, schema 6) log a row naming the sandbox and
 ``allocations``: a pass that finds none since its last read of that table takes it as read
-(it was read on every pass, issue 28).
+(it was read on every pass, issue 28).  A sandbox's ``done_gen`` written alone (a pass
+marking it done) logs its new value (:data:`DONE`): the next event's pass read the row of
+the last one's sandbox again for it.
 
 The log keeps itself short: every :data:`KEEP`-th row removes the :data:`KEEP` before the
 last :data:`KEEP` (so it holds between one and two times that).  ``seq`` is AUTOINCREMENT
@@ -59,10 +61,25 @@ def _logged(row: str, table: str) -> str:
 
 _KEY = "INSERT INTO changes(key) VALUES ({}.key)"
 
+#: what a sandbox's row in the log names when its ``done_gen`` alone was written (a pass
+#: marking it done), followed by the value written: what the record became is known
+#: without reading it again (schema 6; the last pass's own write, read again by the next
+#: event's pass, issue 28)
+DONE = "done_gen="
+#: the sandboxes table's columns but ``done_gen`` (vmpin.state.schema; the records':
+#: vmpin.state.records.SANDBOX_COLS, which tests/state/test_changes.py compares)
+_SANDBOX_BOOKS = ("id", "runtime", "vmm_pid", "vmm_start", "pod_uid", "pod_name",
+                  "pod_namespace", "gen", "created_at", "updated_at")  # fmt: skip
+_DONE_ALONE = " AND ".join(f"old.{c} IS new.{c}" for c in _SANDBOX_BOOKS)
+
 #: (trigger name, when, table, what it logs)
 _TRIGGERS = (
     ("changes_sandboxes_ins", "AFTER INSERT", "sandboxes", _logged("new", "sandboxes")),
-    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes", _logged("new", "sandboxes")),
+    # (one trigger, its key chosen: a trigger program more per write of the row cost each
+    # writer, the agent's passes first)
+    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes",
+     "INSERT INTO changes(sandbox_id, key) VALUES (new.id,"
+     f" CASE WHEN {_DONE_ALONE} THEN '{DONE}' || new.done_gen ELSE 'sandboxes' END)"),
     ("changes_sandboxes_del", "AFTER DELETE", "sandboxes", _logged("old", "sandboxes")),
     # (INSERT OR REPLACE deletes the old row without a delete trigger: a container id
     # written again under another sandbox logs the sandbox it leaves, here)
@@ -99,7 +116,7 @@ class Delta:
     """What moved between two points of the log: sandbox ids (with the tables of theirs that
     were written), meta keys, and whether the allocations table was written."""
 
-    __slots__ = ("allocations", "keys", "sandboxes", "tables", "top")
+    __slots__ = ("allocations", "done", "keys", "sandboxes", "tables", "top")
 
     def __init__(
         self,
@@ -107,11 +124,15 @@ class Delta:
         keys: set[str],
         tables: dict[str, set[str]] | None = None,
         allocations: bool = False,
+        done: dict[str, int] | None = None,
     ) -> None:
         self.top = top
         self.keys = keys
-        #: each moved sandbox's tables written (of :data:`TABLES`)
+        #: each moved sandbox's tables written (of :data:`TABLES`; :data:`DONE`: its
+        #: ``done_gen`` alone, to the value in :attr:`done`)
         self.tables: dict[str, set[str]] = tables if tables is not None else {}
+        #: the ``done_gen`` written last, of each sandbox that names :data:`DONE`
+        self.done: dict[str, int] = done if done is not None else {}
         self.sandboxes: set[str] = set(self.tables)
         #: a row of the allocations table was written (:data:`ALLOCATIONS`)
         self.allocations = allocations
@@ -162,6 +183,7 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
         return Delta(seq, set())
     tables: dict[str, set[str]] = {}
     keys: set[str] = set()
+    done: dict[str, int] = {}
     allocations = False
     for _, sid, key in rows:
         if sid is not None:
@@ -173,8 +195,11 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
                 named = tables[sid] = set()
             if key is None:
                 named.update(TABLES)  # (schema 4's row: any of them)
+            elif key.startswith(DONE):
+                named.add(DONE)
+                done[sid] = int(key[len(DONE) :])  # (the rows in order: the last one's)
             else:
                 named.add(key)
         elif key is not None:
             keys.add(key)
-    return Delta(int(rows[-1][0]), keys, tables, allocations)
+    return Delta(int(rows[-1][0]), keys, tables, allocations, done)
