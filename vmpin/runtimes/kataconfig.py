@@ -121,7 +121,7 @@ def _entries(spec: str) -> _Entries:
             pattern = alternative.strip()
             if pattern:
                 parent, name = os.path.split(pattern)
-                alternatives.append((pattern, (parent or ".", name) if "*" in name else None))
+                alternatives.append((pattern, (parent, name) if "*" in name else None))
         if alternatives:
             out.append(tuple(alternatives))
     return tuple(out)
@@ -153,7 +153,7 @@ def _expand(pattern: str, glob: tuple[str, str] | None) -> list[tuple[str, os.st
         return [] if st is None else [(pattern, st)]
     parent, name = glob
     try:
-        names = sorted(os.listdir(parent))
+        names = sorted(os.listdir(parent or "."))
     except OSError:
         return []
     out = []
