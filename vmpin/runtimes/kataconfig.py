@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     #: a search list taken apart: its entries, each a tuple of alternatives, each (the
     #: pattern, and the parent directory and name pattern of one with a ``*``, else None)
     _Entries = tuple[tuple[tuple[str, tuple[str, str] | None], ...], ...]
+    #: pattern -> (its directory's identity when listed, the paths it matched then)
+    _Listed = dict[str, tuple[tuple[int, int, int, int, int], list[str]]]
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -127,15 +129,16 @@ def _entries(spec: str) -> _Entries:
     return tuple(out)
 
 
-def _found(entries: _Entries) -> list[tuple[str, os.stat_result]]:
+def _found(entries: _Entries, listed: _Listed | None = None) -> list[tuple[str, os.stat_result]]:
     """The files ``entries`` name now, each with its ``stat`` (symlinks followed), each file
     once: by device and inode, which its resolved path comes to (one ``stat`` a file, where
-    resolving its path took one per component)."""
+    resolving its path took one per component).  ``listed``: a reader's pattern
+    directories' names as last listed (:func:`_expand`)."""
     out: list[tuple[str, os.stat_result]] = []
     seen: set[tuple[int, int]] = set()
     for alternatives in entries:
         for pattern, glob in alternatives:
-            found = _expand(pattern, glob)
+            found = _expand(pattern, glob, listed)
             if found:
                 for path, st in found:
                     if (st.st_dev, st.st_ino) not in seen:
@@ -145,24 +148,45 @@ def _found(entries: _Entries) -> list[tuple[str, os.stat_result]]:
     return out
 
 
-def _expand(pattern: str, glob: tuple[str, str] | None) -> list[tuple[str, os.stat_result]]:
+def _expand(
+    pattern: str, glob: tuple[str, str] | None, listed: _Listed | None = None
+) -> list[tuple[str, os.stat_result]]:
     """Existing regular files (symlinks followed) matching ``pattern`` (``glob``: its parent
-    and name pattern, when it has a ``*``), in name order, each with its ``stat``."""
+    and name pattern, when it has a ``*``), in name order, each with its ``stat``.
+
+    ``listed``: the names a pattern's directory matched when last listed, with the
+    directory's identity then: listed again only when it is another version (a name made or
+    removed moves its mtime and ctime; a version is kept once settled, as the node
+    summary's VM dir listing is, vmpin.reconcile.summarizer).  One ``stat`` of it, where the
+    agent's observer listed it at every pass (issue 28)."""
     if glob is None:
         st = _regular(pattern)
         return [] if st is None else [(pattern, st)]
     parent, name = glob
     try:
-        names = sorted(os.listdir(parent or "."))
-    except OSError:
+        st = os.stat(parent or ".")
+    except (OSError, ValueError):
         return []
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = listed.get(pattern) if listed is not None else None
+    if known is not None and known[0] == ident:
+        paths = known[1]
+    else:
+        try:
+            names = sorted(os.listdir(parent or "."))
+        except OSError:
+            return []
+        paths = [os.path.join(parent, n) for n in names if _match(n, name)]
+        if listed is not None:
+            from vmpin.linux.files import remember
+
+            listed.pop(pattern, None)
+            remember(listed, pattern, ident, paths)
     out = []
-    for n in names:
-        if _match(n, name):
-            path = os.path.join(parent, n)
-            st = _regular(path)
-            if st is not None:
-                out.append((path, st))
+    for path in paths:
+        found = _regular(path)
+        if found is not None:
+            out.append((path, found))
     return out
 
 
@@ -230,16 +254,17 @@ class KataConfigReader:
     runs once (a hook, a command) finds the last answer in ``cache``, a file in the state dir.
     """
 
-    __slots__ = ("_entries", "_key", "_last", "cache", "spec")
+    __slots__ = ("_entries", "_key", "_last", "_listed", "cache", "spec")
 
     def __init__(self, spec: str, cache: str | None = None) -> None:
         self.spec, self.cache = spec, cache
         self._entries = _entries(spec)
+        self._listed: _Listed = {}
         self._key: list[Any] | None = None
         self._last = NONE
 
     def read(self, *, save: bool = True) -> KataConfigs:
-        found = _found(self._entries)
+        found = _found(self._entries, self._listed)
         if not found:
             self._key, self._last = [], NONE
             return NONE
