@@ -174,7 +174,11 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
     except module.OperationalError:  # no log at all: schema 3 or older
         return None
     if seq:
-        if not rows or rows[0][0] != seq:
+        if not rows:
+            # (its row gone and none after it: nothing logged since, if the log's top is
+            # still it -- a log whose last row went would read the tables whole every pass)
+            return Delta(seq, set()) if top(db) == seq else None
+        if rows[0][0] != seq:
             return None  # trimmed past it (or another database at this path)
         del rows[0]
     elif rows and rows[0][0] != 1:
