@@ -332,7 +332,7 @@ class Observer:
             containers = tuple(
                 replace(c, cgroup_cpus=cids[c.rec.id]) if c.rec.id in cids else c
                 for c in s.containers
-            )
+            ) if cids else s.containers  # (a VM's: its threads alone were pinned)
             self._last[sid] = replace(s, vmm=vmm, containers=containers)
 
     def _read_store(
