@@ -100,13 +100,17 @@ def stale_originals(keys: Iterable[str], live: Iterable[VmmKey]) -> list[str]:
     return [k for k in keys if k[: k.rfind(":") + 1] not in prefixes]
 
 
-@dataclass(frozen=True, slots=True)
-class ThreadObs:
-    """One host thread as seen now: a VMM thread or a task of a container's cgroup."""
+class ThreadObs(NamedTuple):
+    """One host thread as seen now: a VMM thread or a task of a container's cgroup.
+
+    A NamedTuple, not a frozen dataclass (as ThreadPlan, vmpin.reconcile.plan): a pass makes
+    one per thread of each VMM it reads afresh, and a frozen dataclass set its nine fields
+    through ``object.__setattr__`` one by one, about three times the cost (issue 28)."""
 
     tid: int
     role: str  # vcpu | iothread | vhost | emulator | container
-    index: int | None = None
+    #: its vCPU index (shadows tuple.index, which nothing asks of a ThreadObs)
+    index: int | None = None  # type: ignore[assignment]
     label: str | None = None
     layer: str = ""
     name: str | None = None
