@@ -133,8 +133,9 @@ class ThreadObs(NamedTuple):
         )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class VmmObs:
+class VmmObs(NamedTuple):
+    """A sandbox's VMM as observed (a NamedTuple, as :class:`ThreadObs`: made per VMM read)."""
+
     pid: int
     start: int
     threads: tuple[ThreadObs, ...] = ()
@@ -147,8 +148,10 @@ class VmmObs:
     as_recorded: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerObs:
+class ContainerObs(NamedTuple):
+    """A container as observed (a NamedTuple, as :class:`ThreadObs`: made per container
+    read)."""
+
     rec: ContainerRec
     #: True/False when the init's (pid, start) could be checked, None when there was nothing
     alive: bool | None = None
