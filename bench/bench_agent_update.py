@@ -20,15 +20,17 @@ recorded.  The wrappers cost ~1 us each, ~40 per round.  Per round, each phase's
     read        the request line read
     checks      the request parsed (ControlProtocol.handle), checked (AgentUpdates.answer)
     ingest      record_update: the hooks' journal applied (Store.ingest)
-    known       record_update: the container's record read, the set checked not empty
+    known       record_update: the container's record read, the set checked not empty (a
+                tree that reads them in the write's transaction: nothing, see write)
     topology    record_update: the host's topology read (read_topology; the cache file), or
                 its online CPUs (online_cpus, where the tree has it)
-    write       record_update: the transaction (the deadline checked, the set written)
+    write       record_update: the transaction (the deadline checked, the set written; the
+                record read and checked in it, where the tree does that)
     handover    the sandbox queued for the planner (DirtyQueue.add_all)
     wake        the planner's take_batch returning the batch (its thread woken, the GIL)
     prepass     the pass begun: ingest, the API's policies, the batch's records
     pins        Reconciler.reconcile: observe, plan, apply (the pins), the summary
-    ends        the pass ended: DirtyQueue.done_all, Waiters.pass_ends answering
+    ends        the pass ended: Waiters.pass_ends answering (then DirtyQueue.done_all)
     answer      the answer written on the socket (Reply.send, by the planner)
     client      the client's recv returning (its wake-up)
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the speed layer itself (vmpin/lean/, one room): only the closure may import it
 SPEED_MODULES = frozenset(
     {"vmpin.lean", "vmpin.lean.records", "vmpin.lean.dataclass", "vmpin.lean.shapes",
-     "vmpin.lean.initshapes", "vmpin.lean.codecache"}
+     "vmpin.lean.initshapes", "vmpin.lean.codecache", "vmpin.lean.codewriter"}
 )
 
 #: the fast route's own modules: ``vmpin update`` and the read commands are measured figures

@@ -307,7 +307,11 @@ def test_parse_config_reads_only_its_members() -> None:
     ("annotations", "names"),
     [({"ok": "x", "k": "\ud800"}, "annotation 'k'"), ({"\udc00": "v"}, "annotation key"),
      ({"a": "b", "long": "x" * ((64 << 10) + 1)}, "annotation 'long'"),
-     ({"x" * ((64 << 10) + 1): "v"}, "annotation key")],
+     ({"x" * ((64 << 10) + 1): "v"}, "annotation key"),
+     # two that fail: the first in the map's order is named (the map is checked at once,
+     # then walked for its message)
+     ({"ok": "x", "long": "x" * ((64 << 10) + 1), "k": "\ud800"}, "annotation 'long'"),
+     ({"ok": "x", "k": "\ud800", "long": "x" * ((64 << 10) + 1)}, "annotation 'k'")],
 )  # fmt: skip
 def test_annotations_refused_are_named(annotations: dict[str, str], names: str) -> None:
     """The annotation refused is the one named."""

@@ -134,3 +134,30 @@ def test_no_pass_waits_for_the_settling(
         release.set()
     wait_until(lambda: len(calls) == 2, 2)  # (the requests that came meanwhile: one more)
     assert len(calls) <= 2 and set(calls) == {"vmpin-settler"}
+
+
+@pytest.mark.multi_cpu
+def test_the_answer_does_not_wait_for_the_queues_bookkeeping(
+    paths: HostPaths, sandbox: str, agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass's waiters are answered before its sandboxes are marked done in the queue
+    (DirtyQueue.done_all: its lock, its backoff records), which then follows all the same:
+    nothing is left running."""
+    from vmpin.service.queue import DirtyQueue
+
+    entered, release = threading.Event(), threading.Event()
+    real = DirtyQueue.done_all
+
+    def held(queue: DirtyQueue, sandbox_ids: Any) -> None:
+        entered.set()
+        release.wait(30)
+        real(queue, sandbox_ids)
+
+    monkeypatch.setattr(DirtyQueue, "done_all", held)
+    try:
+        update(paths, sandbox, "1")
+        assert agent.notify_and_wait([sandbox], 10.0)["done"] is True
+        assert entered.is_set() and not release.is_set()  # answered while it was held
+    finally:
+        release.set()
+    assert wait_until(agent.queue.idle, 10)

@@ -26,7 +26,8 @@ from vmpin.service.update import update_container
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
 from vmpin.wire.control import request_to_json
-from vmpin.wire.control_commands import Update, UpdateReply, request_from_json
+from vmpin.wire.control_commands import request_from_json
+from vmpin.wire.control_update import Update, UpdateReply
 
 
 def _container(paths: HostPaths, cpus: str = "0") -> str:
@@ -132,9 +133,9 @@ def test_an_update_reads_the_row_once_and_lists_the_journal_once(
     paths: HostPaths, mocker: Any
 ) -> None:
     """What the agent does per update, counted so that it cannot creep back (issue 28): one
-    read of the container (its checks), one transaction that writes the row, reads it back
-    as written (its stamp and sandbox) and bumps its sandbox's generation, and one listing
-    of the journal dir (the ingest before the checks)."""
+    transaction that reads the container (its checks; the record as written is made from
+    that read, not read back), writes the row and bumps its sandbox's generation, and one
+    listing of the journal dir (the ingest before the checks)."""
     cid = _container(paths)
     updates = AgentUpdates(paths, Planner())
     statements: list[str] = []
@@ -154,10 +155,42 @@ def test_an_update_reads_the_row_once_and_lists_the_journal_once(
         for s in run
     ]  # fmt: skip
     assert kinds == [
-        "SELECT containers", "PRAGMA busy_timeout", "BEGIN IMMEDIATE",
-        "UPDATE containers", "SELECT containers", "UPDATE sandboxes", "COMMIT",
+        "PRAGMA busy_timeout", "BEGIN IMMEDIATE", "SELECT containers",
+        "UPDATE containers", "UPDATE sandboxes", "COMMIT",
     ], statements  # fmt: skip
     assert [c.args for c in listed.call_args_list] == [(os.path.join(paths.state_dir, "journal"),)]
+
+
+def test_the_online_list_is_read_outside_the_write_and_said_after_an_unknown_container(
+    paths: HostPaths, mocker: Any
+) -> None:
+    """The checks are made in the write's transaction, but sysfs is read before it (no
+    writer of the agent waits for it), and its failure is said in the checks' order."""
+    import vmpin.linux.sysfs as sysfs
+    from vmpin.core.errors import TopologyError
+
+    cid = _container(paths)
+    updates = AgentUpdates(paths, Planner())
+    store = updates._open()
+    real = sysfs.online_cpus
+    in_transaction: list[bool] = []
+
+    def online(root: str) -> Any:
+        in_transaction.append(store.db.in_transaction)
+        return real(root)
+
+    mocker.patch.object(sysfs, "online_cpus", online)
+    try:
+        assert (updates.answer(_request(paths, cid, "1")) or {}).get("done") is True
+        assert in_transaction == [False]
+        mocker.patch.object(sysfs, "online_cpus", side_effect=TopologyError("no online list"))
+        unknown = updates.answer(_request(paths, "nosuch-ctr", "1"))
+        assert unknown is not None and "unknown container" in unknown["error"], unknown
+        known = updates.answer(_request(paths, cid, "0"))
+        assert known is not None and known["error"] == "no online list", known
+    finally:
+        updates.close()
+    assert _stored(paths, cid) == ("1", "update")
 
 
 def test_a_request_past_its_deadline_writes_nothing(paths: HostPaths) -> None:

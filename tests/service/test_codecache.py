@@ -191,6 +191,7 @@ import json, marshal, os, sys, threading
 sys.path.insert(0, sys.argv[1])
 import vmpin
 from vmpin.lean import codecache as cc
+from vmpin.lean import codewriter
 root = vmpin.__path__[0]
 texts = {
     "vmpin.zz_ok": "import vmpin.zz_dep\\nY = vmpin.zz_dep.Z\\n",
@@ -211,7 +212,7 @@ for name, text in texts.items():
                    marshal.dumps(compile(text, path, "exec")))
 os.makedirs(os.path.dirname(cc.cache_path(root)), exist_ok=True)
 with open(cc.cache_path(root), "wb") as f:
-    for chunk in cc._layout(root, codes):
+    for chunk in codewriter._layout(root, codes):
         f.write(chunk)
 cache = cc.install()
 assert cache is not None and cache.slow is not None

@@ -158,6 +158,14 @@ def test_runc_no_agent(env: dict[str, str], tmp_path: Path, paths: HostPaths) ->
     # and so do the dataclass templates (~0.3 M more)
     assert "vmpin.lean.dataclass" not in loaded
     assert "vmpin.lean.initshapes" not in loaded
+    # the allocations' two cheap tests are vmpin.state.allocating's: the allocations' own
+    # module and its record class stay unloaded (~0.4 M); and no runtime adapter's error
+    # class is made (vmpin.core.errors keeps the shared ones: tests/core/test_errors.py)
+    assert "vmpin.state.allocations" not in loaded
+    # it waits on no other process: the budget's module is the waiting paths' (~0.05 M)
+    assert "vmpin.service.budget" not in loaded
+    assert not {"vmpin.core.topology", "vmpin.core.planner", "vmpin.linux.affinity",
+                "vmpin.runtimes.qmp", "vmpin.runtimes.kubelet"} & loaded  # fmt: skip
     # ...and the event it journaled is in the store for the next reader
     listed = subprocess.run(
         [sys.executable, "-m", "vmpin", "--state-dir", paths.state_dir, "containers", "--json"],

@@ -17,7 +17,7 @@ from tests.support.fakeagent import OneReplyAgent, SyncWatchingAgent, watch_sync
 from tests.support.session import new_id
 from vmpin.core.errors import StateError
 from vmpin.linux.paths import HostPaths
-from vmpin.service import hook
+from vmpin.service import budget, hook
 from vmpin.state.journal import journal_dir, pending
 
 CRI = "io.kubernetes.cri."
@@ -81,7 +81,7 @@ def test_hook_syncs_the_journal_while_the_agent_works(
     finally:
         agent.close()
     events.append("returned")
-    assert agent.request == {"op": "dirty", "sandboxes": [cid], "wait": hook.AGENT_WAIT}
+    assert agent.request == {"op": "dirty", "sandboxes": [cid], "wait": budget.AGENT_WAIT}
     # the entry was whole and in the journal when the agent was asked (it ingests it), the
     # file and its directory synced after that and before the answer was read
     assert events == ["request", "synced file", "synced", "reply", "returned"]

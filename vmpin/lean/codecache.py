@@ -19,9 +19,10 @@ module is imported; the file names the interpreter's bytecode magic and the pack
 directory it was made for; a file that is not ours (another owner, writable by group or
 others, not a regular file) or not whole (the index names its size) is not read. Whatever
 does not check out is imported the ordinary way, and the hook that saw a miss writes the
-file again after its work (once per install and hook path: ~5 ms), unless Python is told not
-to write bytecode (``-B``, ``PYTHONDONTWRITEBYTECODE``). A file that cannot be written (a
-read-only install) only means ordinary imports.
+file again after its work (once per install and hook path: ~5 ms; its writer,
+:mod:`vmpin.lean.codewriter`, is loaded then only), unless Python is told not to write
+bytecode (``-B``, ``PYTHONDONTWRITEBYTECODE``). A file that cannot be written (a read-only
+install) only means ordinary imports.
 
 Served without the import system's machinery, where it can be (issue 14): importlib's own
 steps for one module (a module lock, the finders asked, the spec's attributes set one by one,
@@ -284,81 +285,10 @@ def save(cache: CodeCache) -> bool:
     if not cache.missed or sys.dont_write_bytecode:
         return False
     try:
-        return _save(cache)
+        # (the writer's code apart: a process that missed nothing never loads it, ~0.07 M
+        # instructions of every hook and command)
+        from vmpin.lean.codewriter import write
+
+        return write(cache)
     except Exception:
         return False
-
-
-def _save(cache: CodeCache) -> bool:
-    path = cache_path(cache.root)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o644)
-    except OSError:
-        # no __pycache__, a read-only install, another user's: ordinary imports it is, and
-        # the code is not gathered for nothing (a read command run by a user, every time)
-        return False
-    try:
-        try:
-            for chunk in _layout(cache.root, _codes(cache)):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # readers see the old file or the new one
-    except Exception:
-        try:  # noqa: SIM105 (contextlib stays off the hook path)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
-    return True
-
-
-def _codes(cache: CodeCache) -> dict[str, tuple[str, int, int, bool, bytes]]:
-    """What the file is to hold: the entries that still check out, and every vmpin module
-    this process imported from its source (unchanged while read)."""
-    codes: dict[str, tuple[str, int, int, bool, bytes]] = {}
-    for name, entry in cache.entries.items():
-        try:
-            codes[name] = (*entry[:4], cache.code(name))
-        except (OSError, ImportError):
-            continue
-    prefix = cache.root + os.sep
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("vmpin.") or name in codes:
-            continue
-        spec: Any = getattr(module, "__spec__", None)
-        origin = getattr(spec, "origin", None)
-        get_code = getattr(getattr(spec, "loader", None), "get_code", None)
-        if not (isinstance(origin, str) and origin.startswith(prefix) and get_code):
-            continue
-        try:
-            before = os.stat(origin)
-            code = get_code(name)
-            after = os.stat(origin)
-        except (OSError, ImportError, SyntaxError, ValueError):
-            continue
-        if code is None or (before.st_mtime_ns, before.st_size) != (
-            after.st_mtime_ns,
-            after.st_size,
-        ):
-            continue  # changed while read: left to the next hook
-        is_package = spec.submodule_search_locations is not None
-        codes[name] = (origin, after.st_mtime_ns, after.st_size, is_package, marshal.dumps(code))
-    return codes
-
-
-def _layout(root: str, codes: dict[str, tuple[str, int, int, bool, bytes]]) -> list[bytes]:
-    """The file's chunks: the index's length, the index (with the code's total length and
-    each module's offset after it), the code objects in name order."""
-    names = sorted(codes)
-    index: Entries = {}
-    offset = 0
-    for name in names:
-        index[name] = (*codes[name][:4], offset, len(codes[name][4]))
-        offset += len(codes[name][4])
-    head = marshal.dumps((FORMAT, _magic(), root, offset, index))
-    return [len(head).to_bytes(_LEN, "little"), head, *(codes[name][4] for name in names)]

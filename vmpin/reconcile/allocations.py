@@ -50,6 +50,7 @@ from vmpin.core.allocate import Options, Refusal, allocate, for_machine, reserve
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.podpolicy import exclusive_request
 from vmpin.runtimes.kubelet import is_infra
+from vmpin.state import allocating
 from vmpin.state import allocations as table
 from vmpin.state.allocations import Allocation
 from vmpin.state.changes import top
@@ -114,7 +115,7 @@ def settle(
     asks = _asking(store)
     found = _rows(store, version)
     held = any(a.sandbox_id != NODE_ROW for a in found)
-    if not asks and not held and not table.present(store.state_dir):
+    if not asks and not held and not allocating.present(store.state_dir):
         setattr(store, _SETTLED, version)
         return False
     options, config_notes = Options(), list[str]()

@@ -434,7 +434,7 @@ class Reconciler:
         from vmpin.reconcile.apply import Applier
         from vmpin.reconcile.plan import plan_node
         from vmpin.reconcile.report import sandbox_report
-        from vmpin.state.allocations import present as allocating
+        from vmpin.state.allocating import present as allocating
 
         if allocating(self.store.state_dir):
             return None  # vmpin's allocations move the pool: the node's pass (issue 30)

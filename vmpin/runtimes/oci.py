@@ -119,9 +119,18 @@ def _annotations(value: Any, where: str) -> dict[str, str]:
         raise SpecError(f"{where}: annotation {bad[0]!r} is not a string")
     if len(obj) > MAX_ANNOTATIONS:
         raise SpecError(f"{where}: {len(obj)} annotations, over the limit of {MAX_ANNOTATIONS}")
-    for k, v in obj.items():
-        _text(k, f"{where}: annotation key")
-        _text(v, f"{where}: annotation {k!r}")
+    # every text at once (a hook checks two maps, the state's and the spec's, at every
+    # start): one encoding and one length test, and no message built for texts that pass
+    texts = [*obj, *obj.values()]
+    try:
+        "".join(texts).encode()  # (any lone surrogate fails it, as it fails _text)
+        fine = not texts or max(map(len, texts)) <= MAX_TEXT
+    except UnicodeEncodeError:
+        fine = False
+    if not fine:  # the first that fails, in the map's order, says why
+        for k, v in obj.items():
+            _text(k, f"{where}: annotation key")
+            _text(v, f"{where}: annotation {k!r}")
     return dict(obj)
 
 

@@ -6,7 +6,7 @@ ready entry at once and runs one node-wide pass for the lot.  A pass, in phases:
 
     begin     Waiters.pass_begins          its number; guest maps now or after the answers
     pass      the store (ingest, the API's policies) -> Reconciler.reconcile (the pins)
-    end       DirtyQueue.done_all -> Waiters.pass_ends (answers) -> AgentViews.pass_ends
+    end       Waiters.pass_ends (answers) -> DirtyQueue.done_all -> AgentViews.pass_ends
     after     Waiters.publish_late -> Reconciler.release_maps -> Accounting.account_pass
               -> the Kubernetes link (events, the report) -> Accounting.progress
     settle    Store.settle_journal, on a thread of its own (:class:`Settler`), at most
@@ -340,10 +340,15 @@ class Planner:
         except Exception as err:  # the planner must survive any one pass
             self._failed("node pass", err, batch, store)
         finally:
-            # the answers as soon as the pins are done: a waiter waits for nothing else
-            self.queue.done_all([w.sandbox_id for w in batch])
+            # the answers as soon as the pins are done: a waiter waits for nothing else --
+            # not for the queue's bookkeeping either, which comes after them (a request
+            # for one of these sandboxes that comes meanwhile finds it running, and gets
+            # the pass after: DirtyQueue.add)
             ok = pinned is not None
-            maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
+            try:
+                maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
+            finally:
+                self.queue.done_all([w.sandbox_id for w in batch])
             answered = time.monotonic()
             if views is not None:
                 views.pass_ends(number, ok, store, reconciler)

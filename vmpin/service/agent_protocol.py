@@ -24,8 +24,9 @@ from vmpin.service.metrics import Metrics
 from vmpin.service.queue import DirtyQueue
 from vmpin.service.server import Reply
 from vmpin.wire.control import OK, Dirty, DirtyReply, refused
-from vmpin.wire.control_commands import Reconcile, Status, Update, View
+from vmpin.wire.control_commands import Reconcile, Status, View
 from vmpin.wire.control_commands import request_from_json as read_request
+from vmpin.wire.control_update import Update
 
 #: the least time between two log lines about bad requests
 BAD_LOG_EVERY = 60.0
@@ -293,13 +294,16 @@ class ControlProtocol:
 
         ``urgent``: a caller blocks on the pass, so no hold-off (:class:`DirtyQueue`).
         """
-        now = time.monotonic()
-        added = self.queue.add_all(sandbox_ids, "event", now, urgent=urgent)
+        added = self.queue.add_all(sandbox_ids, "event", time.monotonic(), urgent=urgent)
+        return self._count(added)
+
+    def _count(self, added: list[bool]) -> int:
+        """Events queued (:meth:`DirtyQueue.add_all`'s answer) counted; how many queued."""
         queued = sum(added)
         self.metrics.events.inc(len(added))
         if len(added) > queued:
             self.metrics.coalesced.inc(len(added) - queued)
-        self.accounting.count_events(len(sandbox_ids))
+        self.accounting.count_events(len(added))
         return queued
 
     def notify_and_wait(
@@ -314,13 +318,27 @@ class ControlProtocol:
     ) -> dict[str, Any]:
         """The blocking ``dirty``: reply once a node pass that started after now has ended
         (:meth:`Waiters.wait`; ``done``: see there).  ``meanwhile`` runs once the work is
-        queued, before the wait (an update's sync, while the pass runs)."""
+        queued, before the wait (an update's sync, while the pass runs).
+
+        The planner is woken once (the queue's ``notify_all``: a kick as well was a second
+        one under the queue's lock), and the next thing this thread does is ``meanwhile``'s
+        (its syncs let go of the GIL) or the wait: the woken planner runs Python only while
+        this thread does not, so the events are counted after ``meanwhile`` (still before
+        the wait: ``status`` counts a request waiting for its pass; issue 28)."""
 
         def queue_work() -> int:
-            queued = self.notify(sandbox_ids, urgent=True)
-            self.queue.kick()  # a pass even if every id folded into one running, or none given
-            if meanwhile is not None:
-                meanwhile()
+            if sandbox_ids:
+                # (an id always makes a pass: it is queued, folded into a queued entry, or
+                # due again after the running pass: DirtyQueue.add)
+                added = self.queue.add_all(sandbox_ids, "event", time.monotonic(), urgent=True)
+            else:
+                added = []
+                self.queue.kick()  # a pass even with no id
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                queued = self._count(added)
             return queued
 
         return self.waiters.wait(queue_work, wait, answer, maps_first=maps_first, done=done)

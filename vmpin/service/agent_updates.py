@@ -33,7 +33,7 @@ from vmpin.service.server import Reply
 from vmpin.service.update import record_update
 from vmpin.state.store import Store
 from vmpin.wire.control import refused
-from vmpin.wire.control_commands import Update, UpdateReply
+from vmpin.wire.control_update import Update, UpdateReply
 
 #: how far past the caller's wait its ``until`` may seem to lie by the agent's clock before
 #: the agent takes the two clocks for different ones (another time namespace) and refuses

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any
 
-    from vmpin.wire.control_commands import Request, UpdateReply, View, ViewReply
+    from vmpin.wire.control_commands import Request, View, ViewReply
+    from vmpin.wire.control_update import UpdateReply
 
 
 #: how long a full backlog is waited out (seconds; at most the request's timeout)
@@ -225,7 +226,7 @@ def update(
     wait: float,
     meanwhile: Callable[[], object] | None = None,
 ) -> tuple[UpdateReply | None, bool]:
-    """``vmpin update`` written and re-pinned by the agent (a vmpin.wire.control_commands.
+    """``vmpin update`` written and re-pinned by the agent (a vmpin.wire.control_update.
     Update: the container, its CPU list, a deadline ``wait`` seconds from now): the answer,
     and whether any came.  (None, True): the agent refused (an old one that does not know
     the request, other host roots); (None, False): no agent (nothing is imported then), or
@@ -238,7 +239,7 @@ def update(
     if path is None:
         return None, False
     from vmpin.wire.control import reply_from_json
-    from vmpin.wire.control_commands import Update, UpdateReply
+    from vmpin.wire.control_update import Update, UpdateReply
 
     until = time.monotonic() + wait
     message = Update(container_id, cpus, until, wait, dict(paths._asdict()))

@@ -19,7 +19,7 @@ exactly once.  Then bring the sandbox into line:
   does not grow with the node (issue 26: 1.9 s at 10,000 containers); else the node is
   re-planned as for Kata.
 - a plain container whose pod asks vmpin for exclusive CPUs, or any container while vmpin
-  holds allocations (vmpin.state.allocations.MARKER): re-planned as for Kata, so its pod is
+  holds allocations (vmpin.state.allocating.MARKER): re-planned as for Kata, so its pod is
   allocated, or the shared pool shrinks or grows, before the hook returns (issue 30).
 
 Never stalled by another process (issue 26): every wait on one -- the agent's answer, the
@@ -64,9 +64,8 @@ from vmpin.linux.files import listing
 from vmpin.linux.paths import ENVVARS as PATH_OPTIONS
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.oci import hook_event
-from vmpin.service.budget import AGENT_WAIT, BUDGET
-from vmpin.state.allocations import asks_exclusive
-from vmpin.state.allocations import present as allocations_present
+from vmpin.state.allocating import asks_exclusive
+from vmpin.state.allocating import present as allocations_present
 from vmpin.state.journal import INGEST_BUDGET, INGEST_THRESHOLD, append, append_unsynced, backlog
 from vmpin.state.journal import sync as journal_sync
 from vmpin.wire.hookevent import STAGES
@@ -116,7 +115,7 @@ def _main(opts: dict[str, str], args: list[str]) -> int:
     return 1 if strict else 0
 
 
-__all__ = ["AGENT_WAIT", "BUDGET", "main", "reconcile_here", "run"]
+__all__ = ["main", "reconcile_here", "run"]
 
 
 def _settings(opts: dict[str, str]) -> tuple[Settings | None, HostPaths]:
@@ -141,9 +140,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
     answers the blocking notify (its pass applies the journal and plans the node; the hook
     never opens the store), else right here.  A plain container's event on a node without VMs
     waits for the agent or the next vmpin command.  No wait on another process goes past
-    :data:`BUDGET` seconds from here (vmpin.service.budget).
+    the budget's seconds from here (vmpin.service.budget, imported by the paths that wait:
+    a plain container's journaling waits on no one).
     """
-    deadline = time.monotonic() + BUDGET
+    started = time.monotonic()
     event = hook_event(paths, stage, data)
     ident = event.ident
     sandbox = ident.sandbox_id if ident else None
@@ -163,8 +163,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
             # journaled as on a node without VMs, at a cost that does not grow with the node.
             replan, name = _beside_vms(paths, event, vms)
     if replan:
+        from vmpin.service.budget import AGENT_WAIT, BUDGET
         from vmpin.service.control import notify
 
+        deadline = started + BUDGET
         # The event's file is whole before the agent hears of it; it and the journal's
         # directory are synced while the agent's pass runs (a disk's two syncs, ~0.5 ms,
         # off the start's path) and always before this hook says the event is recorded,
@@ -218,8 +220,10 @@ def run(paths: HostPaths, stage: str, data: bytes, settings: Settings | None = N
         # No one has applied the journal for a while (no agent, no CLI): keep it bounded
         # here, in batches within a time budget, so no later hook inherits a huge backlog.
         from vmpin.core.errors import StateError
+        from vmpin.service.budget import BUDGET
         from vmpin.state.store import Store
 
+        deadline = started + BUDGET
         try:  # noqa: SIM105 (contextlib stays off the hook's path)
             Store(paths.state_dir, ingest=False, deadline=deadline).ingest(budget=INGEST_BUDGET)
         except StateError:

@@ -134,6 +134,21 @@ def arrived(conn: socket.socket, ends: tuple[bytes, ...] | None) -> bool:
     return any(e in data for e in ends)
 
 
+def arrived_head(conn: socket.socket, ends: tuple[bytes, ...]) -> tuple[bytes, bool]:
+    """What of a new connection's request is in its socket already, read (not peeked)
+    without blocking, and whether it is whole (one of ``ends`` in it): :func:`arrived`'s
+    test for a connection whose own thread reads it next, which then goes on from these
+    bytes (:func:`read_request`'s ``head``) -- a request sent as the client connected is
+    read with this one ``recv``, not a peek, a poll and a second ``recv``."""
+    if conn.gettimeout() is not None:
+        return b"", False
+    try:
+        data = conn.recv(65536, socket.MSG_DONTWAIT)
+    except OSError:  # (nothing yet, or an error the read proper meets again)
+        return b"", False
+    return data, any(e in data for e in ends)
+
+
 class Cut(Exception):
     """A request that did not arrive whole: ``reason`` is ``timeout`` or ``too_large``."""
 
@@ -142,9 +157,13 @@ class Cut(Exception):
         self.reason = reason
 
 
-def read_request(conn: socket.socket, ends: tuple[bytes, ...], limit: int, seconds: float) -> bytes:
+def read_request(
+    conn: socket.socket, ends: tuple[bytes, ...], limit: int, seconds: float, head: bytes = b""
+) -> bytes:
     """The request's bytes, up to and with the first of ``ends``, or all that came before the
     peer closed its side (perhaps ``b""``; an evicted connection reads as closed).
+    ``head``: its first bytes, read already (:func:`arrived_head`); a whole request there
+    is returned as it is, without a system call.
 
     One deadline, ``seconds`` from now, for the whole request: a timeout per ``recv`` lets a
     client that sends one byte a second hold the connection for ever.  Raises :class:`Cut`
@@ -154,10 +173,15 @@ def read_request(conn: socket.socket, ends: tuple[bytes, ...], limit: int, secon
     Python timeout set, any recv on it -- :func:`arrived`'s peek from the thread that
     decides an eviction -- would first wait for data, up to that timeout.
     """
+    if head and any(e in head for e in ends):
+        return head
     deadline = time.monotonic() + seconds
-    buf = bytearray()
+    buf = bytearray(head)
+    if len(buf) > limit:
+        raise Cut("too_large")
     longest = max(len(e) for e in ends)
-    conn.settimeout(None)
+    if conn.gettimeout() is not None:
+        conn.settimeout(None)
     poller = select.poll()
     poller.register(conn, select.POLLIN)
     while True:

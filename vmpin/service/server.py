@@ -31,7 +31,7 @@ from vmpin.service.limits import (
     Cut,
     Slot,
     Slots,
-    arrived,
+    arrived_head,
     read_request,
 )
 from vmpin.service.logs import log_event
@@ -68,12 +68,21 @@ class Reply:
         if self.sent:
             return
         self.sent = True
+        data = reply if isinstance(reply, bytes) else reply_to_json(reply)
+        conn = self._conn
         try:
-            # a client that sent its line waits for this one: its receive buffer is empty
-            # (the socket's timeout is CONTROL_WRITE_TIMEOUT: one deadline for the sendall,
-            # a view's megabytes included: a reader that stops reading holds its own thread
-            # that long, and no one else)
-            self._conn.sendall(reply if isinstance(reply, bytes) else reply_to_json(reply))
+            # a client that sent its line waits for this one: its receive buffer is empty,
+            # so a line takes one send that does not block (no poll before it, as a socket
+            # with a timeout makes); what it did not take (a view's megabytes) goes with a
+            # timeout of CONTROL_WRITE_TIMEOUT: one deadline for the sendall, so a reader
+            # that stops reading holds its own thread that long, and no one else
+            try:
+                sent = conn.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                conn.settimeout(CONTROL_WRITE_TIMEOUT)
+                conn.sendall(memoryview(data)[sent:])
         except TimeoutError:
             if self._slots is not None:
                 self._slots.drop("timeout")
@@ -210,7 +219,7 @@ class ControlServer:
                     self.fault("control accept", err)
                     time.sleep(ACCEPT_BACKOFF)
                     continue
-                slot = self._admit(conn, me)
+                slot, head = self._admit(conn, me)
                 if slot is None:
                     continue  # refused or over the cap, closed: this thread accepts on
                 with self._pool_lock:
@@ -222,7 +231,7 @@ class ControlServer:
                     except OSError as err:  # this thread accepts again after this one
                         self.fault("control accept", err)
                 try:
-                    self._serve_conn(conn, slot)
+                    self._serve_conn(conn, slot, head)
                 finally:
                     # (released before the close: an eviction never meets a reused fd)
                     self.slots.release(slot)
@@ -235,24 +244,26 @@ class ControlServer:
             with self._pool_lock:
                 self._threads.discard(threading.current_thread())
 
-    def _admit(self, conn: socket.socket, me: int) -> Slot | None:
-        """An accepted connection's slot; None when it was refused (another uid) or is over
-        the cap (every slot being answered; counted): closed at once, and the caller (a
-        hook, ``vmpin update``) then pins in-process."""
+    def _admit(self, conn: socket.socket, me: int) -> tuple[Slot | None, bytes]:
+        """An accepted connection's slot, and what of its request has come (read already:
+        :func:`arrived_head`); no slot when it was refused (another uid) or is over the cap
+        (every slot being answered; counted): closed at once, and the caller (a hook,
+        ``vmpin update``) then pins in-process."""
         uid = _peer_uid(conn)
         if uid is not None and uid not in (0, me):
             conn.close()
             self.refused()
-            return None
-        slot = self.slots.admit(conn, arrived(conn, (b"\n",)))
+            return None, b""
+        head, whole = arrived_head(conn, (b"\n",))
+        slot = self.slots.admit(conn, whole)
         if slot is None:
             conn.close()
-        return slot
+        return slot, head
 
-    def _serve_conn(self, conn: socket.socket, slot: Slot) -> None:
+    def _serve_conn(self, conn: socket.socket, slot: Slot, head: bytes = b"") -> None:
         try:
             try:
-                line = read_request(conn, (b"\n",), MAX_REQUEST, CONTROL_READ_TIMEOUT)
+                line = read_request(conn, (b"\n",), MAX_REQUEST, CONTROL_READ_TIMEOUT, head)
             except Cut as cut:
                 self.slots.drop(cut.reason)
                 return
@@ -263,7 +274,6 @@ class ControlServer:
                 # is no request to answer, and a log line for each would let any flood of
                 # them fill the log
                 return
-            conn.settimeout(CONTROL_WRITE_TIMEOUT)
             answer = Reply(conn, self.slots)
             try:
                 reply = self.handle(line.split(b"\n", 1)[0], answer)

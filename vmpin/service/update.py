@@ -23,7 +23,7 @@ import sys
 import time
 
 from vmpin.core.cpuset import CpuSet
-from vmpin.core.errors import CpuSetError, SpecError, StateError
+from vmpin.core.errors import CpuSetError, SpecError, StateError, VmpinError
 from vmpin.linux.paths import HostPaths
 from vmpin.service.budget import AGENT_WAIT, BUDGET
 from vmpin.service.settings import Settings
@@ -85,6 +85,10 @@ def _known(store: Store, container_id: str) -> ContainerRec:
     is none (the command then looks for a libvirt domain of that name)."""
     # (raised, not printed and gone past: a write after it would meet the same lock)
     store.ingest()
+    return _record(store, container_id)
+
+
+def _record(store: Store, container_id: str) -> ContainerRec:
     rec = store.container(container_id)
     if rec is None:
         raise UnknownContainer(f"unknown container {container_id!r} (see `vmpin containers`)")
@@ -101,19 +105,35 @@ def record_update(
     an event not yet in the store would otherwise land after this write and undo it), a set
     not empty, every CPU online.  ``until`` (``time.monotonic()``): the write happens only
     before it, checked under SQLite's write lock (:class:`Late`): the agent's, whose caller
-    writes the set itself once ``until`` has passed (vmpin.wire.control_commands.Update)."""
-    old = _known(store, container_id)
-    if not cpus:
-        raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
-    # (the online list alone: the rest of the topology is the pass's, which reads it anyway)
+    writes the set itself once ``until`` has passed (vmpin.wire.control_update.Update).
+
+    The checks are made in the write's transaction (the online list read just before
+    it), a failed one rolling it back: the record read there is the one the write
+    replaces, so the write's own record is made from it rather than read back
+    (:meth:`vmpin.state.writer.Writer.set_container_cpus`'s ``old``; issue 28: one
+    statement fewer, and one read of the store after the planner's commits rather than
+    two)."""
+    # (the online list alone: the rest of the topology is the pass's, which reads it anyway;
+    # read before the transaction, so that no writer waits for sysfs, and said in the
+    # checks' order: a container unknown first)
     from vmpin.core.topology import check_online
     from vmpin.linux.sysfs import online_cpus
 
-    check_online(cpus, online_cpus(paths.sys), f"container {container_id}")
+    store.ingest()
+    try:
+        online: CpuSet | VmpinError = online_cpus(paths.sys)
+    except VmpinError as err:
+        online = err
     with store.transaction():
+        old = _record(store, container_id)
+        if not cpus:
+            raise SpecError("--cpuset-cpus: the empty set would leave the container no CPU")
+        if isinstance(online, VmpinError):
+            raise online
+        check_online(cpus, online, f"container {container_id}")
         if until is not None and time.monotonic() >= until:
             raise Late(f"update of {container_id}: the caller's deadline has passed")
-        new = store.set_container_cpus(container_id, cpus, "update")
+        new = store.set_container_cpus(container_id, cpus, "update", old)
     return old, new
 
 

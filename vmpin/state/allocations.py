@@ -12,10 +12,11 @@ on SQLite's write lock, and the second sees the first's rows before it chooses.
 - ``cpu_limits``: each container's CPU limit in whole CPUs (OCI ``quota / period``), written
   when the hook's create event is applied (a count the pod's annotation may leave to them).
 
-The state dir also holds :data:`MARKER` while any row exists: a plain container's hook, which
-otherwise never opens the store (docs/design.md), then takes the pass path, so that a
-container started or stopped beside an allocation is planned against it before the hook
-returns.  One ``stat``; this module stays lean (the hook imports it).
+The state dir also holds :data:`vmpin.state.allocating.MARKER` while any row exists: a plain
+container's hook, which otherwise never opens the store (docs/design.md), then takes the pass
+path, so that a container started or stopped beside an allocation is planned against it
+before the hook returns.  One ``stat``, in vmpin.state.allocating: the hook's tests are there,
+and this module stays lean for a hook's pass.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from __future__ import annotations
 import os
 
 from vmpin.core.cpuset import CpuSet
+from vmpin.state.allocating import MARKER
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     import sqlite3
-    from collections.abc import Mapping
     from typing import NamedTuple
 else:
     from vmpin.lean.records import NamedTuple
@@ -50,10 +51,6 @@ CREATE TABLE IF NOT EXISTS cpu_limits (
 );
 """
 
-#: in the state dir while any allocation (granted or waiting) is recorded; holds the CPUs
-#: allocated, for people
-MARKER = "allocations"
-
 _COLS = ("sandbox_id", "pod_uid", "cpus", "size", "via", "reason", "created_at", "updated_at")
 
 
@@ -69,19 +66,6 @@ class Allocation(NamedTuple):
     reason: str | None
     created_at: float
     updated_at: float
-
-
-def asks_exclusive(annotations: Mapping[str, str]) -> bool:
-    """Whether an OCI spec's annotations may ask for exclusive CPUs (the hook's cheap test:
-    vmpin.core.podpolicy.exclusive_request decides, in the pass)."""
-    own = annotations.get("vmpin.io/exclusive-cpus")
-    if own is not None:
-        return own.strip().lower() != "none"
-    return annotations.get("qos.gocrane.io/cpu-manager", "").strip().lower() == "exclusive"
-
-
-def present(state_dir: str) -> bool:
-    return os.path.exists(os.path.join(state_dir, MARKER))
 
 
 def record_limit(db: sqlite3.Connection, container_id: str, cpus: int | None) -> None:

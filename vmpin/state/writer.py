@@ -84,43 +84,59 @@ class Writer(Reader):
             self._bump(db, rec.sandbox_id, now)
 
     def set_container_cpus(
-        self, container_id: str, cpus: CpuSet | None, source: str, **seen: str | None
+        self,
+        container_id: str,
+        cpus: CpuSet | None,
+        source: str,
+        old: ContainerRec | None = None,
+        /,
+        **seen: str | None,
     ) -> ContainerRec:
         """Record a container's new CPU set (an update) and mark its sandbox dirty; the
-        record as this write left it (read in its transaction: its ``updated_at`` names this
-        write, see :meth:`restore_container_cpus`).
+        record as this write left it (its ``updated_at`` names this write, see
+        :meth:`restore_container_cpus`).
 
-        The row is written first and read once after (its sandbox from that read): a read
-        of its sandbox before the write was one more statement on every ``vmpin update``
-        (issue 28).  Not ``UPDATE ... RETURNING``: with another connection's commit since
-        this one's last statement (the agent's planner, before each update) it was ~30 us
-        slower than the write and the read."""
+        The row is read in the write's transaction, and the record this write leaves made
+        from it: nothing else can write the row between the two.  ``old``: the row as the
+        caller read it in the transaction it holds open around this call (``vmpin update``'s
+        checks: vmpin.service.update.record_update), not read again (issue 28: a read of
+        the row before an update's write, and one after it, were one statement more on
+        every ``vmpin update``).  Not ``UPDATE ... RETURNING``: with another connection's
+        commit since this one's last statement (the agent's planner, before each update) it
+        was ~30 us slower than the write and a read."""
         allowed = {"runtime_seen", "kubelet_seen"}
         if set(seen) - allowed:
             raise ValueError(f"unknown columns {set(seen) - allowed}")
+        if old is not None and (not self._depth or old.id != container_id):
+            raise ValueError("old: the row as read in the caller's open transaction")
         now = time.time()
-        # updated_at=MAX(now, the last write's + a tick): every write of the row leaves a
-        # later stamp than the one before it, even within one clock tick or after the clock
-        # stepped back
-        sets = ["cpus=?", "cpus_source=?", "updated_at=MAX(?, updated_at + ?)"]
-        sets += [f"{k}=?" for k in seen]
+        sets = ["cpus=?", "cpus_source=?", "updated_at=?", *(f"{k}=?" for k in seen)]
         with self.transaction() as db:
-            cur = db.execute(
+            if old is None:
+                old = self.container(container_id)
+                if old is None:
+                    raise StateError(f"unknown container {container_id!r}")
+            # every write of the row leaves a later stamp than the one before it, even
+            # within one clock tick or after the clock stepped back
+            stamp = max(now, old.updated_at + _TICK)
+            db.execute(
                 f"UPDATE containers SET {','.join(sets)} WHERE id=?",
                 [
                     None if cpus is None else cpus.to_list(),
                     source,
-                    now,
-                    _TICK,
+                    stamp,
                     *seen.values(),
                     container_id,
                 ],
             )
-            rec = self.container(container_id) if cur.rowcount else None
-            if rec is None:
-                raise StateError(f"unknown container {container_id!r}")
-            self._bump(db, rec.sandbox_id, now)
-        return rec
+            self._bump(db, old.sandbox_id, now)
+        return old._replace(
+            cpus=cpus,
+            cpus_source=source,
+            updated_at=stamp,
+            runtime_seen=seen.get("runtime_seen", old.runtime_seen),
+            kubelet_seen=seen.get("kubelet_seen", old.kubelet_seen),
+        )
 
     def restore_container_cpus(
         self, written: ContainerRec, cpus: CpuSet | None, source: str

@@ -1,6 +1,7 @@
 """The control protocol's requests of the commands -- ``status``, ``reconcile``, ``view`` (the
-read commands) and ``update`` (``vmpin update``) -- their replies, and the agent's reader of
-every request line (:func:`request_from_json`).
+read commands) and ``update`` (``vmpin update``; its request and reply are
+:mod:`vmpin.wire.control_update`'s) -- their replies, and the agent's reader of every request
+line (:func:`request_from_json`).
 
 The protocol itself (its lines, limits, version) and the hooks' ``dirty`` are
 :mod:`vmpin.wire.control`'s: a hook loads that module alone.  Both sides use these, so that
@@ -13,6 +14,7 @@ from __future__ import annotations
 from vmpin.core.errors import IdError, WireError
 from vmpin.core.ids import check_id
 from vmpin.wire.control import MAX_AGE, MAX_WAIT, OPS, VIEW_NAMES, Dirty
+from vmpin.wire.control_update import Update
 from vmpin.wire.jsonio import dumps, loads
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
@@ -74,35 +76,6 @@ class View(NamedTuple):
         return obj
 
 
-class Update(NamedTuple):
-    """``vmpin update``, written and re-pinned by the agent (vmpin.service.agent_updates):
-    the command then opens no store, and waits for one pass instead of a write, a sync and
-    a pass.
-
-    ``until`` (``time.monotonic()``, the caller's): the agent writes only before it, and
-    checks that inside the write transaction, so that a caller that gave up at ``until``
-    and wrote the set itself can never be overwritten by an agent that was stopped with
-    the request in hand (issue 26).  ``wait``: the caller's wait, which ``until`` must not
-    lie beyond (an agent whose monotonic clock is not the caller's refuses).  ``roots``:
-    the caller's host roots (HostPaths), which must be the agent's."""
-
-    container: str
-    cpus: str
-    until: float
-    wait: float
-    roots: dict[str, str]
-
-    def to_obj(self) -> dict[str, Any]:
-        return {
-            "op": "update",
-            "container": self.container,
-            "cpus": self.cpus,
-            "until": self.until,
-            "wait": self.wait,
-            "roots": self.roots,
-        }
-
-
 if TYPE_CHECKING:
     Request: TypeAlias = Dirty | Status | Reconcile | View | Update
 
@@ -129,37 +102,6 @@ class ViewReply(NamedTuple):
         if isinstance(number, bool) or not isinstance(number, int):
             return None
         return cls(view, text, float(age), number)
-
-
-class UpdateReply(NamedTuple):
-    """The agent's answer to :class:`Update`: ``done`` with the container's sandbox and set
-    as written, or not done with why (the set then is as it was, bar a later writer's)."""
-
-    done: bool
-    id: str = ""
-    sandbox: str = ""
-    cpus: str | None = None
-    error: str | None = None
-
-    def to_obj(self) -> dict[str, Any]:
-        if not self.done:
-            return {"ok": True, "done": False, "error": self.error or "not done"}
-        return {"ok": True, "done": True, "id": self.id, "sandbox": self.sandbox,
-                "cpus": self.cpus}  # fmt: skip
-
-    @classmethod
-    def from_obj(cls, reply: Mapping[str, Any] | None) -> UpdateReply | None:
-        """The answer in a reply; None when the agent did not take the request (an old
-        agent, a refusal, a reply of another shape)."""
-        if not reply or reply.get("ok") is not True or not isinstance(reply.get("done"), bool):
-            return None
-        if not reply["done"]:
-            error = reply.get("error")
-            return cls(False, error=error if isinstance(error, str) else None)
-        cid, sid, cpus = reply.get("id"), reply.get("sandbox"), reply.get("cpus")
-        if not isinstance(cid, str) or not isinstance(sid, str):
-            return None
-        return cls(True, cid, sid, cpus if isinstance(cpus, str) else None)
 
 
 def view_reply_to_json(view: str, text_json: str, age_s: float, number: int) -> bytes:
