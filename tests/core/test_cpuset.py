@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmpin.core.cpuset import EMPTY, MAX_CPUS, CpuSet, parse_cpus
+from vmpin.core.cpuset import EMPTY, MAX_CPUS, CpuSet, checked, parse_cpus
 from vmpin.core.errors import CpuSetError, VmpinError
 
 # -- the list format ------------------------------------------------------------------------
@@ -467,3 +467,12 @@ def test_strict_parser_still_refuses_kernel_only_forms(text: str) -> None:
     # user input (--cpuset-cpus) keeps the strict grammar: one clear error, not a guess
     with pytest.raises(CpuSetError):
         CpuSet.parse(text)
+
+
+def test_checked_is_the_set_of_cpus_already_checked() -> None:
+    """What a plan derives from checked sets is the set CpuSet would make, unchecked again."""
+    for cpus in ((), (3,), (0, 1, 2, 7), range(MAX_CPUS - 2, MAX_CPUS)):
+        got = checked(cpus)
+        assert got == CpuSet(cpus) and hash(got) == hash(CpuSet(cpus))
+        assert got.to_list() == CpuSet(cpus).to_list() and list(got) == sorted(cpus)
+    assert checked(()) == EMPTY and not checked(())

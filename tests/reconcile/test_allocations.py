@@ -308,3 +308,48 @@ def test_200_concurrent_hooks_never_hand_out_a_cpu_twice(pods: PlainPods) -> Non
         list(pool.map(pods.delete, sorted(live)))
     assert pods.vmpin("reconcile", "--once").returncode == 0
     assert pods.allocations() == {}
+
+
+def test_a_pass_reads_the_table_again_only_when_the_log_names_a_write_of_it(
+    tmp_path: Path,
+) -> None:
+    """The allocations table is in the store's change log (schema 6): a pass that finds no
+    write of it since its last read takes that read (issue 28: read on every event's pass),
+    and one written by another process since is read again -- a read-only view, whose
+    store may be older than the log's triggers, reads it at each version as before."""
+    from vmpin.reconcile.allocations import recorded, settle
+    from vmpin.state import allocations as table
+    from vmpin.state.store import Store
+
+    def reads(store: Store, do: object) -> int:
+        sql: list[str] = []
+        store.db.set_trace_callback(sql.append)
+        try:
+            do()  # type: ignore[operator]
+        finally:
+            store.db.set_trace_callback(None)
+        return sum("FROM allocations" in s for s in sql)
+
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        other.put_container(ContainerRec("c1", "s1", False, "app", cpus=P("0")))
+        assert reads(store, lambda: settle(store, XEON)) == 1  # (the first: read)
+        assert recorded(store) == ()
+        other.set_container_cpus("c1", P("1"), "update")  # (the store moved: not the table)
+        assert reads(store, lambda: settle(store, XEON)) == 0
+        assert reads(store, lambda: recorded(store)) == 0
+        row = Allocation("s1", None, P("3"), 1, "vmpin.io/exclusive-cpus=1", None, 1.0, 1.0)
+        with other.transaction() as db:
+            table.write(db, [row], [])
+        assert reads(store, lambda: recorded(store)) == 1
+        assert recorded(store) == (row,)
+        with other.transaction() as db:
+            table.write(db, [], ["s1"])
+        assert reads(store, lambda: recorded(store)) == 1 and recorded(store) == ()
+    view = Store.open_readonly(str(tmp_path))
+    try:
+        assert recorded(view) == ()
+        with Store(str(tmp_path)) as other, other.transaction() as db:
+            table.write(db, [row], [])
+        assert recorded(view) == (row,)
+    finally:
+        view.close()

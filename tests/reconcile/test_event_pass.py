@@ -346,4 +346,63 @@ def _read_once(statements: list[str]) -> None:
     shares the log's delta (Reader.changes_since)."""
     assert statements.count("PRAGMA data_version") == 1, statements
     log = [s for s in statements if "FROM changes WHERE" in s or "name = 'changes'" in s]
-    assert len(log) <= 2, statements  # (the log's top, and its rows past the pass's seq)
+    assert len(log) == 1, statements  # (its rows from the pass's seq on: no top apart)
+
+
+@pytest.mark.multi_cpu
+def test_an_event_pass_reads_the_store_and_kubelets_checkpoint_once(
+    tmp_path: Path, mocker: MockerFixture
+) -> None:
+    """An event's pass reads, of the store, the data version, the change log (one statement)
+    and what the log names (its sandbox's row and containers): not the allocations table,
+    which the log says nothing wrote (issue 28: read at every pass), nor the log's top
+    apart; and kubelet's checkpoint file once, for the allocations and the observation
+    (it was twice).
+    An allocation another process writes is still seen by the next event's pass (which
+    releases it: its pod asks for none)."""
+    from vmpin.state import allocations as table
+    from vmpin.state.allocations import Allocation
+
+    root = tmp_path
+    paths = HostPaths(
+        state_dir=str(root / "state"), vm_dir=str(root / "vm"), runc_root=str(root / "runc"),
+        kubelet_state=str(root / "cpu_manager_state"), publish_dir=str(root / "publish"),
+        kata_config=str(root / "kata.toml"),
+    )  # fmt: skip
+    (root / "cpu_manager_state").write_text(
+        '{"policyName":"none","defaultCpuSet":"","checksum":1353318690}'
+    )
+    os.makedirs(paths.vm_dir)
+    started: list[fakevmm.FakeVmm] = []
+    try:
+        ids = _node(paths, started, 3)
+        with Store(paths.state_dir) as store, Store(paths.state_dir) as writer:
+            rec = Reconciler(paths, store, ingest_first=False, publish=False)
+            rec.reconcile()
+            rec.reconcile()
+            stat = mocker.spy(os, "stat")
+            for cpus in ("0-1", "0"):
+                writer.set_container_cpus(f"{ids[0]}-app", CpuSet.parse(cpus), "update")
+                stat.reset_mock()
+                with _Touched(store) as touched:
+                    rec.reconcile([ids[0]], fresh={ids[0]})
+                sql = touched.statements
+                _read_once(sql)
+                assert not [s for s in sql if "allocations" in s or "sqlite_sequence" in s], sql
+                read = sql[: sql.index("BEGIN IMMEDIATE")] if "BEGIN IMMEDIATE" in sql else sql
+                assert len(read) == 4, read  # data version, the log, the sandbox, its containers
+                # (the node summary's identity of it apart: an lstat, vmpin.state.summary)
+                cp = [c for c in stat.call_args_list
+                      if c.args[0] == paths.kubelet_state and "follow_symlinks" not in c.kwargs]
+                assert len(cp) == 1, cp
+            row = Allocation(ids[2], None, CpuSet.parse("1"), 1, "test", None, 1.0, 1.0)
+            with writer.transaction() as db:
+                table.write(db, [row], [])
+            with _Touched(store) as touched:
+                rec.reconcile([ids[0]], fresh={ids[0]})
+            # seen, and released (its pod asks for none)
+            assert [s for s in touched.statements if "FROM allocations" in s]
+            assert table.read(writer.db) == []
+    finally:
+        for v in started:
+            v.kill()

@@ -16,6 +16,7 @@ import random
 import pytest
 
 from tests.reconcile.test_plan import cs, kata, runc, static, topo, vmm_threads
+from vmpin.core.cpuset import CpuSet
 from vmpin.core.planner import Policy
 from vmpin.reconcile.apply import Applied
 from vmpin.reconcile.observation import replace
@@ -143,3 +144,76 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
         whole.note(planned, applied, None if only is None else set(only))
     assert sum(moved) > 10, moved  # (the walk took the short way, many times)
     assert asked_moved == sum(moved)  # (and the settled plans each time, as the counts)
+
+
+def test_a_sandbox_moved_in_its_pins_and_books_alone_is_not_planned_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sandbox of the last event's pass comes to the next one with its threads where
+    that pass pinned them and its record marked done (issue 28: planned again from scratch
+    for another sandbox's event): its plan is the last one with those affinities, which is
+    what a plan made from nothing says."""
+    from vmpin.reconcile import plan as plan_module
+
+    machine = topo("amd-epyc-7313-2s")
+    rng = random.Random(7)
+    node = {f"k{i:02d}": _kata(rng, i) for i in range(6)}
+    memo = PlanMemo()
+    last = plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
+    planned: list[str] = []
+    real = plan_module._plan_sandbox
+
+    def counting(s: SandboxObs, *args: object, **kw: object) -> object:
+        planned.append(s.id)
+        return real(s, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "_plan_sandbox", counting)
+    for step, sid in enumerate(("k01", "k03", "k01")):
+        s, sp = node[sid], last.sandbox(sid)
+        assert s.vmm is not None and s.record is not None and sp is not None
+        # its threads where the pass pinned them (read back), its record marked done
+        desired = {t.tid: t.desired for t in sp.threads}
+        threads = tuple(t.pinned(desired[t.tid] or cs("0-15")) for t in s.vmm.threads)
+        rec = s.record._replace(done_gen=s.record.gen + step)
+        node[sid] = replace(s, vmm=replace(s.vmm, threads=threads), record=rec)
+        obs = Observation(tuple(node[k] for k in sorted(node)), None)
+        last = plan_node(obs, machine, memo=memo)
+        assert planned == []
+        assert last == plan_node(obs, machine)
+        planned.clear()  # (the plan from nothing's)
+        sp = last.sandbox(sid)
+        assert sp is not None and sp.obs is node[sid]
+        assert [t.actual for t in sp.threads] == [t.actual for t in threads]
+
+
+def test_a_sandbox_pinned_as_its_plan_says_is_not_applied_again() -> None:
+    """The sandbox of the last event's pass, its threads read back where that pass pinned
+    them and its record marked done, has nothing to apply at the next event's pass (for
+    another sandbox); one whose thread is elsewhere than its plan says (drift) is applied."""
+    machine = topo("amd-epyc-7313-2s")
+    rng = random.Random(7)
+    node = {f"k{i:02d}": _kata(rng, i) for i in range(6)}
+    memo, settled = PlanMemo(), Settled()
+    plan = plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
+    applied = Applied()
+    applied.sandboxes = list(plan.sandboxes)
+    settled.note(plan, applied, None)  # (a full pass applied every plan cleanly)
+
+    def moved(sid: str, where: dict[int, CpuSet]) -> set[str]:
+        nonlocal plan
+        s = node[sid]
+        assert s.vmm is not None and s.record is not None
+        threads = tuple(t.pinned(where[t.tid]) for t in s.vmm.threads)
+        rec = s.record._replace(done_gen=s.record.gen)
+        node[sid] = replace(s, vmm=replace(s.vmm, threads=threads), record=rec)
+        plan = plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine,
+                         memo=memo)  # fmt: skip
+        return settled.to_apply(plan, ["k00"])
+
+    sp = plan.sandbox("k02")
+    assert sp is not None
+    pinned = {t.tid: t.desired or cs("0-15") for t in sp.threads}
+    assert moved("k02", pinned) == {"k00"}
+    drifted = dict(pinned)
+    drifted[next(iter(drifted))] = cs("14")
+    assert moved("k02", drifted) == {"k00", "k02"}

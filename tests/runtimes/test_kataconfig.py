@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from pytest_mock import MockerFixture
 
 from vmpin.runtimes import kataconfig
 from vmpin.runtimes.kataconfig import KataConfig, KataConfigReader, KataConfigs, candidates, read
@@ -220,3 +222,32 @@ def test_cached_answer_keeps_tomllib_off_the_hook_path(tmp_path: Path) -> None:
 
     assert run() == "True True True"  # no cache yet: parsed (and the answer kept)
     assert run() == "True False False"  # the cache stands: nothing parsed, nothing imported
+
+
+def test_a_readers_pass_stats_each_file_once(tmp_path: Path, mocker: MockerFixture) -> None:
+    """The agent's observer reads the search list at every pass (issue 28): the list taken
+    apart once, then one ``stat`` a file (a link followed: no path resolved component by
+    component) and one of a pattern's directory, listed again only when it changed (a file
+    that comes is found)."""
+    from vmpin.linux.files import SETTLE_NS
+
+    write(tmp_path, {USR: body("true"), f"{OPT}/configuration-qemu.toml": body("false")})
+    (tmp_path / OPT / "configuration.toml").symlink_to("configuration-qemu.toml")
+    spec = f"{tmp_path}/{ETC}|{tmp_path}/{USR}:{tmp_path}/{OPT}/configuration*.toml"
+    time.sleep(2 * SETTLE_NS / 1e9)  # (the directory's version old enough to be kept)
+    reader = KataConfigReader(spec)
+    first = reader.read()
+    assert [Path(f.path).name for f in first.files] == ["configuration.toml",
+                                                         "configuration-qemu.toml"]
+    stat = mocker.spy(kataconfig.os, "stat")
+    listdir = mocker.spy(kataconfig.os, "listdir")
+    realpath = mocker.spy(kataconfig.os.path, "realpath")
+    assert reader.read() is first
+    # ETC missing, USR, OPT, then the two names in OPT (the link is the file it points to)
+    assert stat.call_count == 5 and listdir.call_count == 0 and realpath.call_count == 0
+    write(tmp_path, {f"{OPT}/configuration-clh.toml": body("true")})
+    again = reader.read()
+    assert listdir.call_count == 1
+    assert [Path(f.path).name for f in again.files] == [
+        "configuration.toml", "configuration-clh.toml", "configuration-qemu.toml"]
+    assert again.pinning

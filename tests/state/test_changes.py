@@ -104,7 +104,9 @@ def test_a_sandboxs_row_names_the_table_written(tmp_path: Path) -> None:
         seq = delta.top
         other.mark_done("b", 1)
         delta = changes.since(store.db, seq)
-        assert delta is not None and delta.tables == {"b": {"sandboxes"}}
+        # (its done_gen alone: the value is in the log, the row need not be read again)
+        assert delta is not None and delta.tables == {"b": {changes.DONE}}
+        assert delta.done == {"b": 1}
 
 
 def test_an_update_reads_its_sandboxs_row_and_containers_again_not_its_threads(
@@ -147,3 +149,100 @@ def test_schema_4s_log_is_read_as_any_table_and_its_triggers_replaced(tmp_path: 
         store.save_threads("a", 10, 20, [ThreadRec(12, "vcpu", 0, "CPU 0/KVM", "names")])
         delta = changes.since(store.db, seq)
         assert delta is not None and delta.tables == {"a": {"threads"}}
+
+
+def test_the_allocations_table_logs_its_writes_apart_from_the_sandboxes(tmp_path: Path) -> None:
+    from vmpin.state import allocations as table
+    from vmpin.state.allocations import Allocation
+
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        seq = changes.top(store.db)
+        row = Allocation("a", None, CpuSet.parse("1"), 1, "vmpin.io/exclusive-cpus=1", None, 1, 1)
+        with other.transaction() as db:
+            table.write(db, [row], [])
+        delta = changes.since(store.db, seq)
+        # (the sandbox's own records did not move: a pass follows no table of it again)
+        assert delta is not None and delta.allocations and delta.tables == {}
+        assert changes.since(store.db, delta.top).allocations is False  # type: ignore[union-attr]
+        with other.transaction() as db:
+            table.write(db, [], ["a"])
+        assert changes.since(store.db, delta.top).allocations is True  # type: ignore[union-attr]
+
+
+def test_the_log_is_read_in_one_statement(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        _sandbox(store, "a")
+        seq = changes.top(store.db)
+        other.set_container_cpus("a-app", CpuSet.parse("1"), "update")
+        sql: list[str] = []
+        store.db.set_trace_callback(sql.append)
+        try:
+            delta = changes.since(store.db, seq)
+            assert delta is not None and delta.tables == {"a": {"containers", "sandboxes"}}
+            assert changes.since(store.db, delta.top).tables == {}  # type: ignore[union-attr]
+        finally:
+            store.db.set_trace_callback(None)
+        assert len(sql) == 2, sql
+    # a fresh log (nothing logged when its top was read), and one whose first rows are gone
+    with Store(str(tmp_path / "fresh")) as store:
+        assert changes.top(store.db) == 0
+        assert changes.since(store.db, 0).sandboxes == set()  # type: ignore[union-attr]
+        _sandbox(store, "a")
+        assert changes.since(store.db, 0).sandboxes == {"a"}  # type: ignore[union-attr]
+        last = changes.top(store.db)
+        store.db.execute("DELETE FROM changes WHERE seq = 1")
+        assert changes.since(store.db, 0) is None
+        assert changes.since(store.db, 1) is None
+        # the log's last row gone (nothing vmpin does): nothing logged since it, all the same
+        store.db.execute("DELETE FROM changes WHERE seq = ?", (last,))
+        assert changes.since(store.db, last).sandboxes == set()  # type: ignore[union-attr]
+
+
+def test_a_schema_5_store_gains_the_allocations_triggers(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store, store.transaction():
+        for when in ("ins", "upd", "del"):
+            store.db.execute(f"DROP TRIGGER changes_allocations_{when}")
+        store.db.execute("PRAGMA user_version=5")
+    ro = Store.open_readonly(str(tmp_path))  # (a read-only view reads schema 5 as it is)
+    ro.close()
+    with Store(str(tmp_path)) as store:
+        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        names = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master")}
+        assert {"changes_allocations_ins", "changes_allocations_del"} <= names
+
+
+def test_a_pass_marking_a_sandbox_done_is_followed_without_reading_its_row(
+    tmp_path: Path,
+) -> None:
+    """The last pass's own write of ``done_gen`` (issue 28: the next event's pass read the
+    row of its sandbox again for it) logs its value; any other write of the row, with it
+    or not, names the row as before."""
+    from vmpin.state.records import SANDBOX_COLS
+
+    assert [c for c in SANDBOX_COLS if c != "done_gen"] == list(changes._SANDBOX_BOOKS)
+    with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
+        with store.transaction():  # (16: three moving is within what is followed)
+            for i in range(16):
+                _sandbox(store, f"s{i:02d}")
+        followed = Tables(store, FULL)
+        other.mark_done("s01", 1)
+        sql: list[str] = []
+        store.db.set_trace_callback(sql.append)
+        try:
+            assert followed.follow(store.version())
+        finally:
+            store.db.set_trace_callback(None)
+        assert followed.moved == {"s01"}
+        assert not [s for s in sql if "FROM sandboxes" in s], sql
+        assert _whole(followed) == _whole(Tables(store, FULL))
+        # done_gen with another column, or another column alone: the row read again
+        other.db.execute("UPDATE sandboxes SET done_gen=5, vmm_pid=7 WHERE id='s02'")
+        other.set_vmm("s03", 9, 10)
+        other.mark_done("s04", 3)
+        delta = changes.since(store.db, followed.seq)
+        assert delta is not None and delta.tables == {
+            "s02": {"sandboxes"}, "s03": {"sandboxes"}, "s04": {changes.DONE}}
+        assert followed.follow(store.version())
+        assert _whole(followed) == _whole(Tables(store, FULL))
+        assert followed.records[followed._at["s04"]].done_gen == 3

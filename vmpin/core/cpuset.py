@@ -316,6 +316,13 @@ def _of(cpus: frozenset[int]) -> CpuSet:
 EMPTY = CpuSet()
 
 
+def checked(cpus: Iterable[int]) -> CpuSet:
+    """A CpuSet of CPU numbers taken from other CpuSets or a :class:`Topology`'s CPUs, which
+    were checked when those were made: not checked one by one again (a plan derives a few
+    a sandbox from its inputs' counts, and one per vCPU it pins 1:1)."""
+    return _of(frozenset(cpus))
+
+
 def listed(cpus: CpuSet | None) -> str | None:
     """A set in Linux list format, None for no set: how every view prints a CPU set."""
     return None if cpus is None else cpus.to_list()

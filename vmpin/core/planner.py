@@ -45,7 +45,7 @@ The rules, and the failure each one prevents:
 
 from __future__ import annotations
 
-from vmpin.core.cpuset import EMPTY, CpuSet
+from vmpin.core.cpuset import EMPTY, CpuSet, checked
 from vmpin.core.errors import PlanError
 from vmpin.core.topology import Topology
 
@@ -314,7 +314,7 @@ def plan_sandbox(
     for i, v in enumerate(vcpus):
         idx = v.index if v.index is not None else i
         if idx in vcpu_map:
-            pinned_by_tid[v.tid] = CpuSet([vcpu_map[idx]])
+            pinned_by_tid[v.tid] = checked((vcpu_map[idx],))
     if policy.vcpus == "1to1" and mode != "1:1":
         notes.append(f"vCPU policy 1to1 not possible ({reason})")
     isolated = effective & topology.isolated
@@ -327,7 +327,7 @@ def plan_sandbox(
         order = [c for c in topology.ordered(effective) if c not in vcpu_map.values()]
         order = order or topology.ordered(effective)
         for i, v in enumerate(free):
-            pinned_by_tid[v.tid] = CpuSet([order[i % len(order)]])
+            pinned_by_tid[v.tid] = checked((order[i % len(order)],))
         if free:
             notes.append(
                 f"CPUs {isolated} are isolated (isolcpus): no vCPU floats over several of"
@@ -412,6 +412,6 @@ def exclusive_cpus(
             holders[cpu] = holders.get(cpu, 0) + 1
     pool = shared_pool or EMPTY
     return {
-        sid: CpuSet(cpu for cpu in mask if holders[cpu] == 1 and cpu not in pool)
+        sid: checked([cpu for cpu in mask if holders[cpu] == 1 and cpu not in pool])
         for sid, mask in masks.items()
     }

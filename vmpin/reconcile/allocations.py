@@ -53,6 +53,7 @@ from vmpin.runtimes.kubelet import is_infra
 from vmpin.state import allocating
 from vmpin.state import allocations as table
 from vmpin.state.allocations import Allocation
+from vmpin.state.changes import top
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -112,9 +113,7 @@ def settle(
     if getattr(store, _SETTLED, None) == version:
         return False  # nothing moved since this store's last settle: nothing to decide
     asks = _asking(store)
-    found = tuple(table.read(store.db))
-    # (what the pass's observation reads next, at this version: recorded())
-    setattr(store, _READ, (version, found))
+    found = _rows(store, version)
     held = any(a.sandbox_id != NODE_ROW for a in found)
     if not asks and not held and not allocating.present(store.state_dir):
         setattr(store, _SETTLED, version)
@@ -148,9 +147,9 @@ def settle(
 
 
 #: the attribute a store carries its version after its last settle in (an idle agent
-#: settles nothing), its allocations as last read with that version (:func:`recorded`), and
-#: who asks (:func:`_asking`): kept on the store itself, so that no other store (a later
-#: one at the same address) is ever answered from them
+#: settles nothing), its allocations as last read (:func:`_rows`), and who asks
+#: (:func:`_asking`): kept on the store itself, so that no other store (a later one at the
+#: same address) is ever answered from them
 _SETTLED = "_vmpin_allocations_settled"
 _READ = "_vmpin_allocations_read"
 _ASKS = "_vmpin_allocations_asks"
@@ -163,7 +162,6 @@ def _asking(store: Store) -> bool:
     asks, the pods whose API record asks), and brought up to date from the records whose
     keys the change log names (vmpin.state.changes): an event's pass on a node where no pod
     asks reads no policy record but its own sandbox's (issue 28: every record, every pass)."""
-    from vmpin.state import changes
     from vmpin.state.records import API_POLICY_META, POLICY_META, policy_record
 
     def asks(raw: str | None, source: str) -> bool:
@@ -174,7 +172,7 @@ def _asking(store: Store) -> bool:
     memo: tuple[int, set[str], set[str]] | None = getattr(store, _ASKS, None)
     delta = store.changes_since(memo[0]) if memo is not None else None
     if memo is None or delta is None:
-        seq = changes.top(store.db)
+        seq = top(store.db)
         oci, api = store.policy_records()
         memo = (
             seq,
@@ -343,13 +341,31 @@ def overlay(obs: Observation, topology: Topology) -> Overlay:
 
 
 def recorded(store: Reader) -> tuple[Allocation, ...]:
-    """The allocations table as the store holds it (read again only when the store moved)."""
-    version = store.version()
-    memo: tuple[tuple[int, int], tuple[Allocation, ...]] | None = getattr(store, _READ, None)
-    if memo is not None and memo[0] == version:
-        return memo[1]
+    """The allocations table as the store holds it (read again only when it moved)."""
+    return _rows(store, store.version())
+
+
+def _rows(store: Reader, version: tuple[int, int]) -> tuple[Allocation, ...]:
+    """The allocations table at ``version`` (the store's now): as last read while the store
+    has not moved, or while its change log names no write of the table since (a store this
+    process writes: brought to the schema whose log names them, vmpin.state.changes); else
+    read.  Every event's pass read it, on a node that allocates nothing (issue 28)."""
+    memo: tuple[tuple[int, int], int | None, tuple[Allocation, ...]] | None = getattr(
+        store, _READ, None
+    )
+    if memo is not None:
+        if memo[0] == version:
+            return memo[2]
+        if memo[1] is not None:
+            delta = store.changes_since(memo[1])
+            if delta is not None and not delta.allocations:
+                setattr(store, _READ, (version, delta.top, memo[2]))
+                return memo[2]
+    # (the log's top before the table: a write meanwhile is in the next delta; a read-only
+    # view may hold an older schema, whose log says nothing of the table)
+    seq = None if store.readonly else top(store.db)
     rows = tuple(table.read(store.db))
-    setattr(store, _READ, (version, rows))
+    setattr(store, _READ, (version, seq, rows))
     return rows
 
 

@@ -100,13 +100,17 @@ def stale_originals(keys: Iterable[str], live: Iterable[VmmKey]) -> list[str]:
     return [k for k in keys if k[: k.rfind(":") + 1] not in prefixes]
 
 
-@dataclass(frozen=True, slots=True)
-class ThreadObs:
-    """One host thread as seen now: a VMM thread or a task of a container's cgroup."""
+class ThreadObs(NamedTuple):
+    """One host thread as seen now: a VMM thread or a task of a container's cgroup.
+
+    A NamedTuple, not a frozen dataclass (as ThreadPlan, vmpin.reconcile.plan): a pass makes
+    one per thread of each VMM it reads afresh, and a frozen dataclass set its nine fields
+    through ``object.__setattr__`` one by one, about three times the cost (issue 28)."""
 
     tid: int
     role: str  # vcpu | iothread | vhost | emulator | container
-    index: int | None = None
+    #: its vCPU index (shadows tuple.index, which nothing asks of a ThreadObs)
+    index: int | None = None  # type: ignore[assignment]
     label: str | None = None
     layer: str = ""
     name: str | None = None
@@ -129,8 +133,9 @@ class ThreadObs:
         )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class VmmObs:
+class VmmObs(NamedTuple):
+    """A sandbox's VMM as observed (a NamedTuple, as :class:`ThreadObs`: made per VMM read)."""
+
     pid: int
     start: int
     threads: tuple[ThreadObs, ...] = ()
@@ -143,8 +148,10 @@ class VmmObs:
     as_recorded: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerObs:
+class ContainerObs(NamedTuple):
+    """A container as observed (a NamedTuple, as :class:`ThreadObs`: made per container
+    read)."""
+
     rec: ContainerRec
     #: True/False when the init's (pid, start) could be checked, None when there was nothing
     alive: bool | None = None

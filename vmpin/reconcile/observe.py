@@ -138,6 +138,7 @@ class Observer:
         scope: Scope = FULL,
         fresh: Collection[str] | None = None,
         vm_dir: list[str] | None = None,
+        read: tuple[Checkpoint | None, str | None] | None = None,
     ) -> Observation:
         """The node as the host and the store show it now (``scope``: see :class:`Scope`).
 
@@ -149,8 +150,10 @@ class Observer:
         is in it (:meth:`note_applied`); what changed behind vmpin's back is read by the next
         pass without ``fresh`` (the agent's periodic one).  ``vm_dir``: an event's pass's
         listing of the VM dir, taken for its node summary just before (a VMM that comes
-        after it is found by the next pass, as one that comes after the observation is)."""
-        checkpoint, cp_error = self.checkpoint()
+        after it is found by the next pass, as one that comes after the observation is).
+        ``read``: :meth:`checkpoint` as the pass read it just before (it settled the
+        allocations with it)."""
+        checkpoint, cp_error = self.checkpoint() if read is None else read
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
         recorded, records, (oci, api), moved = self._read_store(store, scope, fresh is not None)
         if scope is FULL and self._pins:
@@ -329,7 +332,7 @@ class Observer:
             containers = tuple(
                 replace(c, cgroup_cpus=cids[c.rec.id]) if c.rec.id in cids else c
                 for c in s.containers
-            )
+            ) if cids else s.containers  # (a VM's: its threads alone were pinned)
             self._last[sid] = replace(s, vmm=vmm, containers=containers)
 
     def _read_store(

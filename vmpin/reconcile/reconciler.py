@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from vmpin.reconcile.plan import NodePlan, PlanMemo
     from vmpin.reconcile.sources import DomainSource
     from vmpin.reconcile.summarizer import Inputs, Summarizer
+    from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.reader import Reader
 
 __all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
@@ -151,6 +152,9 @@ class Reconciler:
         #: the node summary's inputs an applying pass read at its start: its online list and
         #: VM dir listing serve the pass too (:meth:`_online`, :meth:`observe`)
         self._inputs: Inputs | None = None
+        #: kubelet's checkpoint (and its error) as an applying pass read it before it
+        #: settled the allocations: its observation takes it (:meth:`observe`)
+        self._checkpoint: tuple[Checkpoint | None, str | None] | None = None
         #: when set (``time.monotonic()``), a pass waits for the node's plan lock no later
         #: than this, then goes on without it (a hook's or ``vmpin update``'s budget); else
         #: it waits up to :data:`vmpin.state.locks.WAIT` seconds
@@ -226,7 +230,9 @@ class Reconciler:
         event's pass read only the sandboxes it names afresh (``fresh``: Observer.observe)."""
         if scope is None:
             listed = self._inputs[0] if self._inputs is not None else None
-            return self.observer.observe(self.store, fresh=fresh, vm_dir=listed)
+            return self.observer.observe(
+                self.store, fresh=fresh, vm_dir=listed, read=self._checkpoint
+            )
         return self.observer.observe(self.store, scope, fresh)
 
     def plan(
@@ -384,9 +390,13 @@ class Reconciler:
         if writer is not None and not writer.readonly:
             from vmpin.reconcile.allocations import settle
 
-            cp = self.observer.checkpoint()[0]
-            settle(writer, self.topology, cp, self.paths.kubelet_config)  # (issue 30)
-        plan = self.plan(scope=scope, fresh=fresh)
+            # (the pass's one read of kubelet's checkpoint: its observation takes it too)
+            self._checkpoint = self.observer.checkpoint()
+            settle(writer, self.topology, self._checkpoint[0], self.paths.kubelet_config)
+        try:
+            plan = self.plan(scope=scope, fresh=fresh)
+        finally:
+            self._checkpoint = None
         applied = None
         among = None
         if writer is not None:

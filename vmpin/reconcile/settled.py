@@ -23,18 +23,38 @@ if TYPE_CHECKING:
 def _same_work(before: SandboxPlan | None, sp: SandboxPlan) -> bool:
     """Whether applying ``sp`` would do what applying ``before`` did: the very plan, or the
     same threads, containers and guest map of a sandbox whose record moved in its
-    bookkeeping alone and is not dirty (plan_node gives such a plan its new observation)."""
+    bookkeeping alone and is not dirty (plan_node gives such a plan its new observation) --
+    or whose threads' plans moved in their affinities alone, each now where its plan puts
+    it: what applying ``before`` pinned, read back (plan_node gives such a plan the
+    affinities observed: the sandbox of the last event's pass, at the next one)."""
     if before is sp:
         return True
-    if before is None or before.threads is not sp.threads or before.containers is not sp.containers:
+    if before is None or before.containers is not sp.containers:
         return False
     rec = sp.obs.record
-    return (
-        before.guest_map is sp.guest_map
-        and before.obs.vmm is sp.obs.vmm
-        and rec is not None
-        and rec.gen <= rec.done_gen
-    )
+    if before.guest_map is not sp.guest_map or rec is None or rec.gen > rec.done_gen:
+        return False
+    if before.threads is sp.threads:
+        return before.obs.vmm is sp.obs.vmm
+    return _pinned_as_planned(before, sp)
+
+
+def _pinned_as_planned(before: SandboxPlan, sp: SandboxPlan) -> bool:
+    """``sp``'s threads are ``before``'s but for their affinities, and each is where its
+    plan puts it (or unmanaged): applying it writes nothing, to the host or the store."""
+    was, now = before.obs.vmm, sp.obs.vmm
+    if was is None or now is None or len(before.threads) != len(sp.threads):
+        return False
+    if (was.pid, was.start, was.classified, was.as_recorded, was.missing_vcpus) != (
+        now.pid, now.start, now.classified, now.as_recorded, now.missing_vcpus
+    ):  # (what the store records of a VMM: vmpin.reconcile.apply)
+        return False
+    for p, q in zip(before.threads, sp.threads, strict=True):
+        if q.actual is None or (q.desired is not None and q.actual != q.desired):
+            return False
+        if p is not q and p._replace(actual=q.actual) != q:
+            return False
+    return True
 
 
 class Settled:

@@ -105,7 +105,7 @@ class Tables:
             return False  # (up to six statements a sandbox: past a few, each table once)
         moved = False
         for sid, tables in what.items():
-            moved = self._read_sandbox(sid, tables) or moved
+            moved = self._read_sandbox(sid, tables, delta.done.get(sid)) or moved
         if moved:  # a sandbox came or went: in id order, as store.sandboxes() gives them
             self.records[:] = sorted(self._recs.values(), key=lambda r: r.id)
             self._at = {r.id: i for i, r in enumerate(self.records)}
@@ -119,9 +119,10 @@ class Tables:
         self.moved = None if api else sids
         return True
 
-    def _read_sandbox(self, sid: str, tables: set[str]) -> bool:
+    def _read_sandbox(self, sid: str, tables: set[str], done: int | None = None) -> bool:
         """What moved of one sandbox's records (``tables``: of changes.TABLES, "meta" and
-        "policy"), read again; whether it came or went."""
+        "policy"), read again; whether it came or went.  ``changes.DONE`` alone of its row:
+        its ``done_gen`` written, to ``done`` (the record held here takes it, unread)."""
         store, (vmms, affinity) = self.store, self.scope_key
         if "containers" in tables:
             containers = store.containers(sid)
@@ -158,7 +159,13 @@ class Tables:
             else:
                 self.oci.pop(sid, None)
         if "sandboxes" not in tables:
-            return False
+            held = self._recs.get(sid)
+            if changes.DONE not in tables or done is None:
+                return False
+            if held is not None:
+                self._recs[sid] = self.records[self._at[sid]] = held._replace(done_gen=done)
+                return False
+            # (not held here: its row is read whole)
         rec = store.sandbox(sid)
         if rec is None:
             return self._recs.pop(sid, None) is not None

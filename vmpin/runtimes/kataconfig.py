@@ -34,12 +34,19 @@ Lean otherwise, like every module the hook imports.
 from __future__ import annotations
 
 import os
+from stat import S_ISREG
 
 from vmpin.core.errors import VmpinError
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
+
+    #: a search list taken apart: its entries, each a tuple of alternatives, each (the
+    #: pattern, and the parent directory and name pattern of one with a ``*``, else None)
+    _Entries = tuple[tuple[tuple[str, tuple[str, str] | None], ...], ...]
+    #: pattern -> (its directory's identity when listed, the paths it matched then)
+    _Listed = dict[str, tuple[tuple[int, int, int, int, int], list[str]]]
 else:
     from vmpin.lean.records import NamedTuple
 
@@ -94,42 +101,102 @@ class KataConfigs(NamedTuple):
         return [f.line() for f in self.files]
 
 
+#: no Kata configuration
+NONE = KataConfigs()
+
+
 def candidates(spec: str) -> list[str]:
     """The files the search list ``spec`` names now, each once (by its resolved path)."""
-    out: list[str] = []
-    seen: set[str] = set()
+    return [path for path, _ in _found(_entries(spec))]
+
+
+def _entries(spec: str) -> _Entries:
+    """``spec`` taken apart once (a reader holds it: the agent's observer read it at every
+    pass, issue 28)."""
+    out = []
     for entry in spec.split(":"):
         entry = entry.strip()
         if not entry or entry == "none":
             continue
+        alternatives = []
         for alternative in entry.split("|"):
-            found = _expand(alternative.strip())
+            pattern = alternative.strip()
+            if pattern:
+                parent, name = os.path.split(pattern)
+                alternatives.append((pattern, (parent, name) if "*" in name else None))
+        if alternatives:
+            out.append(tuple(alternatives))
+    return tuple(out)
+
+
+def _found(entries: _Entries, listed: _Listed | None = None) -> list[tuple[str, os.stat_result]]:
+    """The files ``entries`` name now, each with its ``stat`` (symlinks followed), each file
+    once: by device and inode, which its resolved path comes to (one ``stat`` a file, where
+    resolving its path took one per component).  ``listed``: a reader's pattern
+    directories' names as last listed (:func:`_expand`)."""
+    out: list[tuple[str, os.stat_result]] = []
+    seen: set[tuple[int, int]] = set()
+    for alternatives in entries:
+        for pattern, glob in alternatives:
+            found = _expand(pattern, glob, listed)
             if found:
-                for path in found:
-                    real = os.path.realpath(path)
-                    if real not in seen:
-                        seen.add(real)
-                        out.append(path)
+                for path, st in found:
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        out.append((path, st))
                 break  # alternatives: the first one that exists
     return out
 
 
-def _expand(pattern: str) -> list[str]:
-    """Existing regular files (symlinks followed) matching ``pattern``, in name order."""
-    if not pattern:
-        return []
-    parent, name = os.path.split(pattern)
-    if "*" not in name:
-        return [pattern] if os.path.isfile(pattern) else []
+def _expand(
+    pattern: str, glob: tuple[str, str] | None, listed: _Listed | None = None
+) -> list[tuple[str, os.stat_result]]:
+    """Existing regular files (symlinks followed) matching ``pattern`` (``glob``: its parent
+    and name pattern, when it has a ``*``), in name order, each with its ``stat``.
+
+    ``listed``: the names a pattern's directory matched when last listed, with the
+    directory's identity then: listed again only when it is another version (a name made or
+    removed moves its mtime and ctime; a version is kept once settled, as the node
+    summary's VM dir listing is, vmpin.reconcile.summarizer).  One ``stat`` of it, where the
+    agent's observer listed it at every pass (issue 28)."""
+    if glob is None:
+        st = _regular(pattern)
+        return [] if st is None else [(pattern, st)]
+    parent, name = glob
     try:
-        names = sorted(os.listdir(parent or "."))
-    except OSError:
+        st = os.stat(parent or ".")
+    except (OSError, ValueError):
         return []
-    return [
-        os.path.join(parent, n)
-        for n in names
-        if _match(n, name) and os.path.isfile(os.path.join(parent, n))
-    ]
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = listed.get(pattern) if listed is not None else None
+    if known is not None and known[0] == ident:
+        paths = known[1]
+    else:
+        try:
+            names = sorted(os.listdir(parent or "."))
+        except OSError:
+            return []
+        paths = [os.path.join(parent, n) for n in names if _match(n, name)]
+        if listed is not None:
+            from vmpin.linux.files import remember
+
+            listed.pop(pattern, None)
+            remember(listed, pattern, ident, paths)
+    out = []
+    for path in paths:
+        found = _regular(path)
+        if found is not None:
+            out.append((path, found))
+    return out
+
+
+def _regular(path: str) -> os.stat_result | None:
+    """``path``'s ``stat`` when it is a regular file (a link followed), else None."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st if S_ISREG(st.st_mode) else None
 
 
 def _match(name: str, pattern: str) -> bool:
@@ -187,41 +254,33 @@ class KataConfigReader:
     runs once (a hook, a command) finds the last answer in ``cache``, a file in the state dir.
     """
 
-    __slots__ = ("_key", "_last", "cache", "spec")
+    __slots__ = ("_entries", "_key", "_last", "_listed", "cache", "spec")
 
     def __init__(self, spec: str, cache: str | None = None) -> None:
         self.spec, self.cache = spec, cache
+        self._entries = _entries(spec)
+        self._listed: _Listed = {}
         self._key: list[Any] | None = None
-        self._last = KataConfigs()
+        self._last = NONE
 
     def read(self, *, save: bool = True) -> KataConfigs:
-        files = candidates(self.spec)
-        if not files:
-            self._key, self._last = [], KataConfigs()
+        found = _found(self._entries, self._listed)
+        if not found:
+            self._key, self._last = [], NONE
+            return NONE
+        # what an answer is valid for: each file's path and (device, inode, size, mtime)
+        # after following links
+        key = [[p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns] for p, st in found]
+        if key == self._key:
             return self._last
-        key = _key(files)
-        if key is not None and key == self._key:
-            return self._last
-        found = _load_cache(self.cache, key) if self.cache and key is not None else None
-        if found is None:
-            found = KataConfigs(tuple(read_file(p) for p in files))
-            if self.cache and key is not None and save:
-                _save_cache(self.cache, key, found)
-        self._key, self._last = key, found
-        return found
-
-
-def _key(files: list[str]) -> list[Any] | None:
-    """What an answer is valid for: each file's path and (device, inode, size, mtime) after
-    following links; None when one cannot be told (no cache then)."""
-    out: list[Any] = []
-    for path in files:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        out.append([path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
-    return out
+        files = [p for p, _ in found]
+        configs = _load_cache(self.cache, key) if self.cache else None
+        if configs is None:
+            configs = KataConfigs(tuple(read_file(p) for p in files))
+            if self.cache and save:
+                _save_cache(self.cache, key, configs)
+        self._key, self._last = key, configs
+        return configs
 
 
 def _load_cache(path: str, key: list[Any]) -> KataConfigs | None:

@@ -11,7 +11,12 @@ long-lived reader remembers the last ``seq`` it read and asks for the rows after
 (:func:`since`: the primary key's range, rows proportional to what changed), then re-reads
 what those sandboxes had written through the indexes: an update of a container's CPUs, or
 the pass marking a sandbox done, does not make its 37 thread rows be read again.
-(Schema 4's triggers named no table: such a row stands for all three.)
+(Schema 4's triggers named no table: such a row stands for all three.)  vmpin's own
+allocations (:mod:`vmpin.state.allocations`, schema 6) log a row naming the sandbox and
+``allocations``: a pass that finds none since its last read of that table takes it as read
+(it was read on every pass, issue 28).  A sandbox's ``done_gen`` written alone (a pass
+marking it done) logs its new value (:data:`DONE`): the next event's pass read the row of
+the last one's sandbox again for it.
 
 The log keeps itself short: every :data:`KEEP`-th row removes the :data:`KEEP` before the
 last :data:`KEEP` (so it holds between one and two times that).  ``seq`` is AUTOINCREMENT
@@ -43,6 +48,9 @@ CREATE TABLE IF NOT EXISTS changes (
 
 #: the tables a sandbox's rows live in (what a sandbox's row in the log names)
 TABLES = ("sandboxes", "containers", "threads")
+#: what a row logged by the allocations table names (not a sandbox's own table: the
+#: sandbox's records did not move, vmpin's allocation of its pod did)
+ALLOCATIONS = "allocations"
 
 
 def _logged(row: str, table: str) -> str:
@@ -53,10 +61,25 @@ def _logged(row: str, table: str) -> str:
 
 _KEY = "INSERT INTO changes(key) VALUES ({}.key)"
 
+#: what a sandbox's row in the log names when its ``done_gen`` alone was written (a pass
+#: marking it done), followed by the value written: what the record became is known
+#: without reading it again (schema 6; the last pass's own write, read again by the next
+#: event's pass, issue 28)
+DONE = "done_gen="
+#: the sandboxes table's columns but ``done_gen`` (vmpin.state.schema; the records':
+#: vmpin.state.records.SANDBOX_COLS, which tests/state/test_changes.py compares)
+_SANDBOX_BOOKS = ("id", "runtime", "vmm_pid", "vmm_start", "pod_uid", "pod_name",
+                  "pod_namespace", "gen", "created_at", "updated_at")  # fmt: skip
+_DONE_ALONE = " AND ".join(f"old.{c} IS new.{c}" for c in _SANDBOX_BOOKS)
+
 #: (trigger name, when, table, what it logs)
 _TRIGGERS = (
     ("changes_sandboxes_ins", "AFTER INSERT", "sandboxes", _logged("new", "sandboxes")),
-    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes", _logged("new", "sandboxes")),
+    # (one trigger, its key chosen: a trigger program more per write of the row cost each
+    # writer, the agent's passes first)
+    ("changes_sandboxes_upd", "AFTER UPDATE", "sandboxes",
+     "INSERT INTO changes(sandbox_id, key) VALUES (new.id,"
+     f" CASE WHEN {_DONE_ALONE} THEN '{DONE}' || new.done_gen ELSE 'sandboxes' END)"),
     ("changes_sandboxes_del", "AFTER DELETE", "sandboxes", _logged("old", "sandboxes")),
     # (INSERT OR REPLACE deletes the old row without a delete trigger: a container id
     # written again under another sandbox logs the sandbox it leaves, here)
@@ -70,6 +93,9 @@ _TRIGGERS = (
     ("changes_threads_ins", "AFTER INSERT", "threads", _logged("new", "threads")),
     ("changes_threads_upd", "AFTER UPDATE", "threads", _logged("new", "threads")),
     ("changes_threads_del", "AFTER DELETE", "threads", _logged("old", "threads")),
+    ("changes_allocations_ins", "AFTER INSERT", "allocations", _logged("new", ALLOCATIONS)),
+    ("changes_allocations_upd", "AFTER UPDATE", "allocations", _logged("new", ALLOCATIONS)),
+    ("changes_allocations_del", "AFTER DELETE", "allocations", _logged("old", ALLOCATIONS)),
     ("changes_meta_ins", "AFTER INSERT", "meta", _KEY.format("new")),
     ("changes_meta_upd", "AFTER UPDATE", "meta", _KEY.format("new")),
     ("changes_meta_del", "AFTER DELETE", "meta", _KEY.format("old")),
@@ -88,18 +114,28 @@ def create(db: sqlite3.Connection) -> None:
 
 class Delta:
     """What moved between two points of the log: sandbox ids (with the tables of theirs that
-    were written) and meta keys."""
+    were written), meta keys, and whether the allocations table was written."""
 
-    __slots__ = ("keys", "sandboxes", "tables", "top")
+    __slots__ = ("allocations", "done", "keys", "sandboxes", "tables", "top")
 
     def __init__(
-        self, top: int, keys: set[str], tables: dict[str, set[str]] | None = None
+        self,
+        top: int,
+        keys: set[str],
+        tables: dict[str, set[str]] | None = None,
+        allocations: bool = False,
+        done: dict[str, int] | None = None,
     ) -> None:
         self.top = top
         self.keys = keys
-        #: each moved sandbox's tables written (of :data:`TABLES`)
+        #: each moved sandbox's tables written (of :data:`TABLES`; :data:`DONE`: its
+        #: ``done_gen`` alone, to the value in :attr:`done`)
         self.tables: dict[str, set[str]] = tables if tables is not None else {}
+        #: the ``done_gen`` written last, of each sandbox that names :data:`DONE`
+        self.done: dict[str, int] = done if done is not None else {}
         self.sandboxes: set[str] = set(self.tables)
+        #: a row of the allocations table was written (:data:`ALLOCATIONS`)
+        self.allocations = allocations
 
 
 #: :func:`top` of a database without the log (an older schema a read-only view opened)
@@ -120,30 +156,54 @@ def top(db: sqlite3.Connection) -> int:
 
 def since(db: sqlite3.Connection, seq: int) -> Delta | None:
     """What changed after ``seq`` (a :func:`top` or a Delta's ``top``); None when the log no
-    longer holds all of it (the reader then reads the tables whole)."""
-    last = top(db)
-    if last == NO_LOG or seq == NO_LOG:
+    longer holds all of it (the reader then reads the tables whole).
+
+    One statement: the rows from ``seq`` on, its own row first.  That row still there says
+    the log reaches back that far (it is trimmed oldest first, and only once rows newer than
+    it were logged, which come along); gone, it was trimmed, and what came between may be
+    too.  ``seq`` 0 (nothing logged yet when it was read) has no row: then the first row must
+    be the first ever logged."""
+    if seq == NO_LOG:
         return None
-    if last == seq:
+    from vmpin.state.sqlite import sqlite3 as module
+
+    try:
+        rows = db.execute(
+            "SELECT seq, sandbox_id, key FROM changes WHERE seq >= ? ORDER BY seq", (seq,)
+        ).fetchall()
+    except module.OperationalError:  # no log at all: schema 3 or older
+        return None
+    if seq:
+        if not rows:
+            # (its row gone and none after it: nothing logged since, if the log's top is
+            # still it -- a log whose last row went would read the tables whole every pass)
+            return Delta(seq, set()) if top(db) == seq else None
+        if rows[0][0] != seq:
+            return None  # trimmed past it (or another database at this path)
+        del rows[0]
+    elif rows and rows[0][0] != 1:
+        return None
+    if not rows:
         return Delta(seq, set())
-    if last < seq:
-        return None  # (another database at this path: nothing of it is known)
-    rows = db.execute(
-        "SELECT seq, sandbox_id, key FROM changes WHERE seq > ? ORDER BY seq", (seq,)
-    ).fetchall()
-    if not rows or rows[0][0] != seq + 1 or rows[-1][0] < last:
-        return None  # a hole: kept short since (a rolled-back write leaves none)
     tables: dict[str, set[str]] = {}
     keys: set[str] = set()
+    done: dict[str, int] = {}
+    allocations = False
     for _, sid, key in rows:
         if sid is not None:
+            if key == ALLOCATIONS:
+                allocations = True
+                continue
             named = tables.get(sid)
             if named is None:
                 named = tables[sid] = set()
             if key is None:
                 named.update(TABLES)  # (schema 4's row: any of them)
+            elif key.startswith(DONE):
+                named.add(DONE)
+                done[sid] = int(key[len(DONE) :])  # (the rows in order: the last one's)
             else:
                 named.add(key)
         elif key is not None:
             keys.add(key)
-    return Delta(int(rows[-1][0]), keys, tables)
+    return Delta(int(rows[-1][0]), keys, tables, allocations, done)

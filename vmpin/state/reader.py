@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 from sys import intern as _intern
 
+# (the module, not its package: "from vmpin.state import changes" in a function was a
+# Python-level importlib call at each use, three an event's pass)
+from vmpin.state.changes import since
 from vmpin.state.records import (
     API_POLICY_META,
     CONTAINER_COLS,
@@ -130,16 +133,14 @@ class Reader:
         same point (the allocations' askers, the observation's tables) share one read of it
         rather than each reading it again (issue 28).  The Delta is shared: whoever takes it
         does not change it."""
-        from vmpin.state import changes
-
         held = self._held_version
         if held is None:  # (outside a pass: read as asked, no version read to key it by)
-            return changes.since(self.db, seq)
+            return since(self.db, seq)
         version = (held, self.db.total_changes)
         memo = self._changes_read
         if memo is not None and memo[0] == version and memo[1] == seq:
             return memo[2]
-        delta = changes.since(self.db, seq)
+        delta = since(self.db, seq)
         self._changes_read = (version, seq, delta)
         return delta
 
