@@ -90,6 +90,21 @@ def test_tables_followed_are_the_tables_read_whole(tmp_path: Path) -> None:
         assert followed.moved == set()
 
 
+def test_a_containers_update_logs_its_sandbox_once_and_a_move_both(tmp_path: Path) -> None:
+    with Store(str(tmp_path)) as store:
+        _sandbox(store, "a")
+        _sandbox(store, "b")
+        seq = changes.top(store.db)
+        store.set_container_cpus("b-app", CpuSet.parse("1"), "update")
+        rows = store.db.execute("SELECT sandbox_id, key FROM changes WHERE seq > ?", (seq,))
+        # (and its sandbox's row: the generation an update bumps)
+        assert sorted(rows.fetchall()) == [("b", "containers"), ("b", "sandboxes")]
+        seq = changes.top(store.db)
+        store.db.execute("UPDATE containers SET sandbox_id='a' WHERE id='b-app'")
+        rows = store.db.execute("SELECT sandbox_id, key FROM changes WHERE seq > ?", (seq,))
+        assert sorted(rows.fetchall()) == [("a", "containers"), ("b", "containers")]
+
+
 def test_a_sandboxs_row_names_the_table_written(tmp_path: Path) -> None:
     with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
         _sandbox(store, "a")

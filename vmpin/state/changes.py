@@ -87,8 +87,11 @@ _TRIGGERS = (
      "INSERT INTO changes(sandbox_id, key) SELECT sandbox_id, 'containers' FROM containers"
      " WHERE id = new.id AND sandbox_id != new.sandbox_id"),
     ("changes_containers_ins", "AFTER INSERT", "containers", _logged("new", "containers")),
+    # (the sandbox it leaves too, only when it moved: an update of its CPUs, every
+    # ``vmpin update``, logs one row, not the same row twice)
     ("changes_containers_upd", "AFTER UPDATE", "containers",
-     _logged("new", "containers") + "; " + _logged("old", "containers")),
+     _logged("new", "containers") + "; INSERT INTO changes(sandbox_id, key) SELECT"
+     " old.sandbox_id, 'containers' WHERE old.sandbox_id IS NOT new.sandbox_id"),
     ("changes_containers_del", "AFTER DELETE", "containers", _logged("old", "containers")),
     ("changes_threads_ins", "AFTER INSERT", "threads", _logged("new", "threads")),
     ("changes_threads_upd", "AFTER UPDATE", "threads", _logged("new", "threads")),
