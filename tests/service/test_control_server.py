@@ -146,3 +146,47 @@ def test_a_blocking_request_wakes_the_planner_once_and_syncs_first() -> None:
     assert reply == done
     assert order == ["queued", "synced", "counted"], order
     assert accounting.totals()[1] == 1  # (plans, events)
+
+
+class _CountingCondition(threading.Condition):
+    def __init__(self) -> None:
+        super().__init__()
+        self.notified = 0
+
+    def notify_all(self) -> None:
+        self.notified += 1
+        super().notify_all()
+
+
+@pytest.mark.parametrize("maps_first", [True, False])
+def test_a_pass_wakes_its_waiters_once_and_a_kata_hooks_only_after_its_maps(
+    maps_first: bool,
+) -> None:
+    """A waiter that needs the pass's guest maps first (a Kata hook) is not woken before
+    they are published: its thread would only find its test false and sleep again, a
+    context switch and the GIL in the way of the maps it waits for (issue 28)."""
+    waiters = Waiters(lambda where, err: None)
+    cond = waiters._cond = _CountingCondition()
+    queued = threading.Event()
+    replies: list[dict[str, Any]] = []
+
+    def request() -> None:
+        replies.append(waiters.wait(lambda: queued.set() or 1, 10, maps_first=maps_first))
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    assert queued.wait(10)
+    while not waiters._waiters:  # (registered once its work is queued)
+        threading.Event().wait(0.001)
+    number, later = waiters.pass_begins()
+    assert later is not maps_first
+    at_publish: list[int] = []
+    published = waiters.pass_ends(number, True, lambda: at_publish.append(cond.notified))
+    if not maps_first:
+        waiters.publish_late(number, lambda: at_publish.append(cond.notified))
+    thread.join(10)
+    assert replies == [{"ok": True, "queued": 1, "done": True}]
+    assert published is maps_first
+    # woken once, by its answer: after the maps (a hook's) or before them (an update's)
+    assert at_publish == ([0] if maps_first else [1]), at_publish
+    assert cond.notified == 1

@@ -191,7 +191,12 @@ class Waiters:
                 if not waiter.maps_first:
                     self._answer(waiter)
             rest = [w for w in due if w.maps_first]
-            self._cond.notify_all()
+            if len(rest) < len(due):
+                # only the threads answered here are woken: one that waits for the maps
+                # would find its test still false and sleep again, and its wake-up was
+                # ~0.5 ms of a Kata hook's wait (a context switch and the GIL taken from
+                # this thread, right before the maps it waits for; issue 28)
+                self._cond.notify_all()
         if not rest:
             return False
         self._publish(number, publish)
