@@ -25,7 +25,7 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.apply import Applier
 from vmpin.reconcile.observe import FULL, Scope
-from vmpin.reconcile.reconciler import Reconciler
+from vmpin.reconcile.reconciler import Reconciler, view_sandbox
 from vmpin.service.commands_read import fresh_containers, sandbox_rows, show_json, view_scope
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
@@ -110,14 +110,14 @@ def test_each_view_of_its_scope_equals_the_view_of_the_whole_node(
         for sid in ("a", "b", "c", "g", "h", "n", "r"):
             sandbox = store.sandbox(sid)
             assert sandbox is not None
-            want = show_json(rec.reconcile_sandbox(sandbox, apply=False))
+            want = show_json(view_sandbox(rec, sandbox))
             got = show_json(
-                rec.reconcile_sandbox(sandbox, apply=False, scope=view_scope("show", sid))
+                view_sandbox(rec, sandbox, view_scope("show", sid))
             )
             assert got == want, sid
         a = store.sandbox("a")
         assert a is not None
-        shown = show_json(rec.reconcile_sandbox(a, apply=False, scope=view_scope("show", "a")))
+        shown = show_json(view_sandbox(rec, a, view_scope("show", "a")))
         assert [t["actual"] for t in shown["threads"] if t["tid"] == moved] == ["0"]
         audit = rec.audit(view_scope("audit"))
         assert audit == rec.audit()

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.reader import Reader
 
-__all__ = ["Reconciler", "SandboxReport", "ThreadReport"]
+__all__ = ["Reconciler", "SandboxReport", "ThreadReport", "view_sandbox"]
 
 #: passes planned again, at most, after one that may have been overtaken (see the docstring)
 REPLANS = 3
@@ -479,17 +479,6 @@ class Reconciler:
             except OSError:
                 pass
 
-    def reconcile_sandbox(
-        self, rec: SandboxRec, *, apply: bool = True, scope: Scope | None = None
-    ) -> SandboxReport:
-        """A node-wide pass, reporting one sandbox (level-triggered: the node is re-planned)."""
-        found = self.reconcile([rec.id], apply=apply, scope=scope)
-        if found:
-            return found[0]
-        report = SandboxReport(rec.id, rec.runtime)
-        report.vanished = True
-        return report
-
     def audit(self, scope: Scope | None = None) -> dict[str, Any]:
         """The node-wide invariant (``scope``: what it observes, default everything)."""
         from vmpin.reconcile.audit import node_audit
@@ -497,6 +486,20 @@ class Reconciler:
         with _GcPaused():
             obs = self.observe(scope)
             return node_audit(obs, self.plan(obs))
+
+
+def view_sandbox(
+    reconciler: Reconciler, rec: SandboxRec, scope: Scope | None = None
+) -> SandboxReport:
+    """One sandbox's report from a node-wide pass that does not apply (``show``,
+    ``guest-map``: the node is planned, whatever one sandbox is asked about); a vanished
+    one when the pass found it gone.  (A function, not a method: views are not the pass.)"""
+    found = reconciler.reconcile([rec.id], apply=False, scope=scope)
+    if found:
+        return found[0]
+    report = SandboxReport(rec.id, rec.runtime)
+    report.vanished = True
+    return report
 
 
 def _repaired(applied: Applied) -> dict[str, dict[str, CpuSet]]:

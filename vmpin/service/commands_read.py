@@ -262,10 +262,9 @@ def _one(c: Ctx, sandbox: str) -> SandboxReport:
             if domain is not None:
                 return domain
             raise StateError(f"unknown sandbox {sandbox!r} (see `vmpin sandboxes`)")
-        report: SandboxReport = c.reconciler(store).reconcile_sandbox(
-            rec, apply=False, scope=view_scope("show", rec.id)
-        )
-        return report
+        from vmpin.reconcile.reconciler import view_sandbox
+
+        return view_sandbox(c.reconciler(store), rec, view_scope("show", rec.id))
 
 
 _POLICY_SOURCES = {
@@ -331,7 +330,9 @@ def guest_map(c: Ctx, container: str, as_json: bool) -> int:
         sb = store.sandbox(k.sandbox_id)
         if sb is None:
             raise StateError(f"container {container!r}: sandbox {k.sandbox_id!r} is not tracked")
-        r = c.reconciler(store).reconcile_sandbox(sb, apply=False)
+        from vmpin.reconcile.reconciler import view_sandbox
+
+        r = view_sandbox(c.reconciler(store), sb)
     entry = (r.guest_map or {}).get("containers", {}).get(container)
     if entry is None:
         entry = views.guest_map(
