@@ -10,6 +10,7 @@ and see the answers come regardless.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -24,6 +25,11 @@ from vmpin.core.cpuset import CpuSet
 from vmpin.linux.paths import HostPaths
 from vmpin.reconcile.reconciler import Reconciler
 from vmpin.service.agent import Agent
+from vmpin.service.agent_accounting import Accounting
+from vmpin.service.agent_passes import Planner
+from vmpin.service.agent_protocol import Waiters
+from vmpin.service.metrics import Metrics
+from vmpin.service.queue import DirtyQueue, Work
 from vmpin.state.records import ContainerRec, SandboxRec
 from vmpin.state.store import Store
 
@@ -161,3 +167,54 @@ def test_the_answer_does_not_wait_for_the_queues_bookkeeping(
     finally:
         release.set()
     assert wait_until(agent.queue.idle, 10)
+
+
+def _planner(paths: HostPaths) -> tuple[Planner, Accounting]:
+    """The agent's planner, run by the test's own thread (as bench/bench_event_pass.py)."""
+
+    def fault(where: str, err: BaseException) -> None:
+        raise err
+
+    metrics = Metrics()
+    accounting = Accounting(paths, metrics)
+    planner = Planner(
+        paths, partial(Reconciler, paths), DirtyQueue(), Waiters(fault), accounting, metrics,
+        fault=fault, pause=lambda s: True, fatal=lambda: None, interval=5.0,
+    )  # fmt: skip
+    return planner, accounting
+
+
+@pytest.mark.multi_cpu
+def test_an_event_pass_accounts_by_the_records_its_observation_read(
+    paths: HostPaths, sandbox: str
+) -> None:
+    """An event's pass reads its sandbox's row once, in its observation, and accounts the
+    pass by that record (it read the row again before the pass: issue 28); a sandbox the
+    store does not hold is gone, as before."""
+    planner, accounting = _planner(paths)
+    with Store(paths.state_dir) as store:
+        reconciler = planner._setup(store)
+        now = time.monotonic()
+        planner._run_batch([Work(sandbox, "startup", None, now)], store, reconciler)
+        update(paths, sandbox, "1")
+        statements: list[str] = []
+        store.db.set_trace_callback(statements.append)
+        try:
+            now = time.monotonic()
+            planner._run_batch([Work(sandbox, "event", now, now)], store, reconciler)
+        finally:
+            store.db.set_trace_callback(None)
+        rec = store.sandbox(sandbox)
+        assert rec is not None and not rec.dirty
+        reads = [s for s in statements if s.startswith("SELECT") and "FROM sandboxes" in s]
+        assert len(reads) == 1, statements
+        tally = accounting.tally(sandbox)
+        assert tally.plans == 2 and tally.sandbox is not None
+        assert tally.sandbox["gen"] == rec.gen  # (the update's: the pass planned from it)
+        assert tally.sandbox["plans"] == 2
+        # an event for a sandbox no store holds (gone, or a libvirt domain): forgotten
+        gone = new_id("gone")
+        now = time.monotonic()
+        planner._run_batch([Work(gone, "event", now, now)], store, reconciler)
+        assert accounting.tally(gone).sandbox is None
+        assert accounting.tally().plans == 2

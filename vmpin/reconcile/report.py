@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vmpin.core.planner import Plan, Policy
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.plan import NodePlan, SandboxPlan
+    from vmpin.state.records import SandboxRec
 
 
 class ThreadReport:
@@ -109,6 +110,10 @@ class SandboxReport:
         self.policy_problems: list[str] = []
         #: when the policy's source recorded it in the store (None: the node's, or unknown)
         self.policy_at: float | None = None
+        #: the sandbox's stored record as the pass observed it, before the pass's own writes
+        #: (None: not in the store, e.g. a libvirt domain): the agent accounts the pass by it
+        #: rather than by a read of its own (vmpin.service.agent_passes)
+        self.record: SandboxRec | None = None
 
     def policy_json(self) -> dict[str, Any] | None:
         """The policy in effect and where it came from, as ``show`` prints it."""
@@ -142,6 +147,8 @@ def sandbox_report(sp: SandboxPlan, applied: Applied | None) -> SandboxReport:
     report.policy, report.policy_source = s.policy, s.policy_source
     report.policy_problems = list(s.policy_problems)
     report.policy_at = s.policy_at
+    # (a libvirt domain's record is made by its observation: no store holds it)
+    report.record = s.record if sp.runtime != "libvirt" else None
     report.containers = [c.rec for c in sp.containers]
     report.plan, report.guest_map, report.vanished = sp.plan, sp.guest_map, sp.vanished
     report.notes = list(sp.notes)

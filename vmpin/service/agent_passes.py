@@ -53,9 +53,6 @@ if TYPE_CHECKING:
 DOMAINS_WORK = "libvirt-domains"
 #: the least time between two settlings while passes keep asking (seconds; see Settler)
 SETTLE_EVERY = 1.0
-#: an event's batch up to this many sandboxes reads their records one by one (an index
-#: lookup each), a bigger one the table
-_BY_ID = 64
 
 
 class ReconcilerFactory(Protocol):
@@ -385,14 +382,13 @@ class Planner:
         # moved), and plans the node; a periodic or start-up pass reads everything: drift
         # behind vmpin's back is found there (Observer.observe's ``fresh``, issue 28).
         fresh = set(ids) if all(w.cause == "event" for w in batch) else None
-        # each sandbox's generation before the pass (for drift): the batch's records only
-        # (an event's pass read all 2,000 for one), the whole table for a full pass
-        if fresh is not None and len(ids) <= _BY_ID:
-            found = (store.sandbox(sid) for sid in ids)
-            recs = {rec.id: rec for rec in found if rec is not None}
-        else:
-            recs = {rec.id: rec for rec in store.sandboxes()}
+        # each sandbox's record before the pass (for drift): a full pass reads the whole
+        # table; an event's pass takes those its observation read (SandboxReport.record),
+        # not a read of its own per sandbox (issue 28)
+        recs = {rec.id: rec for rec in store.sandboxes()} if fresh is None else None
         reports = {r.id: r for r in reconciler.reconcile(ids, fresh=fresh)}
+        if recs is None:
+            recs = {sid: r.record for sid, r in reports.items() if r.record is not None}
         ended = time.monotonic()
         if reconciler.node_lock.went_unlocked:
             # another process held the node's plan lock past its wait (stopped, or stuck):

@@ -77,6 +77,8 @@ def ingest(
     """
     # (the journal dir listed once: for the temporary files and the events)
     listed = journal.listing(store.state_dir)
+    if not listed:
+        return []  # (most passes: nothing to sweep, nothing pending)
     if consume:
         journal.sweep_tmp(store.state_dir, names=listed)
     names = journal.pending(store.state_dir, listed)
