@@ -208,6 +208,14 @@ def identity(path: str, dir_fd: int | None = None) -> tuple[int, int, int, int, 
         return None
     if not stat.S_ISREG(st.st_mode):
         return None
+    return version(st)
+
+
+def version(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """(device, inode, size, mtime, ctime in ns) of ``st``: what :func:`identity` tells a
+    file's versions by, and a directory's too (an entry made or removed moves its mtime
+    and ctime: a listing kept while its directory's version holds, as :func:`remember`
+    keeps it once :func:`settled`)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 

@@ -77,7 +77,7 @@ class Summarizer:
         :func:`~vmpin.linux.files.settled` (any later change gets a later time).  One stat
         where listing and sorting 500 sandbox dirs was ~0.3 ms of an event's pass (issue
         28)."""
-        from vmpin.linux.files import listing, settled
+        from vmpin.linux.files import listing, settled, version
 
         vm_dir = self.paths.vm_dir
         try:
@@ -86,7 +86,7 @@ class Summarizer:
             self._listed = None
             return listing(vm_dir)
         # (taken before the listing: a change during it shows as another version next time)
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        ident = version(st)
         memo = self._listed
         if memo is not None and memo[0] == ident:
             return memo[1]

@@ -37,6 +37,7 @@ import os
 from stat import S_ISREG
 
 from vmpin.core.errors import VmpinError
+from vmpin.linux.files import remember, version
 
 TYPE_CHECKING = False  # mypy takes it as true; typing stays unimported (vmpin.lean.records)
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def _expand(
         st = os.stat(parent or ".")
     except (OSError, ValueError):
         return []
-    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    ident = version(st)
     known = listed.get(pattern) if listed is not None else None
     if known is not None and known[0] == ident:
         paths = known[1]
@@ -178,8 +179,6 @@ def _expand(
             return []
         paths = [os.path.join(parent, n) for n in names if _match(n, name)]
         if listed is not None:
-            from vmpin.linux.files import remember
-
             listed.pop(pattern, None)
             remember(listed, pattern, ident, paths)
     out = []
