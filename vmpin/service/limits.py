@@ -123,14 +123,10 @@ def start_thread(target: Callable[..., object], name: str, *args: object) -> thr
 
 def arrived(conn: socket.socket, ends: tuple[bytes, ...] | None) -> bool:
     """Whether a whole request (one of ``ends`` in its first 64 KiB) is already in the
-    socket's receive buffer: peeked, not read, without blocking (on a socket in blocking
-    mode: with a Python timeout set, recv would wait for data first)."""
-    if not ends or conn.gettimeout() is not None:
+    socket's receive buffer: peeked, not read, without blocking."""
+    if not ends:
         return False
-    try:
-        data = conn.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return False
+    data = _waiting(conn, socket.MSG_PEEK)
     return any(e in data for e in ends)
 
 
@@ -140,13 +136,21 @@ def arrived_head(conn: socket.socket, ends: tuple[bytes, ...]) -> tuple[bytes, b
     test for a connection whose own thread reads it next, which then goes on from these
     bytes (:func:`read_request`'s ``head``) -- a request sent as the client connected is
     read with this one ``recv``, not a peek, a poll and a second ``recv``."""
-    if conn.gettimeout() is not None:
-        return b"", False
-    try:
-        data = conn.recv(65536, socket.MSG_DONTWAIT)
-    except OSError:  # (nothing yet, or an error the read proper meets again)
-        return b"", False
+    data = _waiting(conn, 0)
     return data, any(e in data for e in ends)
+
+
+def _waiting(conn: socket.socket, flags: int) -> bytes:
+    """Up to 64 KiB of what is in the socket's receive buffer (``flags``: MSG_PEEK leaves
+    it there), without blocking; b"" for nothing yet, or an error the read proper meets
+    again.  Only on a socket in blocking mode: with a Python timeout set, recv would wait
+    for data first."""
+    if conn.gettimeout() is not None:
+        return b""
+    try:
+        return conn.recv(65536, flags | socket.MSG_DONTWAIT)
+    except OSError:
+        return b""
 
 
 class Cut(Exception):
