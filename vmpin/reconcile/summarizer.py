@@ -25,7 +25,7 @@ import os
 
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import StateError, VmpinError
-from vmpin.linux.files import identity
+from vmpin.linux.files import identity, listing, settled, version
 from vmpin.state import journal, summary
 from vmpin.state.summary import Summary
 
@@ -77,8 +77,6 @@ class Summarizer:
         :func:`~vmpin.linux.files.settled` (any later change gets a later time).  One stat
         where listing and sorting 500 sandbox dirs was ~0.3 ms of an event's pass (issue
         28)."""
-        from vmpin.linux.files import listing, settled, version
-
         vm_dir = self.paths.vm_dir
         try:
             st = os.stat(vm_dir)
