@@ -28,6 +28,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from vmpin.core.errors import StateError, VmpinError
@@ -331,12 +332,19 @@ class Planner:
         if views is not None:
             views.pass_begins(number)
         reconciler.maps_later = [] if later else None
+        # the waiters answered as soon as the pass's pins are in place and current, before
+        # its node summary and reports (Reconciler.on_pinned); again at its end, for a pass
+        # that could not say so early (it went on without the node lock, or raised)
+        reconciler.on_pinned = partial(
+            self.waiters.pass_ends, number, True, reconciler.publish_maps
+        )
         pinned: _Pinned | None = None
         try:
             pinned = self._node_pass(batch, store, reconciler)
         except Exception as err:  # the planner must survive any one pass
             self._failed("node pass", err, batch, store)
         finally:
+            reconciler.on_pinned = None
             # the answers as soon as the pins are done: a waiter waits for nothing else --
             # not for the queue's bookkeeping either, which comes after them (a request
             # for one of these sandboxes that comes meanwhile finds it running, and gets
