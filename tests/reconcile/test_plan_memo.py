@@ -207,6 +207,44 @@ def test_a_sandbox_come_or_gone_is_all_that_is_planned(monkeypatch: pytest.Monke
         last = now
 
 
+@pytest.mark.parametrize("others", ["2-3", "2-3,2-3", "2-3,2-3,2-3"])
+def test_a_sandbox_come_or_gone_where_the_short_walk_gives_up_is_walked_once(
+    others: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox come onto, or gone from, CPUs one other sandbox holds or none moves the
+    others' inputs: the node is walked once, in full (not a walk over the sandboxes moved
+    given up first) -- a node of one or two sandboxes, always.  Each the plan made from
+    nothing."""
+    from vmpin.reconcile import plan as plan_module
+
+    machine = topo("amd-epyc-7313-2s")
+    node = {f"k{i:02d}": kata(f"k{i:02d}", cpus, vmm_threads(1000 + 10 * i, 2, "0-15"))
+            for i, cpus in enumerate(others.split(","))}  # fmt: skip
+    memo = PlanMemo()
+    plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
+    walks: list[bool] = []
+    real = plan_module._walk
+
+    def walk(*args: object) -> object:
+        walks.append(len(args) > 4)  # (given what moved: the short walk)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "_walk", walk)
+    for change, sid in (("come", "k50"), ("gone", "k50")):
+        if change == "come":
+            node[sid] = kata(sid, "2-3", vmm_threads(3000, 2, "0-15"))
+        else:
+            del node[sid]
+        obs = Observation(tuple(node[k] for k in sorted(node)), None)
+        now = plan_node(obs, machine, memo=memo)
+        # (come: CPUs 2-3 held by 1, 2, 3 others; gone: by 2, 3, 4 before it went)
+        short = len(node) >= 3 if change == "come" else len(node) >= 2
+        assert walks == ([True] if short else [False]), (change, len(node))
+        walks.clear()
+        assert now == plan_node(obs, machine)
+        walks.clear()
+
+
 def test_a_sandbox_moved_in_its_pins_and_books_alone_is_not_planned_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -513,6 +513,15 @@ def _plan_moved(
             else:
                 base.append(then_plans[j])
         gone = [t.id for t in before if t.id not in ids]
+        # (a CPU a sandbox come or gone holds, held by one other or none: its count crosses
+        # one, the others' inputs move and the walk over those moved alone gives up -- on a
+        # node of two sandboxes, always: the full walk at once; a gone one's footprint, as
+        # counted, says so here)
+        counted = memo.node.footprints
+        if len(before) < 2 or any(
+            counted._count[cpu] < 3 for sid in gone for cpu in counted._sets[sid]
+        ):
+            return None
     if len(moved) + len(gone) > len(sandboxes) // 4 + 1 or len(moved) == len(sandboxes):
         return None
     return _walk(obs, topology, float_policy, memo, (moved, plan_then, pins, base, gone))
