@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
     from threading import Lock
     from types import TracebackType
+    from typing import Literal
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.state.records import ContainerRec, SandboxRec, ThreadRec
@@ -60,15 +61,26 @@ class Writer(Reader):
         return _Transaction(self)
 
     # -- containers ------------------------------------------------------------------------
-    def put_container(self, rec: ContainerRec) -> None:
-        """Insert or replace a container and mark its sandbox dirty, in one transaction."""
+    def put_container(
+        self, rec: ContainerRec, stored: ContainerRec | Literal[False] | None = False
+    ) -> None:
+        """Insert or replace a container and mark its sandbox dirty, in one transaction.
+
+        ``stored``: the row of ``rec.id`` as the caller read it in the transaction it holds
+        open around this call (None: there is none), not read again (the journal's ingest
+        has just looked the container up: issue 28); False: read here."""
         check_id(rec.id, "container id")
         check_id(rec.sandbox_id, "sandbox id")
+        if stored is not False and (not self._depth or (stored and stored.id != rec.id)):
+            raise ValueError("stored: the row as read in the caller's open transaction")
         now = time.time()
         with self.transaction() as db:
-            old = db.execute(
-                "SELECT created_at, updated_at FROM containers WHERE id=?", (rec.id,)
-            ).fetchone()
+            if stored is False:
+                old = db.execute(
+                    "SELECT created_at, updated_at FROM containers WHERE id=?", (rec.id,)
+                ).fetchone()
+            else:
+                old = None if stored is None else (stored.created_at, stored.updated_at)
             values = {k: getattr(rec, k) for k in CONTAINER_COLS}
             values["cpus"] = None if rec.cpus is None else rec.cpus.to_list()
             values["is_sandbox"] = int(rec.is_sandbox)
@@ -181,9 +193,16 @@ class Writer(Reader):
         with self.transaction() as db:
             db.execute(f"UPDATE containers SET {sets} WHERE id=?", [*seen.values(), container_id])
 
-    def delete_container(self, container_id: str) -> ContainerRec | None:
-        """Forget a container; forgetting a sandbox container forgets its whole sandbox."""
-        rec = self.container(container_id)
+    def delete_container(
+        self, container_id: str, old: ContainerRec | None = None
+    ) -> ContainerRec | None:
+        """Forget a container; forgetting a sandbox container forgets its whole sandbox.
+
+        ``old``: its row as the caller read it in the transaction it holds open around this
+        call, not read again (the journal's ingest has just looked it up: issue 28)."""
+        if old is not None and (not self._depth or old.id != container_id):
+            raise ValueError("old: the row as read in the caller's open transaction")
+        rec = self.container(container_id) if old is None else old
         if rec is None:
             return None
         now = time.time()
@@ -193,15 +212,19 @@ class Writer(Reader):
                 db.execute("DELETE FROM containers WHERE sandbox_id=?", (rec.sandbox_id,))
                 db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
                 self._forget_threads(db, rec.sandbox_id)
-            else:
-                left = db.execute(
-                    "SELECT COUNT(*) FROM containers WHERE sandbox_id=?", (rec.sandbox_id,)
-                ).fetchone()[0]
-                if left == 0:
-                    db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
-                    self._forget_threads(db, rec.sandbox_id)
-                else:
-                    self._bump(db, rec.sandbox_id, now)
+                return rec
+            # Its sandbox marked dirty while it has containers left: one statement where a
+            # count and the bump were two; the count only when nothing was bumped.
+            bumped = db.execute(
+                "UPDATE sandboxes SET gen=gen+1, updated_at=? WHERE id=?"
+                " AND EXISTS (SELECT 1 FROM containers WHERE sandbox_id=?)",
+                (now, rec.sandbox_id, rec.sandbox_id),
+            ).rowcount
+            if not bumped and not db.execute(
+                "SELECT COUNT(*) FROM containers WHERE sandbox_id=?", (rec.sandbox_id,)
+            ).fetchone()[0]:
+                db.execute("DELETE FROM sandboxes WHERE id=?", (rec.sandbox_id,))
+                self._forget_threads(db, rec.sandbox_id)
         return rec
 
     # -- sandboxes -------------------------------------------------------------------------
