@@ -182,7 +182,9 @@ def _resolve(
     looked: dict[str, ContainerRec | None] = {}
     # (a create's state id is its container id: looked up once)
     for cid in (by_ident, ev.id if ev.id != by_ident else None):
-        rec = looked[cid] = store.container(cid) if cid else None
+        if not cid:
+            continue
+        rec = looked[cid] = store.container(cid)
         if rec is not None and (not bundle or rec.bundle in (None, bundle)):
             return rec, looked
     if not bundle:
