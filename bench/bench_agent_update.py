@@ -29,8 +29,9 @@ recorded.  The wrappers cost ~1 us each, ~40 per round.  Per round, each phase's
     handover    the sandbox queued for the planner (DirtyQueue.add_all)
     wake        the planner's take_batch returning the batch (its thread woken, the GIL)
     prepass     the pass begun: ingest, the API's policies, the batch's records
-    pins        Reconciler.reconcile: observe, plan, apply (the pins), the summary
-    ends        the pass ended: Waiters.pass_ends answering (then DirtyQueue.done_all)
+    pins        Reconciler.reconcile, up to the answer: observe, plan, apply (the pins),
+                then Waiters.pass_ends answering -- from Reconciler.on_pinned, before the
+                node summary, where the tree has it; else after the pass
     answer      the answer written on the socket (Reply.send, by the planner)
     client      the client's recv returning (its wake-up)
 
@@ -91,8 +92,7 @@ PHASES = [
     ("handover", "queue_out"),
     ("wake", "take_out"),
     ("prepass", "reconcile_in"),
-    ("pins", "reconcile_out"),
-    ("ends", "send_in"),
+    ("pins", "send_in"),
     ("answer", "send_out"),
 ]
 

@@ -9,6 +9,7 @@ and see the answers come regardless.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +36,7 @@ from vmpin.state.store import Store
 
 
 @pytest.fixture
-def sandbox(paths: HostPaths, vm_dir: Path) -> Iterator[str]:
+def sandbox_vmm(paths: HostPaths, vm_dir: Path) -> Iterator[tuple[str, fakevmm.FakeVmm]]:
     """One Kata sandbox on a fake VMM, its workload container on CPU 0."""
     sid = new_id("passes")
     vmm = fakevmm.start(vm_dir, sid, vcpus=2)
@@ -46,9 +47,14 @@ def sandbox(paths: HostPaths, vm_dir: Path) -> Iterator[str]:
             store.put_container(
                 ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse("0"))
             )
-        yield sid
+        yield sid, vmm
     finally:
         vmm.kill()
+
+
+@pytest.fixture
+def sandbox(sandbox_vmm: tuple[str, fakevmm.FakeVmm]) -> str:
+    return sandbox_vmm[0]
 
 
 @pytest.fixture
@@ -163,10 +169,53 @@ def test_the_answer_does_not_wait_for_the_queues_bookkeeping(
     try:
         update(paths, sandbox, "1")
         assert agent.notify_and_wait([sandbox], 10.0)["done"] is True
-        assert entered.is_set() and not release.is_set()  # answered while it was held
+        # answered before it, or while it was held (Reconciler.on_pinned answers earlier)
+        assert entered.wait(10) and not release.is_set()
     finally:
         release.set()
     assert wait_until(agent.queue.idle, 10)
+
+
+@pytest.mark.multi_cpu
+@pytest.mark.parametrize("maps_first", [True, False], ids=["kata-hook", "update"])
+def test_the_answer_does_not_wait_for_the_node_summary(
+    paths: HostPaths,
+    sandbox_vmm: tuple[str, fakevmm.FakeVmm],
+    agent: Agent,
+    monkeypatch: pytest.MonkeyPatch,
+    maps_first: bool,
+) -> None:
+    """A pass's waiters are answered once its pins are in place and current
+    (Reconciler.on_pinned), before its node summary is written -- with the guest map
+    published first for a waiter that reads it (a Kata hook) -- and the summary follows."""
+    from vmpin.reconcile.summarizer import Summarizer
+    from vmpin.runtimes.publish import map_path, read_published
+
+    sandbox, vmm = sandbox_vmm
+
+    entered, release = threading.Event(), threading.Event()
+    real = Summarizer.write
+
+    def held(self: Summarizer, *args: Any, **kw: Any) -> bool:
+        entered.set()
+        release.wait(30)
+        return real(self, *args, **kw)
+
+    path = map_path(paths, sandbox)
+    os.makedirs(os.path.dirname(os.path.dirname(path)))  # (Kata's dir shared with the guest)
+    monkeypatch.setattr(Summarizer, "write", held)
+    try:
+        update(paths, sandbox, "1")
+        reply = agent.notify_and_wait([sandbox], 10.0, maps_first=maps_first)
+        assert reply["done"] is True
+        assert entered.is_set() and not release.is_set()  # answered while it was held
+        assert {frozenset(os.sched_getaffinity(t)) for t in vmm.tids()} == {frozenset({1})}
+        if maps_first:
+            doc = read_published(path)
+            assert doc is not None and doc["containers"][f"{sandbox}-app"]["host_cpus"] == "1"
+    finally:
+        release.set()
+    assert wait_until(lambda: not agent.status()["pass_running"], 10)
 
 
 def _planner(paths: HostPaths) -> tuple[Planner, Accounting]:

@@ -124,7 +124,8 @@ def test_a_holder_overtaken_while_it_was_stopped_plans_again(
     waits its budget for the lock, goes on without it (writing its token into the lock file)
     and pins the new set.  When the holder goes on it applies its older plan over that one,
     finds the token, and plans again: the kernel ends with the update's set.  (Without the
-    second plan it would end with the older one, the store saying otherwise.)"""
+    second plan it would end with the older one, the store saying otherwise.)  Only then are
+    the pins said to be in place (``on_pinned``, where the agent answers its waiters)."""
     sid = new_id("overtaken")
     vmm = fakevmm.start(vm_dir, sid, vcpus=2)
     try:
@@ -150,8 +151,12 @@ def test_a_holder_overtaken_while_it_was_stopped_plans_again(
             return plans[-1]
 
         mocker.patch.object(rec, "plan", side_effect=plan)
+        # the agent answers its waiters from on_pinned: never after the overtaken apply
+        told: list[int] = []
+        rec.on_pinned = lambda: told.append(len(plans))
         rec.reconcile()
         assert len(plans) == 2  # planned again once it saw the token
+        assert told == [2]
         assert all_on(vmm.pid, "1")
         assert stored(paths, f"{sid}-app") == "1"
     finally:

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from vmpin.runtimes.kubelet import Checkpoint
     from vmpin.state.reader import Reader
 
-__all__ = ["Reconciler", "SandboxReport", "ThreadReport", "view_sandbox"]
+__all__ = ["Reconciler", "SandboxReport", "ThreadReport", "reconcile_plain", "view_sandbox"]
 
 #: passes planned again, at most, after one that may have been overtaken (see the docstring)
 REPLANS = 3
@@ -125,6 +125,10 @@ class Reconciler:
         #: a list: the guest maps a pass would publish are kept there for the caller to
         #: publish (:meth:`publish_maps`) once it has answered whoever waits on the pins
         self.maps_later: list[tuple[str, dict[str, Any] | None]] | None = None
+        #: called in a pass that applies once its pins are in place and current (it holds
+        #: the node's plan lock, and nobody went on without it meanwhile), before its node
+        #: summary: the agent answers whoever waits on the pins there (issue 28)
+        self.on_pinned: Callable[[], object] | None = None
         #: each sandbox's last plan with what it was planned from (plan_node's ``memo``)
         self._sandbox_plans: PlanMemo | None = None
         #: the last plan and what it was made from (see plan())
@@ -344,6 +348,8 @@ class Reconciler:
                     # nobody went on without the lock while this pass held it: nothing
                     # applied since this pass observed the node but by this pass
                     if not lock.overtaken():
+                        if self.on_pinned is not None:
+                            self.on_pinned()
                         summarized = summarizer.write(
                             self.last_plan, *inputs, hold=self.held_maps
                         )
@@ -420,40 +426,6 @@ class Reconciler:
                 among = applied.sandboxes
         return node_reports(plan, applied, sandbox_ids, among)
 
-    def reconcile_plain(
-        self, sandbox_id: str, old: CpuSet | None, new: CpuSet | None, infra: bool
-    ) -> list[SandboxReport] | None:
-        """A plain (runc) sandbox's pass after one of its containers went from ``old`` to
-        ``new`` (``vmpin update``): its cgroups brought into line, nothing else observed, at
-        a cost that does not grow with the node (issue 26: 3.7 s at 10,000 containers).
-
-        Only under the node's plan lock, and only when the node summary of the last pass
-        (vmpin.state.summary) says no VM's plan depends on the change; None otherwise (the
-        caller then runs the node's pass).  The summary stays true: the change is one it
-        lets through."""
-        from vmpin.reconcile.apply import Applier
-        from vmpin.reconcile.plan import plan_node
-        from vmpin.reconcile.report import sandbox_report
-        from vmpin.state.allocating import present as allocating
-
-        if allocating(self.store.state_dir):
-            return None  # vmpin's allocations move the pool: the node's pass (issue 30)
-        with _GcPaused():
-            if not self._lock():
-                return None
-            try:
-                if not self.summarizer.lets_through(old, new, infra):
-                    return None
-                obs = self.observer.observe_plain(self.store, sandbox_id)
-                if obs is None:
-                    return None
-                plan = plan_node(obs, self.topology, float_policy=self.float_policy)
-                applier = Applier(self.paths, self.affinity, publish=False)
-                applied = applier.apply(_writer(self.store), plan)
-                return [sandbox_report(sp, applied) for sp in plan.sandboxes]
-            finally:
-                self._unlock()
-
     def publish_maps(self) -> None:
         """Publish the guest maps kept back by passes since the last call (``maps_later``)."""
         if not self.maps_later:
@@ -462,12 +434,14 @@ class Reconciler:
 
         maps, self.maps_later[:] = list(self.maps_later), []
         # the maps are written in the node's writer order too: a map of an older plan must
-        # not land after a newer one (vmpin.runtimes.publish takes no lock of its own)
-        self._lock()
+        # not land after a newer one (vmpin.runtimes.publish takes no lock of its own); a
+        # pass that answers from on_pinned holds the lock already
+        taken = not self.node_lock.held and self._lock()
         try:
             publish_maps(self.paths, maps, self.held_maps)
         finally:
-            self._unlock()
+            if taken:
+                self._unlock()
 
     def release_maps(self) -> None:
         """Close the replaced guest maps (and summaries) held since the last call: the
@@ -486,6 +460,42 @@ class Reconciler:
         with _GcPaused():
             obs = self.observe(scope)
             return node_audit(obs, self.plan(obs))
+
+
+def reconcile_plain(
+    reconciler: Reconciler, sandbox_id: str, old: CpuSet | None, new: CpuSet | None, infra: bool
+) -> list[SandboxReport] | None:
+    """A plain (runc) sandbox's pass after one of its containers went from ``old`` to
+    ``new`` (``vmpin update``): its cgroups brought into line, nothing else observed, at a
+    cost that does not grow with the node (issue 26: 3.7 s at 10,000 containers).
+
+    Only under the node's plan lock, and only when the node summary of the last pass
+    (vmpin.state.summary) says no VM's plan depends on the change; None otherwise (the
+    caller then runs the node's pass).  The summary stays true: the change is one it lets
+    through.  (A function beside the pass, which it is not: it plans one sandbox.)"""
+    from vmpin.reconcile.apply import Applier
+    from vmpin.reconcile.plan import plan_node
+    from vmpin.reconcile.report import sandbox_report
+    from vmpin.state.allocating import present as allocating
+
+    if allocating(reconciler.store.state_dir):
+        return None  # vmpin's allocations move the pool: the node's pass (issue 30)
+    lock = reconciler.node_lock
+    with _GcPaused():
+        if not lock.take(reconciler.deadline):
+            return None
+        try:
+            if not reconciler.summarizer.lets_through(old, new, infra):
+                return None
+            obs = reconciler.observer.observe_plain(reconciler.store, sandbox_id)
+            if obs is None:
+                return None
+            plan = plan_node(obs, reconciler.topology, float_policy=reconciler.float_policy)
+            applier = Applier(reconciler.paths, reconciler.affinity, publish=False)
+            applied = applier.apply(_writer(reconciler.store), plan)
+            return [sandbox_report(sp, applied) for sp in plan.sandboxes]
+        finally:
+            lock.release()
 
 
 def view_sandbox(

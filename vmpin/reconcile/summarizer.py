@@ -13,7 +13,7 @@ that, and what a pass does with it (docs/design.md, "What does not grow with the
 - remove it when a pass cannot vouch for it (:meth:`Summarizer.forget`: it went on without
   the node lock, or failed), so that hooks re-plan until a pass writes one again;
 - judge a plain container's change by it (:meth:`Summarizer.lets_through`,
-  ``Reconciler.reconcile_plain``).
+  ``reconciler.reconcile_plain``).
 
 Every method is called under the node's plan lock by the :class:`.reconciler.Reconciler`
 that owns this one.

@@ -28,6 +28,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from vmpin.core.errors import StateError, VmpinError
@@ -215,6 +216,9 @@ class Planner:
         #: None until the first pass reads them), and the link's version they came from
         self._api_policies: dict[str, dict[str, str]] | None = None
         self._api_policy_version = -1
+        #: when the running pass had its pins in place and current (Reconciler.on_pinned;
+        #: planner thread only), None before
+        self._pinned_at: float | None = None
         #: the thread that settles the store after the passes, while :meth:`run` runs
         self.settler: Settler | None = None
         #: the agent's writers queue on this rather than on SQLite's sleeping busy handler:
@@ -331,12 +335,18 @@ class Planner:
         if views is not None:
             views.pass_begins(number)
         reconciler.maps_later = [] if later else None
+        # the waiters answered as soon as the pass's pins are in place and current, before
+        # its node summary and reports (Reconciler.on_pinned); again at its end, for a pass
+        # that could not say so early (it went on without the node lock, or raised)
+        reconciler.on_pinned = partial(self._pinned, number, reconciler)
+        self._pinned_at = None
         pinned: _Pinned | None = None
         try:
             pinned = self._node_pass(batch, store, reconciler)
         except Exception as err:  # the planner must survive any one pass
             self._failed("node pass", err, batch, store)
         finally:
+            reconciler.on_pinned = None
             # the answers as soon as the pins are done: a waiter waits for nothing else --
             # not for the queue's bookkeeping either, which comes after them (a request
             # for one of these sandboxes that comes meanwhile finds it running, and gets
@@ -346,7 +356,8 @@ class Planner:
                 maps_now = self.waiters.pass_ends(number, ok, reconciler.publish_maps)
             finally:
                 self.queue.done_all([w.sandbox_id for w in batch])
-            answered = time.monotonic()
+            # (answered from the pass, when it could say its pins were in place)
+            answered = self._pinned_at if self._pinned_at is not None else time.monotonic()
             if views is not None:
                 views.pass_ends(number, ok, store, reconciler)
         if not maps_now:
@@ -364,6 +375,11 @@ class Planner:
         # then the pass's journal events made durable, their files removed
         self._settle(store)
         self._waited(batch, pinned, answered)
+
+    def _pinned(self, number: int, reconciler: Reconciler) -> None:
+        """Pass ``number``'s pins are in place and current: its waiters answered."""
+        self._pinned_at = time.monotonic()
+        self.waiters.pass_ends(number, True, reconciler.publish_maps)
 
     def _node_pass(self, batch: list[Work], store: Store, reconciler: Reconciler) -> _Pinned:
         """One node-wide pass for every sandbox in ``batch``: the pins, and what accounting
@@ -389,7 +405,8 @@ class Planner:
         reports = {r.id: r for r in reconciler.reconcile(ids, fresh=fresh)}
         if recs is None:
             recs = {sid: r.record for sid, r in reports.items() if r.record is not None}
-        ended = time.monotonic()
+        # (the pins' latency ends where they were known in place, not after the summary)
+        ended = self._pinned_at if self._pinned_at is not None else time.monotonic()
         if reconciler.node_lock.went_unlocked:
             # another process held the node's plan lock past its wait (stopped, or stuck):
             # this pass went on without it, and either side plans again when needed

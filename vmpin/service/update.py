@@ -264,7 +264,9 @@ def _repin(
             from vmpin.runtimes.kubelet import is_infra
 
             infra = is_infra(rec.is_sandbox, rec.pod_uid, rec.name)
-            reports = rec_.reconcile_plain(rec.sandbox_id, old, rec.cpus, infra)
+            from vmpin.reconcile.reconciler import reconcile_plain
+
+            reports = reconcile_plain(rec_, rec.sandbox_id, old, rec.cpus, infra)
         if reports is None:
             reports = rec_.reconcile([rec.sandbox_id])
         errors = [e for r in reports for e in r.errors]
