@@ -110,9 +110,11 @@ class Observer:
         A file kubelet would refuse is reported and the last good one is used
         (:class:`vmpin.runtimes.kubelet.CheckpointReader`).
         """
-        from vmpin.runtimes.kubelet import CheckpointReader
-
         if self._checkpoint_reader is None:
+            # (imported with the reader made: an import statement of a module loaded
+            # already is ~9 k instructions under 3.11, a pass's each time, issue 28)
+            from vmpin.runtimes.kubelet import CheckpointReader
+
             self._checkpoint_reader = CheckpointReader(self.paths.kubelet_state)
         try:
             return self._checkpoint_reader.read()
@@ -123,9 +125,9 @@ class Observer:
     def kata_configs(self, save: bool = True) -> KataConfigs:
         """Kata's configuration files as they say now (parsed again only when one changed;
         ``save``: the answer may be kept in the state dir for the next process)."""
-        from vmpin.runtimes.kataconfig import KataConfigReader
-
         if self._kata_reader is None:
+            from vmpin.runtimes.kataconfig import KataConfigReader  # (see checkpoint)
+
             self._kata_reader = KataConfigReader(
                 self.paths.kata_config, self.paths.kata_config_cache
             )
