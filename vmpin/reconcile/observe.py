@@ -276,7 +276,7 @@ class Observer:
 
     def observe_plain(self, store: Reader, sandbox_id: str) -> Observation | None:
         """One plain (runc) sandbox alone, read through the store's indexes: for a pass that
-        changes nothing but its cgroups (``Reconciler.reconcile_plain``), whose cost must not
+        changes nothing but its cgroups (``reconciler.reconcile_plain``), whose cost must not
         grow with the node (issue 26).  None when the sandbox is not a tracked runc one.
 
         Its plan is the node plan's for it (a runc container's desired set is its own or the
