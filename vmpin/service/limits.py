@@ -269,7 +269,7 @@ class Slots:
         slot: Slot | None = None
         pending = 2 * self.cap if whole else self.cap
         deadline: float | None = None
-        with self._freed:
+        with self._lock:  # (the lock of _freed, taken as itself: no Python calls)
             while True:
                 while self._held >= self.cap and self._reading and self._evicted < pending:
                     victim = next(iter(self._reading))
