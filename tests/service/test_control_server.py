@@ -164,8 +164,8 @@ def test_a_blocking_request_wakes_the_planner_once_and_syncs_first() -> None:
 
 
 class _CountingCondition(threading.Condition):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
         self.notified = 0
 
     def notify_all(self) -> None:
@@ -181,7 +181,7 @@ def test_a_pass_wakes_its_waiters_once_and_a_kata_hooks_only_after_its_maps(
     they are published: its thread would only find its test false and sleep again, a
     context switch and the GIL in the way of the maps it waits for (issue 28)."""
     waiters = Waiters(lambda where, err: None)
-    cond = waiters._cond = _CountingCondition()
+    cond = waiters._cond = _CountingCondition(waiters._lock)  # (on the lock it guards)
     queued = threading.Event()
     replies: list[dict[str, Any]] = []
 
