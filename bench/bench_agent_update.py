@@ -134,7 +134,8 @@ def _install_probes(out: str) -> None:
         setattr(owner, attr, probed)
 
     wrap(socket.socket, "accept", None, "accept")
-    wrap(server, "read_request", None, "read")
+    # (the line read, or found whole at the accept: the slot then answering, in any tree)
+    wrap(server.Slots, "answering", None, "read")
     wrap(agent_updates.AgentUpdates, "answer", "answer_in", "answer_out")
     wrap(agent_updates, "record_update", "record_in", "record_out")
     wrap(sysfs, "read_topology", "topology_in", "topology_out")

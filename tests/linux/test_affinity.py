@@ -37,9 +37,11 @@ def test_a_pin_the_kernel_narrowed_returns_what_it_holds(mocker: MockerFixture) 
     base = min(os.sched_getaffinity(0))
     asked = CpuSet([base, base + 1])
     mocker.patch.object(affinity.os, "sched_setaffinity")
-    mocker.patch.object(affinity.os, "sched_getaffinity", return_value={base})
+    reads = mocker.patch.object(affinity.os, "sched_getaffinity", return_value={base})
     got = SchedAffinity().set(12345, asked)
     assert got == CpuSet([base]) and got != asked
+    assert reads.call_count == 1  # the read-back's mask itself: not read a second time
+    assert got is affinity.current(12345)  # (shared with current's, as a node's masks are)
 
 
 def test_a_thread_gone_is_process_gone(mocker: MockerFixture) -> None:

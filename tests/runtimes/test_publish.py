@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
 import time
 from functools import cache
 from pathlib import Path
@@ -247,6 +248,36 @@ def test_stale_temp_from_a_dead_writer_is_removed(paths: HostPaths, shared: Path
     publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
     assert not stale.exists() and not old.exists()
     assert live.exists()
+
+
+def test_a_map_dir_left_clean_is_not_listed_again(
+    paths: HostPaths, shared: Path, mocker: Any
+) -> None:
+    """A change to this process's own map in a directory its last write left with no temp
+    map, and unchanged since (publish._WRITTEN: its version), lists nothing to sweep; a
+    temp made there since moves the directory, and is swept at the next write; so is one
+    that a live writer still held at the sweep, once it is a dead writer's."""
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))  # (the directory made)
+    publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))  # (swept: found clean)
+    listed = mocker.spy(publish.os, "listdir")
+    for cpus in ("8,64", "9,65", "8,64"):
+        assert publish.publish_map(paths, SID, sandbox_map({"a": cpus})).written
+    assert listed.call_count == 0
+    stale = shared / "vmpin" / ".guest-map.json.999999.deadbeef.tmp"
+    stale.write_text("{half")
+    publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert listed.call_count == 1 and not stale.exists()
+    writer = subprocess.Popen(["sleep", "60"])
+    live = shared / "vmpin" / f".guest-map.json.{writer.pid}.{time.monotonic_ns()}.tmp"
+    live.write_text("{writing")
+    publish.publish_map(paths, SID, sandbox_map({"a": "8,64"}))
+    assert listed.call_count == 2 and live.exists()
+    writer.kill()
+    writer.wait()
+    # the writer died, its file left as it was (the directory unmoved): listed again, the
+    # last listing having left a temp behind
+    publish.publish_map(paths, SID, sandbox_map({"a": "9,65"}))
+    assert listed.call_count == 3 and not live.exists()
 
 
 def test_a_live_writers_temp_survives_a_clock_step(paths: HostPaths, shared: Path) -> None:

@@ -703,9 +703,19 @@ class PassGate:
         if not self.open.is_set():
             self.held.set()
             self.open.wait(60)
+        told = rec.on_pinned  # (the agent's: where it answers its waiters)
+        if told is not None:
+
+            def pinned() -> object:
+                with self._lock:
+                    self.log.append(("pinned", n))
+                return told()
+
+            rec.on_pinned = pinned
         try:
             return self.real(rec, *args, **kw)
         finally:
+            rec.on_pinned = told
             with self._lock:
                 self.log.append(("end", n))
 
@@ -796,9 +806,10 @@ def test_blocking_dirty_replies_after_a_pass_that_started_after_it(
     inproc_agent: Callable[..., Agent],
     mocker: Any,
 ) -> None:
-    """done:true only once a node pass that *started after the request* has ended: a pass
-    already running when it arrives (held here at the gate) does not count, because it may
-    have read the store before the caller's write."""
+    """done:true only once a node pass that *started after the request* has its pins in
+    place (Reconciler.on_pinned, before the pass's summary and end): a pass already running
+    when it arrives (held here at the gate) does not count, because it may have read the
+    store before the caller's write."""
     sid = new_id("blk")
     vmm = fake_vmms(sid, vcpus=2)
     with Store(paths.state_dir) as store:
@@ -831,7 +842,7 @@ def test_blocking_dirty_replies_after_a_pass_that_started_after_it(
     assert all_on(vmm.pid, "1"), affinities(vmm.pid)
     reply_at = gate.log.index(("reply", gate.calls))
     assert ("start", held_pass + 1) in gate.log[:reply_at]
-    assert ("end", held_pass + 1) in gate.log[:reply_at]
+    assert ("pinned", held_pass + 1) in gate.log[:reply_at]
     # without a pass in the way it is one pass, and the reply says so at once
     with Store(paths.state_dir) as store:
         store.set_container_cpus(f"{sid}-app", CpuSet.parse("0"), "update")

@@ -92,6 +92,21 @@ def test_a_request_sent_as_it_connected_costs_one_recv_and_one_send(
     assert calls == {"recv": 1, "send": 1}, calls
 
 
+def test_a_request_whole_at_the_accept_is_not_looked_at_again(
+    paths: HostPaths, serve: Callable[..., ControlServer], mocker: Any
+) -> None:
+    """The accept's one recv found the line whole: the line is taken as it is, its end not
+    looked for again by read_request (issue 28: the test was made twice per request)."""
+    import vmpin.service.server as server_mod
+
+    read = mocker.patch.object(server_mod, "read_request", side_effect=AssertionError("read"))
+    server = serve(lambda line, answer: {"ok": True, "got": line.decode()})
+    sock = _client(paths.control_socket, b'{"op": "x"}\n')
+    server.start()
+    assert _answer(sock) == b'{"ok": true, "got": "{\\"op\\": \\"x\\"}"}\n'
+    assert read.call_count == 0
+
+
 def test_a_request_that_trickles_in_and_a_long_answer_are_still_whole(
     paths: HostPaths, serve: Callable[..., ControlServer], calls: Counter[str]
 ) -> None:
@@ -149,8 +164,8 @@ def test_a_blocking_request_wakes_the_planner_once_and_syncs_first() -> None:
 
 
 class _CountingCondition(threading.Condition):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
         self.notified = 0
 
     def notify_all(self) -> None:
@@ -166,7 +181,7 @@ def test_a_pass_wakes_its_waiters_once_and_a_kata_hooks_only_after_its_maps(
     they are published: its thread would only find its test false and sleep again, a
     context switch and the GIL in the way of the maps it waits for (issue 28)."""
     waiters = Waiters(lambda where, err: None)
-    cond = waiters._cond = _CountingCondition()
+    cond = waiters._cond = _CountingCondition(waiters._lock)  # (on the lock it guards)
     queued = threading.Event()
     replies: list[dict[str, Any]] = []
 

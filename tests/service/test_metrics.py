@@ -188,3 +188,46 @@ def test_port_in_use_is_an_oserror() -> None:
             m.MetricsServer(m.Metrics(), server.port)
     finally:
         server.close()
+
+
+class _Label(str):
+    """A label value that is a string, and may not be converted again."""
+
+    def __str__(self) -> str:
+        raise AssertionError("converted")
+
+
+@pytest.mark.parametrize("kind", ["counter", "gauge", "histogram"])
+def test_children_found_as_given(kind: str) -> None:
+    """A child is found by its label values as given when they are strings (every caller's),
+    with neither a conversion nor the lock; others are converted, a wrong count or labels
+    on an unlabelled metric refused; an unlabelled metric's child is at hand (issue 28: a
+    few per request, on the connection thread before the planner it woke gets the GIL)."""
+    reg = m.Registry()
+    made: dict[str, Any] = {
+        "counter": lambda *a: m.Counter(*a, registry=reg),
+        "gauge": lambda *a: m.Gauge(*a, registry=reg),
+        "histogram": lambda *a: m.Histogram(*a, buckets=BUCKETS, registry=reg),
+    }
+    op = {"counter": "inc", "gauge": "set", "histogram": "observe"}[kind]
+    labelled = made[kind]("x_total", "x", ["where"])
+    child = labelled.labels("1")
+    labelled._lock = None  # (taking it now would raise)
+    assert labelled.labels(_Label("1")) is child
+    assert labelled.labels(1) is child
+    for bad in ((), ("1", "2")):
+        with pytest.raises(ValueError):
+            labelled.labels(*bad)
+    with pytest.raises(ValueError):
+        getattr(labelled, op)(1)
+    one = made[kind]("y_total", "y")
+    with pytest.raises(ValueError):
+        one.labels("1")
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(m._Metric, "_only", None)  # (the unlabelled child is not looked for)
+    try:
+        getattr(one, op)(2)
+    finally:
+        monkey.undo()
+    assert one._one is not None
+    assert (one._one.get() if kind != "histogram" else one._one._sum) == 2

@@ -209,9 +209,14 @@ def test_the_log_is_read_in_one_statement(tmp_path: Path) -> None:
         store.db.execute("DELETE FROM changes WHERE seq = 1")
         assert changes.since(store.db, 0) is None
         assert changes.since(store.db, 1) is None
-        # the log's last row gone (nothing vmpin does): nothing logged since it, all the same
+        # the log's last row gone (nothing vmpin does): read whole once, then followed from
+        # the top read anew
         store.db.execute("DELETE FROM changes WHERE seq = ?", (last,))
-        assert changes.since(store.db, last).sandboxes == set()  # type: ignore[union-attr]
+        assert changes.since(store.db, last) is None
+        again = changes.top(store.db)
+        assert again == last - 1
+        store.set_meta("k", "v")
+        assert changes.since(store.db, again).keys == {"k"}  # type: ignore[union-attr]
 
 
 def test_a_schema_5_store_gains_the_allocations_triggers(tmp_path: Path) -> None:
@@ -222,7 +227,7 @@ def test_a_schema_5_store_gains_the_allocations_triggers(tmp_path: Path) -> None
     ro = Store.open_readonly(str(tmp_path))  # (a read-only view reads schema 5 as it is)
     ro.close()
     with Store(str(tmp_path)) as store:
-        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
         names = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master")}
         assert {"changes_allocations_ins", "changes_allocations_del"} <= names
 
@@ -261,3 +266,62 @@ def test_a_pass_marking_a_sandbox_done_is_followed_without_reading_its_row(
         assert followed.follow(store.version())
         assert _whole(followed) == _whole(Tables(store, FULL))
         assert followed.records[followed._at["s04"]].done_gen == 3
+
+
+#: schema 6's log and its trim, as a store of that schema holds them
+_V6_LOG = (
+    "CREATE TABLE changes (seq INTEGER PRIMARY KEY AUTOINCREMENT, sandbox_id TEXT, key TEXT)",
+    "CREATE TRIGGER changes_meta_ins AFTER INSERT ON meta"
+    " BEGIN INSERT INTO changes(key) VALUES (new.key); END",
+    f"CREATE TRIGGER changes_keep_short AFTER INSERT ON changes WHEN new.seq % {changes.KEEP} = 0"
+    f" BEGIN DELETE FROM changes WHERE seq <= new.seq - {changes.KEEP}; END",
+)
+
+
+def test_a_schema_6_log_is_made_again_with_its_rows_and_its_top(tmp_path: Path) -> None:
+    """Schema 7: the log's seq is a plain rowid (AUTOINCREMENT read and wrote its
+    sqlite_sequence row again for every row logged, issue 28); a schema-6 store is brought
+    to it with its rows and its last seq, so that a reader goes on from a seq it read."""
+    with Store(str(tmp_path)) as store, store.transaction() as db:
+        for (name,) in db.execute(
+            "SELECT name FROM sqlite_master WHERE type='trigger'"
+        ).fetchall():
+            db.execute(f"DROP TRIGGER {name}")
+        db.execute("DROP TABLE changes")
+        for statement in _V6_LOG:
+            db.execute(statement)
+        rows = [(1, "a", "sandboxes"), (2, None, "k")]
+        db.executemany("INSERT INTO changes VALUES (?,?,?)", rows)
+        # (the last seq handed out, its row gone: still never handed out again)
+        db.execute("UPDATE sqlite_sequence SET seq = 5 WHERE name = 'changes'")
+        db.execute("PRAGMA user_version=6")
+    with Store(str(tmp_path)) as store:
+        db = store.db
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        sql = db.execute("SELECT sql FROM sqlite_master WHERE name='changes'").fetchone()[0]
+        assert "AUTOINCREMENT" not in sql.upper()
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+        assert "changes_keep_short" not in names and "changes_meta_ins" in names
+        rows = db.execute("SELECT seq, sandbox_id, key FROM changes ORDER BY seq").fetchall()
+        assert rows == [(1, "a", "sandboxes"), (2, None, "k"), (5, None, None)]
+        assert changes.top(db) == 5
+        delta = changes.since(db, 1)
+        assert delta is not None and delta.keys == {"k"} and delta.top == 5
+        store.set_meta("k2", "v")
+        delta = changes.since(db, 5)
+        assert delta is not None and delta.keys == {"k2"} and delta.top == 6
+        assert db.execute("SELECT count(*) FROM sqlite_sequence").fetchone()[0] == 0
+
+
+def test_an_updates_commit_writes_its_rows_pages_and_the_logs_alone(tmp_path: Path) -> None:
+    """What an update's commit appends to the WAL: the container's page, its sandbox's and
+    the log's -- not ``sqlite_sequence``'s (schema 6: a fourth page, issue 28)."""
+    import os
+
+    with Store(str(tmp_path)) as store:
+        _sandbox(store, "a")
+        store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        wal = os.path.join(str(tmp_path), "state.db-wal")
+        store.set_container_cpus("a-app", CpuSet.parse("1"), "update")
+        frame = 24 + store.db.execute("PRAGMA page_size").fetchone()[0]
+        assert (os.path.getsize(wal) - 32) // frame == 3

@@ -324,6 +324,55 @@ def test_a_create_looks_its_container_up_by_id_once(paths: HostPaths, tmp_path: 
     assert store.ingest() == ["pod"]
     by_id = [s for s in statements if s.startswith("SELECT") and "WHERE id='c1'" in s]
     by_bundle = [s for s in statements if "WHERE bundle=" in s]
-    assert (len(by_id), len(by_bundle)) == (2, 1), statements  # (put_container's created_at)
-    assert [c.id for c in store.containers()] == ["c1"]
+    # (and the write takes the row as the lookup found it: none; issue 28: put_container read
+    # the row by id again for its created_at)
+    assert (len(by_id), len(by_bundle)) == (1, 1), statements
+    [rec] = store.containers()
+    assert rec.id == "c1" and rec.created_at == rec.updated_at
     store.close()
+
+
+def test_a_poststop_reads_its_container_once_and_counts_none_left_only_when_last(
+    paths: HostPaths, tmp_path: Path
+) -> None:
+    """A poststop forgets the container its lookup found, not read again, and marks its
+    sandbox dirty in one statement while containers are left (issue 28: a read of the row
+    again, a count and the bump were three); the last one forgets the sandbox."""
+    store = Store(paths.state_dir)
+    for cid in ("c1", "c2"):
+        append(paths.state_dir, event(paths, "createRuntime", cid, bundle(tmp_path, cid)))
+    store.ingest()
+    sandbox = store.sandbox("pod")
+    assert sandbox is not None
+    statements: list[str] = []
+    store.db.set_trace_callback(statements.append)
+    append(paths.state_dir, event(paths, "poststop", "c1", tmp_path / "bundles" / "c1"))
+    assert store.ingest() == ["pod"]
+    reads = [s for s in statements if s.startswith("SELECT") and "FROM containers" in s]
+    assert len(reads) == 1, statements
+    assert not [s for s in statements if "COUNT(*)" in s], statements
+    after = store.sandbox("pod")
+    assert after is not None and after.gen == sandbox.gen + 1
+    assert [c.id for c in store.containers()] == ["c2"]
+    append(paths.state_dir, event(paths, "poststop", "c2", tmp_path / "bundles" / "c2"))
+    assert store.ingest() == ["pod"]
+    assert store.containers() == [] and store.sandbox("pod") is None
+    store.close()
+
+
+def test_a_write_given_the_row_read_wants_the_callers_transaction(tmp_path: Path) -> None:
+    from vmpin.state.store import ContainerRec
+
+    with Store(str(tmp_path)) as store:
+        rec = ContainerRec("c1", "pod", False)
+        with pytest.raises(ValueError, match="open transaction"):
+            store.put_container(rec, None)
+        with pytest.raises(ValueError, match="open transaction"):
+            store.delete_container("c1", rec)
+        with store.transaction():
+            store.put_container(rec, None)
+        with store.transaction():
+            with pytest.raises(ValueError, match="open transaction"):
+                store.put_container(rec._replace(id="c2"), rec)
+            assert store.delete_container("c1", rec) == rec
+        assert store.container("c1") is None

@@ -201,11 +201,11 @@ def test_an_entry_failing_half_way_is_rolled_back_alone(
     real = Store.put_container
     calls = {"n": 0}
 
-    def flaky(self: Store, rec: Any) -> None:
+    def flaky(self: Store, rec: Any, stored: Any = False) -> None:
         calls["n"] += 1
         if calls["n"] == 2:
             raise OverflowError("Python int too large to convert to SQLite INTEGER")
-        real(self, rec)
+        real(self, rec, stored)
 
     mocker.patch.object(Store, "put_container", flaky)
     with Store(paths.state_dir) as store:

@@ -82,3 +82,41 @@ def test_a_failed_transaction_gives_the_lock_back(state_dir: Path) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_deadlines_wait_is_set_when_shorter_and_waited_to_its_end(state_dir: Path) -> None:
+    """SQLite's busy_timeout is set only when the one in force is longer than what the
+    deadline leaves (issue 28: a pragma SQLite compiled again before every transaction);
+    a shorter one that runs out with the lock still taken is followed by the rest."""
+    holder = Store(str(state_dir), ingest=False, shared=True)
+    writer = Store(str(state_dir), ingest=False)
+    sql: list[str] = []
+    writer.db.set_trace_callback(sql.append)
+    try:
+        for left in (10.0, 20.0, 5.0):
+            writer.deadline = time.monotonic() + left
+            writer.mark_dirty(["s1"])
+        pragmas = [s for s in sql if s.startswith("PRAGMA busy_timeout")]
+        assert len(pragmas) == 2, sql  # (the first, then the shorter: not the longer)
+        writer.deadline = time.monotonic() + 0.05  # a short wait in force
+        writer.mark_dirty(["s1"])
+        assert writer.busy_ms is not None and writer.busy_ms <= 50
+        # the lock taken past the wait in force: the rest waited, and the write made
+        holder.db.execute("BEGIN IMMEDIATE")
+        threading.Timer(0.3, lambda: holder.db.execute("COMMIT")).start()
+        writer.deadline = time.monotonic() + 5
+        t0 = time.monotonic()
+        writer.mark_dirty(["s1"])
+        assert 0.2 < time.monotonic() - t0 < 4
+        # and never past the deadline
+        holder.db.execute("BEGIN IMMEDIATE")
+        writer.deadline = time.monotonic() + 0.3
+        t0 = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            writer.mark_dirty(["s1"])
+        assert 0.25 < time.monotonic() - t0 < 1.5
+        holder.db.execute("ROLLBACK")
+    finally:
+        writer.db.set_trace_callback(None)
+        holder.close()
+        writer.close()

@@ -56,6 +56,11 @@ def current(tid: int) -> CpuSet:
         cpus = frozenset(os.sched_getaffinity(tid))
     except OSError as err:
         raise _translate(err, tid, None) from err
+    return _mask(cpus)
+
+
+def _mask(cpus: frozenset[int]) -> CpuSet:
+    """The shared CpuSet of the mask ``cpus`` (see :func:`current`)."""
     found = _MASKS.get(cpus)
     if found is None:
         if len(_MASKS) > 4096:
@@ -73,8 +78,8 @@ class SchedAffinity:
     def set(self, tid: int, cpus: CpuSet) -> CpuSet:
         """Set, then read back and return what the kernel actually holds: ``cpus`` itself
         when it holds just those (told by the numbers set, not by a CpuSet made and
-        compared: a pass pins every thread of a VM whose set moved, issue 28), else what
-        :func:`current` then reads."""
+        compared: a pass pins every thread of a VM whose set moved, issue 28), else the
+        mask read back, as :func:`current` gives it (not read a second time)."""
         wanted = cpus.sorted()
         try:
             os.sched_setaffinity(tid, wanted)
@@ -86,4 +91,4 @@ class SchedAffinity:
             raise _translate(err, tid, None) from err
         if len(held) == len(wanted) and held.issuperset(wanted):
             return cpus
-        return current(tid)
+        return _mask(frozenset(held))

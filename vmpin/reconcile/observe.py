@@ -110,9 +110,11 @@ class Observer:
         A file kubelet would refuse is reported and the last good one is used
         (:class:`vmpin.runtimes.kubelet.CheckpointReader`).
         """
-        from vmpin.runtimes.kubelet import CheckpointReader
-
         if self._checkpoint_reader is None:
+            # (imported with the reader made: an import statement of a module loaded
+            # already is ~9 k instructions under 3.11, a pass's each time, issue 28)
+            from vmpin.runtimes.kubelet import CheckpointReader
+
             self._checkpoint_reader = CheckpointReader(self.paths.kubelet_state)
         try:
             return self._checkpoint_reader.read()
@@ -123,9 +125,9 @@ class Observer:
     def kata_configs(self, save: bool = True) -> KataConfigs:
         """Kata's configuration files as they say now (parsed again only when one changed;
         ``save``: the answer may be kept in the state dir for the next process)."""
-        from vmpin.runtimes.kataconfig import KataConfigReader
-
         if self._kata_reader is None:
+            from vmpin.runtimes.kataconfig import KataConfigReader  # (see checkpoint)
+
             self._kata_reader = KataConfigReader(
                 self.paths.kata_config, self.paths.kata_config_cache
             )
@@ -274,7 +276,7 @@ class Observer:
 
     def observe_plain(self, store: Reader, sandbox_id: str) -> Observation | None:
         """One plain (runc) sandbox alone, read through the store's indexes: for a pass that
-        changes nothing but its cgroups (``Reconciler.reconcile_plain``), whose cost must not
+        changes nothing but its cgroups (``reconciler.reconcile_plain``), whose cost must not
         grow with the node (issue 26).  None when the sandbox is not a tracked runc one.
 
         Its plan is the node plan's for it (a runc container's desired set is its own or the

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 
-from vmpin.core.errors import HostError, ProcessGone, VmpinError
+from vmpin.core.errors import HostError, IdError, ProcessGone, VmpinError
+from vmpin.core.ids import check_id
 from vmpin.linux import procfs
 from vmpin.reconcile.observation import (
     FULL,
@@ -228,9 +229,6 @@ class SandboxObserver:
         reuses those sandboxes' observations as the last pass made them; checking each name
         again cost it one stat per leftover dir (a shim that died leaves its dir), ~18 % of
         an event pass under churn with a few hundred."""
-        from vmpin.core.errors import IdError
-        from vmpin.core.ids import check_id
-
         if listed is not None:
             names = listed
         else:

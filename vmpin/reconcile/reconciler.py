@@ -30,9 +30,12 @@ import os
 
 from vmpin.core.cpuset import CpuSet
 from vmpin.core.errors import StateError
+from vmpin.linux import sysfs
 from vmpin.linux.affinity import SchedAffinity
 from vmpin.linux.paths import HostPaths
-from vmpin.reconcile.report import SandboxReport, ThreadReport
+from vmpin.reconcile import plan as planning
+from vmpin.reconcile.observation import FULL
+from vmpin.reconcile.report import SandboxReport, ThreadReport, node_reports, sandbox_report
 from vmpin.reconcile.settled import Settled
 from vmpin.state.locks import NodeLock
 from vmpin.state.records import SandboxRec
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
     from vmpin.linux.affinity import AffinityBackend
     from vmpin.reconcile.apply import Applied
     from vmpin.reconcile.observe import Observation, Observer, Scope
-    from vmpin.reconcile.plan import NodePlan, PlanMemo
+    from vmpin.reconcile.plan import NodePlan
     from vmpin.reconcile.sources import DomainSource
     from vmpin.reconcile.summarizer import Inputs, Summarizer
     from vmpin.runtimes.kubelet import Checkpoint
@@ -130,7 +133,7 @@ class Reconciler:
         #: summary: the agent answers whoever waits on the pins there (issue 28)
         self.on_pinned: Callable[[], object] | None = None
         #: each sandbox's last plan with what it was planned from (plan_node's ``memo``)
-        self._sandbox_plans: PlanMemo | None = None
+        self._sandbox_plans: planning.PlanMemo | None = None
         #: the last plan and what it was made from (see plan())
         self._plan_memo: tuple[Observation, Topology, str, NodePlan, tuple[int, int]] | None = None
         #: the last plan's observation read every value from the host (no event pass's
@@ -184,13 +187,11 @@ class Reconciler:
         if following and self._online() != self.online_seen:
             self._topology = None  # a CPU came or went: its place is read anew
         if self._topology is None:
-            from vmpin.linux.sysfs import read_topology
-
             # (read before the topology: a CPU that comes or goes meanwhile is seen at the
             # next use)
             seen = self._online() if self.follow_hotplug else None
             # (a read-only view leaves the state dir as it found it: it reads the cache only)
-            self._topology = read_topology(
+            self._topology = sysfs.read_topology(
                 self.paths.sys,
                 cache=self.paths.topology_cache,
                 proc_root=self.paths.proc,
@@ -201,10 +202,8 @@ class Reconciler:
 
     def _online(self) -> str | None:
         """The online list as this applying pass read it for its summary, else read now."""
-        from vmpin.linux.sysfs import online_text
-
         inputs = self._inputs
-        return (inputs[2] or None) if inputs is not None else online_text(self.paths.sys)
+        return (inputs[2] or None) if inputs is not None else sysfs.online_text(self.paths.sys)
 
     @property
     def observer(self) -> Observer:
@@ -246,9 +245,6 @@ class Reconciler:
         fresh: Collection[str] | None = None,
     ) -> NodePlan:
         """The node's plan (of ``obs``, or of a new observation within ``scope``/``fresh``)."""
-        from vmpin.reconcile.observation import FULL
-        from vmpin.reconcile.plan import plan_node
-
         with _GcPaused():
             version = self.store.version()
             if self._plan_memo is not None and self._plan_memo[4] != version:
@@ -274,10 +270,8 @@ class Reconciler:
                 # (the agent's RSS peaks in a pass, issue 14)
                 self._plan_memo = self.last_plan = None
                 if self._sandbox_plans is None:
-                    from vmpin.reconcile.plan import PlanMemo
-
-                    self._sandbox_plans = PlanMemo()
-                plan = plan_node(
+                    self._sandbox_plans = planning.PlanMemo()
+                plan = planning.plan_node(
                     obs, topology, float_policy=float_policy, memo=self._sandbox_plans
                 )
             self._plan_memo = (obs, topology, float_policy, plan, version)
@@ -382,8 +376,6 @@ class Reconciler:
         again: bool = False,
         fresh: Collection[str] | None = None,
     ) -> list[SandboxReport]:
-        from vmpin.reconcile.report import node_reports
-
         writer = _writer(self.store) if apply else None
         if writer is not None and (self.ingest_first or again) and not writer.readonly:
             # events the hooks journaled since this store was opened (planning again: since
@@ -474,8 +466,6 @@ def reconcile_plain(
     caller then runs the node's pass).  The summary stays true: the change is one it lets
     through.  (A function beside the pass, which it is not: it plans one sandbox.)"""
     from vmpin.reconcile.apply import Applier
-    from vmpin.reconcile.plan import plan_node
-    from vmpin.reconcile.report import sandbox_report
     from vmpin.state.allocating import present as allocating
 
     if allocating(reconciler.store.state_dir):
@@ -490,7 +480,8 @@ def reconcile_plain(
             obs = reconciler.observer.observe_plain(reconciler.store, sandbox_id)
             if obs is None:
                 return None
-            plan = plan_node(obs, reconciler.topology, float_policy=reconciler.float_policy)
+            topology, float_policy = reconciler.topology, reconciler.float_policy
+            plan = planning.plan_node(obs, topology, float_policy=float_policy)
             applier = Applier(reconciler.paths, reconciler.affinity, publish=False)
             applied = applier.apply(_writer(reconciler.store), plan)
             return [sandbox_report(sp, applied) for sp in plan.sandboxes]

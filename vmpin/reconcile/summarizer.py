@@ -26,6 +26,7 @@ import os
 from vmpin.core.cpuset import EMPTY, CpuSet
 from vmpin.core.errors import StateError, VmpinError
 from vmpin.linux.files import identity, listing, settled, version
+from vmpin.linux.sysfs import online_text
 from vmpin.state import journal, summary
 from vmpin.state.summary import Summary
 
@@ -61,12 +62,9 @@ class Summarizer:
     def inputs(self) -> Inputs:
         """What a summary is made with, read before the node is observed: the VM dir's
         entries, kubelet's checkpoint file and the online CPUs (a hook compares them)."""
-        from vmpin.linux.sysfs import online_text
-        from vmpin.state.summary import checkpoint_id
-
         return (
             self._vm_dir(),
-            checkpoint_id(self.paths.kubelet_state),
+            summary.checkpoint_id(self.paths.kubelet_state),
             online_text(self.paths.sys) or "",
         )
 
@@ -140,16 +138,12 @@ class Summarizer:
 
     def forget(self) -> None:
         """Remove the summary: every plain hook beside a VM re-plans until a pass writes one."""
-        from vmpin.state.summary import remove
-
-        remove(self.store.state_dir)
+        summary.remove(self.store.state_dir)
         self._memo = None
 
     def lets_through(self, old: CpuSet | None, new: CpuSet | None, infra: bool) -> bool:
         """Whether the summary on disk is current and says no VM's plan depends on a plain
         container going from ``old`` to ``new`` (no summary: it does not)."""
-        from vmpin.state import summary
-
         got = summary.read(self.store.state_dir)
         if got is None:
             return False

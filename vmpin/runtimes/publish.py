@@ -63,6 +63,7 @@ from vmpin.linux.files import (
     read_bytes,
     remember,
     stale_stamp,
+    version,
 )
 from vmpin.linux.paths import HostPaths
 from vmpin.wire import guestmap as wire
@@ -225,14 +226,29 @@ _PUBLISHED: dict[
     str, tuple[tuple[int, int, int, int, int], tuple[Mapping[str, Any], int | None]]
 ] = {}
 #: map path -> (its identity just after this process renamed it there, the document it
-#: wrote, that document's content): while the file there is that one, a change of content is
+#: wrote, that document's content, the version of its directory then when no temp map was
+#: left in it, else None): while the file there is that one, a change of content is
 #: rendered from it, not from the file read, parsed and compared again (an agent's event pass
 #: republishes its VM's map at each update, issue 28).  Only a change: "unchanged" is judged
 #: by the file itself (:data:`_PUBLISHED`, a settled version), a version just written being
 #: too young to be told from a rewrite in place within the same clock tick; and what a stale
 #: memo would cost is the generation only, the map being replaced whole either way.
+#: While the directory is still at its version, no entry was made in it since, so no dead
+#: writer's temp map can be there to sweep: the next write skips the listing
+#: (:func:`_remove_stale_temps`; one listing of the directory, eight system calls, per map
+#: written: an agent's event pass writes its VM's map at each update, issue 28).  A temp made
+#: within the same clock tick as that version, on a filesystem whose directories do not
+#: change size with their entries (not tmpfs, where Kata's shared dirs are), by a writer that
+#: then died, is swept at the next write that finds the directory moved instead: a leftover
+#: file at worst, never a map lost.
 _WRITTEN: dict[
-    str, tuple[tuple[int, int, int, int, int], Mapping[str, Any], Mapping[str, Any]]
+    str,
+    tuple[
+        tuple[int, int, int, int, int],
+        Mapping[str, Any],
+        Mapping[str, Any],
+        tuple[int, int, int, int, int] | None,
+    ],
 ] = {}
 
 
@@ -312,7 +328,7 @@ def publish_map(
             _PUBLISHED.pop(path, None)  # (a map of an earlier directory by that name)
             doc = render(new, None, now)
             _write_atomically(dir_fd, directory, path, doc, replacing=False)
-            _wrote(path, fname, dir_fd, doc, new)
+            _wrote(path, fname, dir_fd, doc, new, False)
             return Published(path, True, doc["generation"], "written")
         old_content: Mapping[str, Any] | None = None
         if wrote is not None and ident is not None and wrote[0] == ident and wrote[2] != new:
@@ -328,24 +344,42 @@ def publish_map(
                 return Published(path, False, gen, "unchanged")
         _PUBLISHED.pop(path, None)
         doc = render(new, old, now, old_content)
-        _remove_stale_temps(dir_fd, fname)
+        # (no entry made in the directory since this process's last map there left none
+        # but it: nothing to sweep, see _WRITTEN)
+        clean = wrote is not None and wrote[3] is not None and _dir_version(dir_fd) == wrote[3]
+        if not clean:
+            clean = _remove_stale_temps(dir_fd, fname)
         _write_atomically(dir_fd, directory, path, doc, replacing=ident is not None, hold=hold)
-        _wrote(path, fname, dir_fd, doc, new)
+        _wrote(path, fname, dir_fd, doc, new, clean)
         return Published(path, True, doc["generation"], "written")
     finally:
         os.close(dir_fd)
 
 
 def _wrote(
-    path: str, fname: str, dir_fd: int, doc: Mapping[str, Any], new: Mapping[str, Any]
+    path: str,
+    fname: str,
+    dir_fd: int,
+    doc: Mapping[str, Any],
+    new: Mapping[str, Any],
+    clean: bool,
 ) -> None:
-    """Remember the map just renamed to ``fname`` (:data:`_WRITTEN`)."""
+    """Remember the map just renamed to ``fname`` (:data:`_WRITTEN`); ``clean``: no temp
+    map was left in its directory before that (its version is then remembered too)."""
     ident = identity(fname, dir_fd)
     if ident is None:
         return
     if len(_WRITTEN) >= MEMO_LIMIT:
         _WRITTEN.clear()
-    _WRITTEN[path] = (ident, doc, new)
+    _WRITTEN[path] = (ident, doc, new, _dir_version(dir_fd) if clean else None)
+
+
+def _dir_version(dir_fd: int) -> tuple[int, int, int, int, int] | None:
+    """The version of the directory ``dir_fd`` (:func:`vmpin.linux.files.version`)."""
+    try:
+        return version(os.fstat(dir_fd))
+    except OSError:
+        return None
 
 
 #: a temporary map older than this was left by a writer that died (a live one writes its
@@ -376,19 +410,26 @@ def _dead_writer(name: str, prefix: str, dir_fd: int) -> bool:
         return False
 
 
-def _remove_stale_temps(dir_fd: int, fname: str) -> None:
-    """Temp files left by a writer that died mid-write."""
+def _remove_stale_temps(dir_fd: int, fname: str) -> bool:
+    """Temp files left by a writer that died mid-write; whether none is left (a live
+    writer's is kept)."""
     prefix = f".{fname}."
     try:
         names = os.listdir(dir_fd)
     except OSError:
-        return
+        return False
+    clean = True
     for name in names:
-        if name.startswith(prefix) and name.endswith(".tmp") and _dead_writer(name, prefix, dir_fd):
-            try:  # noqa: SIM105 (contextlib stays off the Kata hook's path)
-                os.unlink(name, dir_fd=dir_fd)
-            except OSError:
-                pass
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        if not _dead_writer(name, prefix, dir_fd):
+            clean = False
+            continue
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            clean = False
+    return clean
 
 
 def _write_atomically(

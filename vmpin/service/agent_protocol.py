@@ -68,9 +68,11 @@ class Waiters:
     def __init__(self, fault: Callable[[str, BaseException], None]) -> None:
         #: told of a publishing failure the planner outlives
         self._fault = fault
-        #: the condition blocking requests sleep on (signalled at each pass's end); it
-        #: guards everything below
-        self._cond = threading.Condition()
+        #: guards everything below; taken as itself (C code), not through the condition
+        #: made on it, whose ``with`` is two Python calls (issue 28)
+        self._lock = threading.RLock()
+        #: the condition blocking requests sleep on (signalled at each pass's end)
+        self._cond = threading.Condition(self._lock)
         #: node passes started / finished / finished without raising
         self._started = 0
         self._finished = 0
@@ -105,7 +107,7 @@ class Waiters:
         """
         deadline = time.monotonic() + wait
         waiter = _Waiter(answer, maps_first, done)
-        with self._cond:
+        with self._lock:
             # passes are numbered in the order they start, and one runs at a time: the first
             # to start from now on is number started + 1 (it ingests and reads the store
             # after this point, so it sees whatever the caller wrote before asking)
@@ -115,11 +117,11 @@ class Waiters:
         try:
             waiter.queued = queue_work()
         except BaseException:
-            with self._cond:
+            with self._lock:
                 if not maps_first:
                     self._maps_after_coming -= 1
             raise
-        with self._cond:
+        with self._lock:
             # registered once complete, so the planner answers it whole; a pass that ended
             # meanwhile is caught by the loop's first test
             self._waiters.append(waiter)
@@ -141,7 +143,7 @@ class Waiters:
         return waiter.reply
 
     def _answer(self, waiter: _Waiter) -> None:
-        """Reply to one waiter (under ``_cond``): done when its pass ended well."""
+        """Reply to one waiter (under ``_lock``): done when its pass ended well."""
         if waiter in self._waiters:
             self._waiters.remove(waiter)
         # (done: its pass ended well, and published its maps when the waiter needs them first)
@@ -160,7 +162,7 @@ class Waiters:
 
     def release(self) -> None:
         """No pass is coming for whoever still waits: each answers ``done: false``."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
             self._cond.notify_all()
 
@@ -169,7 +171,7 @@ class Waiters:
         answers (a waiter does not need them first: ``vmpin update``).  Else they are
         written in the pass, as they are made (a full pass's 2,000 maps kept to its end
         were ~1 MB of the agent's RSS)."""
-        with self._cond:
+        with self._lock:
             self._started += 1
             later = self._maps_after_coming > 0 or any(not w.maps_first for w in self._waiters)
             return self._started, later
@@ -181,7 +183,7 @@ class Waiters:
         hook reads the map once it returns).  The maps are written outside the condition, so
         a request arriving meanwhile registers without waiting for them.  Whether the maps
         were published."""
-        with self._cond:
+        with self._lock:
             self._finished = number
             if ok:
                 self._ok = number
@@ -200,7 +202,7 @@ class Waiters:
         if not rest:
             return False
         self._publish(number, publish)
-        with self._cond:
+        with self._lock:
             for waiter in rest:
                 if waiter.reply is None:  # (not answered by its own thread meanwhile)
                     self._answer(waiter)
@@ -211,7 +213,7 @@ class Waiters:
         """After the answers: the maps no waiter needed first (an update's: the guest's
         follower polls for it); a waiter that registered late waits for them."""
         self._publish(number, publish)
-        with self._cond:
+        with self._lock:
             if self._waiters:
                 self._cond.notify_all()
 

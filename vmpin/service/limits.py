@@ -211,11 +211,14 @@ def read_request(
 class Slot:
     """One connection's hold on its endpoint, from accept to close."""
 
-    __slots__ = ("conn", "evicted", "released")
+    __slots__ = ("conn", "evicted", "reading", "released")
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, reading: bool = True) -> None:
         self.conn = conn
         self.evicted = False
+        #: admitted still reading its request, so evictable until :meth:`Slots.answering`
+        #: (False: its request was whole at the accept, and it never is)
+        self.reading = reading
         self.released = False
 
 
@@ -266,7 +269,7 @@ class Slots:
         slot: Slot | None = None
         pending = 2 * self.cap if whole else self.cap
         deadline: float | None = None
-        with self._freed:
+        with self._lock:  # (the lock of _freed, taken as itself: no Python calls)
             while True:
                 while self._held >= self.cap and self._reading and self._evicted < pending:
                     victim = next(iter(self._reading))
@@ -283,7 +286,7 @@ class Slots:
                         # its thread's recv returns b"": it releases, then closes
                         victim.conn.shutdown(socket.SHUT_RDWR)
                 if self._held < self.cap:
-                    slot = Slot(conn)
+                    slot = Slot(conn, not whole)
                     self._held += 1
                     if not whole:
                         self._reading[slot] = None
@@ -303,7 +306,10 @@ class Slots:
         return slot
 
     def answering(self, slot: Slot) -> bool:
-        """The request is in: the slot is no longer evicted.  False when it was already."""
+        """The request is in: the slot is no longer evicted.  False when it was already.
+        (A slot admitted with its request whole was never evictable: no lock for it.)"""
+        if not slot.reading:
+            return True
         with self._lock:
             if slot.evicted:
                 return False

@@ -84,6 +84,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Generic, TypeVar
 
 from vmpin import __version__
 from vmpin.service.limits import (
@@ -218,7 +219,8 @@ class CounterChild(_Value):
     def inc(self, amount: float = 1.0) -> None:
         if amount < 0:
             raise ValueError("counters can only be incremented by non-negative amounts")
-        _Value.inc(self, amount)  # (not through super(): an object made per call)
+        with self._lock:  # (_Value.inc's, not called: a frame per count, issue 28)
+            self._value += amount
 
 
 class GaugeChild(_Value):
@@ -265,9 +267,18 @@ class HistogramChild:
         return out
 
 
-class _Metric:
+_C = TypeVar("_C", CounterChild, GaugeChild, HistogramChild)
+
+
+class _Metric(Generic[_C]):
     """A family of children, one per label values (one, with no labels, for an unlabelled
-    metric); registered with its registry at creation."""
+    metric); registered with its registry at creation.
+
+    The agent touches a few metrics per request and a few more per pass (issue 28: on the
+    connection thread before the planner it woke gets the GIL, and in the pass's work after
+    its answer): an unlabelled metric's child is at hand (``_one``), and a labelled one's
+    is found by the label values as given when they are strings (as every caller's are),
+    with no lock (only a child's making takes it)."""
 
     type = ""
 
@@ -282,22 +293,28 @@ class _Metric:
         self.name, self.help = name, documentation
         self.labelnames = tuple(labelnames)
         self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], object] = {}
+        self._children: dict[tuple[str, ...], _C] = {}
+        #: the child of an unlabelled metric (None: labelled)
+        self._one: _C | None = None
         if not self.labelnames:
-            self._children[()] = self._child()
+            self._one = self._children[()] = self._child()
         registry.register(self.collect)
 
-    def _child(self) -> object:
+    def _child(self) -> _C:
         raise NotImplementedError
 
-    def _labels(self, values: tuple[object, ...]) -> object:
+    def labels(self, *values: object) -> _C:
+        if values:
+            # (a child once made stays; the key is its values as strings, which no value
+            # of another type equals: those, and a wrong count, take the checks below)
+            child = self._children.get(values)  # type: ignore[arg-type]
+            if child is not None:
+                return child
         if not self.labelnames:
             raise ValueError(f"{self.name}: no labels")
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: expected labels {self.labelnames}")
         key = tuple(map(str, values))
-        # (a child once made stays: found without the lock, which only its making needs;
-        # a pass touches a few of them, issue 28)
         child = self._children.get(key)
         if child is None:
             with self._lock:
@@ -306,13 +323,13 @@ class _Metric:
                     child = self._children[key] = self._child()
         return child
 
-    def _only(self) -> object:
-        if self.labelnames:
+    def _only(self) -> _C:
+        if self._one is None:
             raise ValueError(f"{self.name}: labels {self.labelnames} missing")
-        return self._children[()]
+        return self._one
 
     def _child_samples(
-        self, child: object, labels: dict[str, str]
+        self, child: _C, labels: dict[str, str]
     ) -> list[tuple[str, dict[str, str], float]]:
         assert isinstance(child, _Value)
         return [(self._sample_name(), labels, child.get())]
@@ -329,7 +346,7 @@ class _Metric:
         return [Family(self.name, self.type, self.help, samples)]
 
 
-class Counter(_Metric):
+class Counter(_Metric[CounterChild]):
     type = "counter"
 
     def __init__(
@@ -343,50 +360,35 @@ class Counter(_Metric):
     def _sample_name(self) -> str:
         return self.name + "_total"
 
-    def labels(self, *values: object) -> CounterChild:
-        child = self._labels(values)
-        assert isinstance(child, CounterChild)
-        return child
-
     def inc(self, amount: float = 1.0) -> None:
-        child = self._only()
-        assert isinstance(child, CounterChild)
-        child.inc(amount)
+        one = self._one
+        (self._only() if one is None else one).inc(amount)
 
 
-class Gauge(_Metric):
+class Gauge(_Metric[GaugeChild]):
     type = "gauge"
 
     def _child(self) -> GaugeChild:
         return GaugeChild()
 
-    def labels(self, *values: object) -> GaugeChild:
-        child = self._labels(values)
-        assert isinstance(child, GaugeChild)
-        return child
-
-    def _one(self) -> GaugeChild:
-        child = self._only()
-        assert isinstance(child, GaugeChild)
-        return child
-
     def set(self, value: float) -> None:
-        self._one().set(value)
+        one = self._one
+        (self._only() if one is None else one).set(value)
 
     def inc(self, amount: float = 1.0) -> None:
-        self._one().inc(amount)
+        self._only().inc(amount)
 
     def dec(self, amount: float = 1.0) -> None:
-        self._one().dec(amount)
+        self._only().dec(amount)
 
     def set_to_current_time(self) -> None:
-        self._one().set_to_current_time()
+        self._only().set_to_current_time()
 
     def set_function(self, fn: Callable[[], float]) -> None:
-        self._one().set_function(fn)
+        self._only().set_function(fn)
 
 
-class Histogram(_Metric):
+class Histogram(_Metric[HistogramChild]):
     type = "histogram"
 
     def __init__(
@@ -410,20 +412,13 @@ class Histogram(_Metric):
         return HistogramChild(self._bounds)
 
     def _child_samples(
-        self, child: object, labels: dict[str, str]
+        self, child: HistogramChild, labels: dict[str, str]
     ) -> list[tuple[str, dict[str, str], float]]:
-        assert isinstance(child, HistogramChild)
         return child.samples(self.name, labels)
 
-    def labels(self, *values: object) -> HistogramChild:
-        child = self._labels(values)
-        assert isinstance(child, HistogramChild)
-        return child
-
     def observe(self, value: float) -> None:
-        child = self._only()
-        assert isinstance(child, HistogramChild)
-        child.observe(value)
+        one = self._one
+        (self._only() if one is None else one).observe(value)
 
 
 def _state_families(snapshot: Callable[[], Snapshot]) -> list[Family]:

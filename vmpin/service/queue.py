@@ -77,7 +77,13 @@ class DirtyQueue:
         self.holdoff = holdoff
         self.max_holdoff = max(holdoff, max_holdoff)
         self._clock = clock
-        self._cond = threading.Condition()
+        #: guards everything below; taken as itself (C code), not through the condition made
+        #: on it, whose ``with`` is two Python calls (issue 28: three per request's round,
+        #: add_all, take_batch and done_all, two of them on the connection thread's and the
+        #: woken planner's way to the pass)
+        self._lock = threading.RLock()
+        #: signalled when work is queued or done (under ``_lock``)
+        self._cond = threading.Condition(self._lock)
         self._events: list[tuple[float, int, str]] = []
         self._background: list[tuple[float, int, str]] = []
         self._queued: dict[str, _Entry] = {}
@@ -106,7 +112,7 @@ class DirtyQueue:
         ``urgent`` (an event whose caller blocks on it) skips the hold-off, and pulls an entry
         already held off forward to now.
         """
-        with self._cond:
+        with self._lock:
             added = self._add(sandbox_id, cause, event_time, urgent)
             self._cond.notify_all()
             return added
@@ -148,14 +154,14 @@ class DirtyQueue:
         which then ran a node pass for those and a second one for the rest: two node passes'
         CPU for one full pass, in about half of the idle passes measured (issue 14).
         """
-        with self._cond:
+        with self._lock:
             added = [self._add(sid, cause, event_time, urgent) for sid in sandbox_ids]
             self._cond.notify_all()  # once, not per entry (2,000 notify_all calls: ~5 ms)
             return added
 
     def kick(self) -> None:
         """Ask for a node pass now even when nothing is queued (``take_batch`` returns [])."""
-        with self._cond:
+        with self._lock:
             self._kicked = True
             self._cond.notify_all()
 
@@ -193,7 +199,7 @@ class DirtyQueue:
         empty); ``timeout`` gives up with ``[]``.  Entries still held off stay queued.
         """
         deadline = None if timeout is None else self._clock() + timeout
-        with self._cond:
+        with self._lock:
             while not self._closed:
                 now = self._clock()
                 batch: list[Work] = []
@@ -224,7 +230,7 @@ class DirtyQueue:
 
     def done_all(self, sandbox_ids: Iterable[str]) -> None:
         """The pass over these sandboxes has ended: re-queue those notified meanwhile."""
-        with self._cond:
+        with self._lock:
             now = self._clock()
             for sid in sandbox_ids:
                 self._done(sid, now)
@@ -254,13 +260,13 @@ class DirtyQueue:
             self._push(sandbox_id, again, now)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
 
     def drop_background(self) -> int:
         """Forget queued periodic and start-up work (not events); how many were dropped."""
-        with self._cond:
+        with self._lock:
             gone = [sid for sid, e in self._queued.items() if e.cause != "event"]
             for sid in gone:
                 del self._queued[sid]  # its heap items are stale now
@@ -269,20 +275,20 @@ class DirtyQueue:
             return len(gone)
 
     def depth(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._queued)
 
     def running(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._running)
 
     def idle(self) -> bool:
-        with self._cond:
+        with self._lock:
             return not self._queued and not self._running
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = self._clock() + timeout
-        with self._cond:
+        with self._lock:
             while self._queued or self._running:
                 left = deadline - self._clock()
                 if left <= 0:

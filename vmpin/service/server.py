@@ -90,12 +90,16 @@ class Reply:
             log_event(logging.DEBUG, "control connection dropped", error=str(err))
 
 
+#: SO_PEERCRED's struct ucred: pid, uid, gid
+_UCRED = struct.Struct("3i")
+
+
 def _peer_uid(conn: socket.socket) -> int | None:
     try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     except OSError:
         return None
-    _pid, uid, _gid = struct.unpack("3i", raw)
+    _pid, uid, _gid = _UCRED.unpack(raw)
     return int(uid)
 
 
@@ -219,7 +223,7 @@ class ControlServer:
                     self.fault("control accept", err)
                     time.sleep(ACCEPT_BACKOFF)
                     continue
-                slot, head = self._admit(conn, me)
+                slot, head, whole = self._admit(conn, me)
                 if slot is None:
                     continue  # refused or over the cap, closed: this thread accepts on
                 with self._pool_lock:
@@ -231,7 +235,7 @@ class ControlServer:
                     except OSError as err:  # this thread accepts again after this one
                         self.fault("control accept", err)
                 try:
-                    self._serve_conn(conn, slot, head)
+                    self._serve_conn(conn, slot, head, whole)
                 finally:
                     # (released before the close: an eviction never meets a reused fd)
                     self.slots.release(slot)
@@ -244,39 +248,48 @@ class ControlServer:
             with self._pool_lock:
                 self._threads.discard(threading.current_thread())
 
-    def _admit(self, conn: socket.socket, me: int) -> tuple[Slot | None, bytes]:
-        """An accepted connection's slot, and what of its request has come (read already:
-        :func:`arrived_head`); no slot when it was refused (another uid) or is over the cap
-        (every slot being answered; counted): closed at once, and the caller (a hook,
-        ``vmpin update``) then pins in-process."""
+    def _admit(self, conn: socket.socket, me: int) -> tuple[Slot | None, bytes, bool]:
+        """An accepted connection's slot, what of its request has come (read already:
+        :func:`arrived_head`) and whether that is the whole line; no slot when it was
+        refused (another uid) or is over the cap (every slot being answered; counted):
+        closed at once, and the caller (a hook, ``vmpin update``) then pins in-process."""
         uid = _peer_uid(conn)
         if uid is not None and uid not in (0, me):
             conn.close()
             self.refused()
-            return None, b""
+            return None, b"", False
         head, whole = arrived_head(conn, (b"\n",))
         slot = self.slots.admit(conn, whole)
         if slot is None:
             conn.close()
-        return slot, head
+        return slot, head, whole
 
-    def _serve_conn(self, conn: socket.socket, slot: Slot, head: bytes = b"") -> None:
+    def _serve_conn(
+        self, conn: socket.socket, slot: Slot, head: bytes = b"", whole: bool = False
+    ) -> None:
+        """Answer one connection.  ``head``: what of its request was read at the accept,
+        ``whole`` when that holds the line's end (as an honest client's does: it sends its
+        line as it connects), which is then neither looked for again nor read on."""
         try:
-            try:
-                line = read_request(conn, (b"\n",), MAX_REQUEST, CONTROL_READ_TIMEOUT, head)
-            except Cut as cut:
-                self.slots.drop(cut.reason)
-                return
+            if not whole:
+                try:
+                    line = read_request(conn, (b"\n",), MAX_REQUEST, CONTROL_READ_TIMEOUT, head)
+                except Cut as cut:
+                    self.slots.drop(cut.reason)
+                    return
+            else:
+                line = head
             if not self.slots.answering(slot):
                 return  # evicted for a newer connection while it trickled in (counted)
-            if b"\n" not in line:
+            end = line.find(b"\n")
+            if end < 0:
                 # closed before its line ended (a probe, a client killed mid-write): there
                 # is no request to answer, and a log line for each would let any flood of
                 # them fill the log
                 return
             answer = Reply(conn, self.slots)
             try:
-                reply = self.handle(line.split(b"\n", 1)[0], answer)
+                reply = self.handle(line[:end], answer)
             except Exception as err:  # one request must not end its connection thread
                 self.fault("control request", err)
                 reply = refused(f"internal error: {err}")

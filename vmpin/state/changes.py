@@ -18,11 +18,15 @@ allocations (:mod:`vmpin.state.allocations`, schema 6) log a row naming the sand
 marking it done) logs its new value (:data:`DONE`): the next event's pass read the row of
 the last one's sandbox again for it.
 
-The log keeps itself short: every :data:`KEEP`-th row removes the :data:`KEEP` before the
-last :data:`KEEP` (so it holds between one and two times that).  ``seq`` is AUTOINCREMENT
-(never reused), and a reader further behind than what is kept finds a hole before the first
-row it gets: :func:`since` then answers None, and the reader reads the tables whole, as it
-would have without the log.
+The log keeps itself short: each trigger, after its row, removes the rows before the last
+multiple of :data:`KEEP` but one (so it holds between one and two times that).  ``seq`` is
+the table's rowid, never reused: only that trim deletes rows, and never the newest, after
+which SQLite numbers the next (schema 7: not AUTOINCREMENT, whose ``sqlite_sequence`` row
+each logged row read and wrote again -- ~13% of a ``vmpin update``'s transaction, and a
+page more in every commit's WAL; the trim was a trigger of its own on the log, run for
+every row, another ~6%: issue 28).  A reader further behind than what is kept finds a hole
+before the first row it gets: :func:`since` then answers None, and the reader reads the
+tables whole, as it would have without the log.
 
 Lean: the store imports it (the Kata hook's path).  Triggers hold ``;`` in their bodies, so
 they are created one by one (:func:`create`), not from the store's split schema text.
@@ -37,10 +41,11 @@ if TYPE_CHECKING:
 #: the log's rows kept, at least (see the module's docstring)
 KEEP = 4096
 
-#: the table (vmpin.state.store appends it to its schema; version 4)
+#: the table (vmpin.state.store appends it to its schema; version 4, its ``seq`` no longer
+#: AUTOINCREMENT since 7: :func:`rebuild`)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS changes (
-    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq        INTEGER PRIMARY KEY,
     sandbox_id TEXT,
     key        TEXT
 );
@@ -72,6 +77,13 @@ _SANDBOX_BOOKS = ("id", "runtime", "vmm_pid", "vmm_start", "pod_uid", "pod_name"
                   "pod_namespace", "gen", "created_at", "updated_at")  # fmt: skip
 _DONE_ALONE = " AND ".join(f"old.{c} IS new.{c}" for c in _SANDBOX_BOOKS)
 
+#: what each trigger runs after its row(s): the rows before the last multiple of KEEP but one
+#: removed (a range of the rowid that is empty but once every KEEP rows: a seek).  In the
+#: trigger, last_insert_rowid() is the row it logged last.
+_TRIM = f"; DELETE FROM changes WHERE seq <= last_insert_rowid() / {KEEP} * {KEEP} - {KEEP}"
+#: triggers of older schemas no longer made (dropped by :func:`create`)
+_RETIRED = ("changes_keep_short",)
+
 #: (trigger name, when, table, what it logs)
 _TRIGGERS = (
     ("changes_sandboxes_ins", "AFTER INSERT", "sandboxes", _logged("new", "sandboxes")),
@@ -102,17 +114,41 @@ _TRIGGERS = (
     ("changes_meta_ins", "AFTER INSERT", "meta", _KEY.format("new")),
     ("changes_meta_upd", "AFTER UPDATE", "meta", _KEY.format("new")),
     ("changes_meta_del", "AFTER DELETE", "meta", _KEY.format("old")),
-    ("changes_keep_short", "AFTER INSERT", f"changes WHEN new.seq % {KEEP} = 0",
-     f"DELETE FROM changes WHERE seq <= new.seq - {KEEP}"),
 )  # fmt: skip
 
 
 def create(db: sqlite3.Connection) -> None:
     """The triggers (the table is in :data:`SCHEMA`), inside the caller's transaction; an
     older schema's are replaced."""
+    for name in _RETIRED:
+        db.execute(f"DROP TRIGGER IF EXISTS {name}")
     for name, when, table, body in _TRIGGERS:
         db.execute(f"DROP TRIGGER IF EXISTS {name}")
-        db.execute(f"CREATE TRIGGER {name} {when} ON {table} BEGIN {body}; END")
+        db.execute(f"CREATE TRIGGER {name} {when} ON {table} BEGIN {body}{_TRIM}; END")
+
+
+def rebuild(db: sqlite3.Connection) -> None:
+    """The log of a schema 4-6 store (``seq`` AUTOINCREMENT) made again as schema 7's, its rows
+    and its top kept, inside the caller's transaction, before :func:`create`: a reader that
+    follows it from a ``seq`` read before goes on from there.  A no-op for any other."""
+    row = db.execute("SELECT sql FROM sqlite_master WHERE name = 'changes'").fetchone()
+    if row is None or "AUTOINCREMENT" not in row[0].upper():
+        return
+    # (the triggers name the table: SQLite's rename checks them, so they go first)
+    for (name,) in db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'changes!_%'"
+        " ESCAPE '!'"
+    ).fetchall():
+        db.execute(f"DROP TRIGGER {name}")
+    last = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
+    db.execute("ALTER TABLE changes RENAME TO changes_autoincrement")
+    db.execute(SCHEMA)
+    db.execute("INSERT INTO changes SELECT seq, sandbox_id, key FROM changes_autoincrement")
+    db.execute("DROP TABLE changes_autoincrement")
+    if last is not None and last[0] > top(db):
+        # the last seq handed out, its row gone (nothing vmpin does): kept as a row that
+        # names nothing, so that no seq is handed out twice
+        db.execute("INSERT INTO changes(seq) VALUES (?)", (last[0],))
 
 
 class Delta:
@@ -151,10 +187,10 @@ def top(db: sqlite3.Connection) -> int:
     from vmpin.state.sqlite import sqlite3 as module
 
     try:
-        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
-    except module.OperationalError:  # no AUTOINCREMENT table at all: schema 3 or older
+        row = db.execute("SELECT max(seq) FROM changes").fetchone()
+    except module.OperationalError:  # no log at all: schema 3 or older
         return NO_LOG
-    return int(row[0]) if row else 0
+    return int(row[0]) if row[0] is not None else 0
 
 
 def since(db: sqlite3.Connection, seq: int) -> Delta | None:
@@ -178,9 +214,9 @@ def since(db: sqlite3.Connection, seq: int) -> Delta | None:
         return None
     if seq:
         if not rows:
-            # (its row gone and none after it: nothing logged since, if the log's top is
-            # still it -- a log whose last row went would read the tables whole every pass)
-            return Delta(seq, set()) if top(db) == seq else None
+            # (its row gone and none after it: the newest row deleted, which vmpin never
+            # does; read whole once, the reader then follows from the top it reads anew)
+            return None
         if rows[0][0] != seq:
             return None  # trimmed past it (or another database at this path)
         del rows[0]

@@ -158,29 +158,37 @@ def _ingest_batch(
 
 
 # -- one event -----------------------------------------------------------------------------
-def _resolve(store: Store, ev: HookEvent) -> ContainerRec | None:
+def _resolve(
+    store: Store, ev: HookEvent
+) -> tuple[ContainerRec | None, dict[str, ContainerRec | None]]:
     """The recorded container an event is about, keyed by container id, never by bundle
     alone: two containers may share a bundle path, and Kata's poststart/poststop carry the
     *sandbox* id (the container's id then comes from the bundle: recorded at create, or
-    the bundle dir's name as containerd and CRI-O make it).
+    the bundle dir's name as containerd and CRI-O make it); and what was read by id (id ->
+    its record or None), so that a write of one of them need not read it again (issue 28).
 
     By bundle only when exactly one record has that bundle and that record *is* the
     event's container (same id) or belongs to the sandbox the event names (Kata); a bundle
     shared by containers of different ids is ambiguous and resolves to nothing rather than
-    clobbering one of them."""
+    clobbering one of them.  (Two statements, by id and by bundle, where a new container
+    is looked up: one statement with both, an OR of two indexes, cost SQLite more than
+    the two, issue 28.)"""
     ident = ev.ident
     bundle = ev.bundle
     # A record found by id is this container only if its bundle agrees: a container's
     # bundle never changes, so another bundle means another container (Kata's sandbox id
     # with a container's bundle) or a new one reusing the id.
     by_ident = ident.container_id if ident else None
+    looked: dict[str, ContainerRec | None] = {}
     # (a create's state id is its container id: looked up once)
     for cid in (by_ident, ev.id if ev.id != by_ident else None):
-        rec = store.container(cid) if cid else None
+        if not cid:
+            continue
+        rec = looked[cid] = store.container(cid)
         if rec is not None and (not bundle or rec.bundle in (None, bundle)):
-            return rec
+            return rec, looked
     if not bundle:
-        return None
+        return None, looked
     cols = ",".join(CONTAINER_COLS)
     rows = store.db.execute(
         f"SELECT {cols} FROM containers WHERE bundle=? AND (id=? OR sandbox_id=?)",
@@ -188,10 +196,10 @@ def _resolve(store: Store, ev: HookEvent) -> ContainerRec | None:
     ).fetchall()
     exact = [r for r in rows if r[0] == ev.id]
     if len(exact) == 1:
-        return container_row(exact[0])
+        return container_row(exact[0]), looked
     if len(rows) == 1:
-        return container_row(rows[0])
-    return None
+        return container_row(rows[0]), looked
+    return None, looked
 
 
 def _apply(store: Store, ev: HookEvent) -> str | None:
@@ -199,7 +207,7 @@ def _apply(store: Store, ev: HookEvent) -> str | None:
     if ev.stage == "poststop":
         return _forget(store, ev)
     bundle = ev.bundle
-    existing = _resolve(store, ev)
+    existing, looked = _resolve(store, ev)
     if existing is not None:
         sandbox = store.sandbox(existing.sandbox_id)
         if (
@@ -210,7 +218,9 @@ def _apply(store: Store, ev: HookEvent) -> str | None:
             and sandbox.runtime == "runc"
         ):
             # (pid, start time) read by the hook at this very stage: the identity to follow
-            store.put_container(existing._replace(pid=ev.host_pid, pid_start=ev.pid_start))
+            store.put_container(
+                existing._replace(pid=ev.host_pid, pid_start=ev.pid_start), existing
+            )
         return existing.sandbox_id
     ident = ev.ident
     if ident is None or not ev.has_config:
@@ -251,7 +261,9 @@ def _apply(store: Store, ev: HookEvent) -> str | None:
             bundle=bundle,
             pid=pid,
             pid_start=ev.pid_start if pid else None,
-        )
+        ),
+        # (the row of that id as _resolve read it: ident's id is looked up first)
+        looked.get(ident.container_id, False),
     )
     allocations.record_limit(store.db, ident.container_id, ev.cpu_limit)
     return ident.sandbox_id
@@ -280,7 +292,7 @@ def _keep_policy_annotations(store: Store, sandbox_id: str, annotations: Mapping
 
 def _forget(store: Store, ev: HookEvent) -> str | None:
     """poststop: forget the container the event is about (see :func:`_resolve`)."""
-    rec = _resolve(store, ev)
+    rec = _resolve(store, ev)[0]
     # A Kata poststop of a non-sandbox container carries the sandbox id: when its
     # annotations say it is not the sandbox, it must not tear the whole sandbox down.
     if (
@@ -293,7 +305,7 @@ def _forget(store: Store, ev: HookEvent) -> str | None:
         rec = None
     if rec is None:
         return None
-    store.delete_container(rec.id)
+    store.delete_container(rec.id, rec)
     return None if rec.is_sandbox else rec.sandbox_id
 
 

@@ -24,12 +24,13 @@ else:
 
 #: 3: vmpin's own allocations (vmpin.state.allocations); 4: its change log; 5: the log names
 #: the table a sandbox's row was written in (its triggers replaced); 6: the allocations table
-#: logs its writes too (triggers added: an older database gains them when a writer opens it)
-SCHEMA_VERSION = 6
+#: logs its writes too (triggers added: an older database gains them when a writer opens it);
+#: 7: the log's ``seq`` a plain rowid, its trim in each trigger (vmpin.state.changes.rebuild)
+SCHEMA_VERSION = 7
 #: schema versions a read-only view reads (2 and 3 lack only tables added since: without
 #: the change log, vmpin.state.changes, a long-lived reader reads the tables whole; before 6
 #: the log says nothing of the allocations, which a read-only view reads at every version)
-READABLE = (0, 2, 3, 4, 5, SCHEMA_VERSION)
+READABLE = (0, 2, 3, 4, 5, 6, SCHEMA_VERSION)
 #: the shortest busy wait a store with a deadline is given, even once the deadline passed
 #: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
 MIN_BUSY = 0.05
@@ -169,6 +170,7 @@ def ensure(store: Writer) -> None:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            changes.rebuild(db)  # (schema 4-6's log: its seq AUTOINCREMENT)
             changes.create(db)  # (its triggers hold ";": not in the text split above)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     try:  # noqa: SIM105 (contextlib stays off the hook's path)
