@@ -26,12 +26,22 @@ Run (as root)::
 
     python bench/bench_event_pass.py [--sandboxes 60,500,2000] [--updates 30] [--json OUT]
 
+``--churn``: the passes are churn's instead (bench/bench_churn.py: most of an event's passes
+there are for a sandbox created or deleted): by turns, a sandbox comes to the node -- its VMM,
+started beforehand outside the VM dir (``--spares`` of them), moved in, its sandbox and
+workload containers written by the other connection -- and the last one to come goes (its
+records deleted, its VMM killed, its VM dir removed); each pass plans the sandbox that came
+or went, the node staying at N or N+1 sandboxes.
+
 On a loaded machine ``cpu_ms`` moves with the load; instructions per pass do not: run one
 size under callgrind with ``--updates 41`` and with ``--updates 1`` (``VMPIN_LIBVIRT=none``)
 and divide the difference of the two "Collected" figures by 40::
 
     valgrind --tool=callgrind --callgrind-out-file=/dev/null \
         python bench/bench_event_pass.py --sandboxes 500 --updates 41
+
+(with ``--churn``, give both runs the same ``--spares``, e.g. 21: starting a VMM costs this
+process instructions too).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import sqlite3
 import statistics
 import sys
@@ -54,6 +65,7 @@ sys.path.insert(0, str(HERE))
 
 from fakenode import fake_node, sizes, widen  # noqa: E402
 
+from tests.support import fakevmm  # noqa: E402
 from vmpin.core.cpuset import CpuSet  # noqa: E402
 from vmpin.linux.paths import HostPaths  # noqa: E402
 from vmpin.reconcile import plan as plan_module  # noqa: E402
@@ -63,6 +75,7 @@ from vmpin.service.agent_passes import Planner  # noqa: E402
 from vmpin.service.agent_protocol import Waiters  # noqa: E402
 from vmpin.service.metrics import Metrics  # noqa: E402
 from vmpin.service.queue import DirtyQueue, Work  # noqa: E402
+from vmpin.state.records import ContainerRec, SandboxRec  # noqa: E402
 from vmpin.state.store import Store  # noqa: E402
 
 
@@ -163,8 +176,53 @@ def planner_for(paths: HostPaths) -> Planner:
     )  # fmt: skip
 
 
+class Churn:
+    """``--churn``'s sandboxes: VMMs started beforehand in ``<root>/spare``, each moved into
+    the VM dir when its sandbox comes (starting one costs this process what is not the
+    agent's); the last to come goes at the next turn."""
+
+    def __init__(self, root: Path, paths: HostPaths, spares: int, vcpus: int) -> None:
+        self.vm_dir = Path(paths.vm_dir)
+        self.publish = Path(paths.publish_dir)
+        self.vmms = [
+            fakevmm.start(root / "spare", f"new{i:04d}", vcpus=vcpus) for i in range(spares)
+        ]
+        self.next = 0
+        self.here: fakevmm.FakeVmm | None = None
+
+    def step(self, writer: Store) -> str:
+        """The next turn's change, written: the sandbox it is about."""
+        if self.here is not None:
+            vmm, self.here = self.here, None
+            writer.delete_container(f"{vmm.sandbox_id}-app")
+            writer.delete_container(vmm.sandbox_id)
+            vmm.kill()
+            shutil.rmtree(self.vm_dir / vmm.sandbox_id, ignore_errors=True)
+            return vmm.sandbox_id
+        vmm = self.vmms[self.next]
+        self.next += 1
+        sid = vmm.sandbox_id
+        os.rename(vmm.dir, self.vm_dir / sid)
+        (self.publish / sid / "mounts").mkdir(parents=True)
+        writer.put_sandbox(SandboxRec(sid, "kata"))
+        writer.put_container(ContainerRec(sid, sid, True, name="pause"))
+        writer.put_container(
+            ContainerRec(f"{sid}-app", sid, False, name="app", cpus=CpuSet.parse("0-1"))
+        )
+        self.here = vmm
+        return sid
+
+    def close(self) -> None:
+        for v in self.vmms:
+            v.kill()
+
+
 def event_passes(
-    paths: HostPaths, n: int, updates: int, profile: cProfile.Profile | None
+    paths: HostPaths,
+    n: int,
+    updates: int,
+    profile: cProfile.Profile | None,
+    churn: Churn | None = None,
 ) -> dict[str, Any]:
     planner = planner_for(paths)
     store = Store(paths.state_dir)
@@ -207,11 +265,14 @@ def event_passes(
         example: dict[str, Any] = {}
         try:
             for k in range(updates):
-                sid = ids[(k * 7919) % n]
-                # between the sandbox's own CPU and both: its mask moves, its pin changes
-                i = int(sid[4:])
-                cpus = f"{i % 2}" if k % 2 else "0-1"
-                writer.set_container_cpus(f"{sid}-app", CpuSet.parse(cpus), "update")
+                if churn is not None:
+                    sid = churn.step(writer)
+                else:
+                    sid = ids[(k * 7919) % n]
+                    # between the sandbox's own CPU and both: its mask moves, its pin changes
+                    i = int(sid[4:])
+                    cpus = f"{i % 2}" if k % 2 else "0-1"
+                    writer.set_container_cpus(f"{sid}-app", CpuSet.parse(cpus), "update")
                 batch = [Work(sid, "event", time.monotonic(), time.monotonic())]
                 planned.append(0)
                 COUNTS.reset()
@@ -253,8 +314,18 @@ def event_passes(
 
 
 def one_size(n: int, args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[str, Any]:
-    with fake_node(n, "vmpin-event-", vcpus=args.vcpus) as (_, paths, _):
-        result = {"sandboxes": n, **event_passes(paths, n, args.updates, profile)}
+    with fake_node(n, "vmpin-event-", vcpus=args.vcpus) as (root, paths, _):
+        churn = None
+        try:
+            if args.churn:
+                spares = args.spares if args.spares is not None else args.updates // 2 + 1
+                churn = Churn(root, paths, spares, args.vcpus)
+            result = {
+                "sandboxes": n, **event_passes(paths, n, args.updates, profile, churn)
+            }  # fmt: skip
+        finally:
+            if churn is not None:
+                churn.close()
         brief = {k: v for k, v in result.items() if k != "example_pass"}
         print(json.dumps(brief), file=sys.stderr)
         return result
@@ -265,6 +336,9 @@ def main() -> int:
     ap.add_argument("--sandboxes", default="60,500,2000", help="comma-separated sizes")
     ap.add_argument("--updates", type=int, default=30)
     ap.add_argument("--vcpus", type=int, default=2, help="vCPU threads per fake VMM")
+    ap.add_argument("--churn", action="store_true",
+                    help="passes for a sandbox that comes and goes, by turns (not updates)")
+    ap.add_argument("--spares", type=int, help="--churn's VMMs started (default: updates/2+1)")
     ap.add_argument("--profile", action="store_true", help="profile the largest size's passes")
     ap.add_argument("--sort", default="tottime", help="the profile's order (pstats)")
     ap.add_argument("--top", type=int, default=25, help="the profile's lines")
@@ -288,6 +362,7 @@ def main() -> int:
         for r in results:
             r.pop("example_pass", None)
     out = {"benchmark": "event_pass", "cpus": os.cpu_count(), "updates": args.updates,
+           "churn": args.churn,
            "sizes": results}  # fmt: skip
     print(json.dumps(out, indent=2))
     if args.json:

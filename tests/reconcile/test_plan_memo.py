@@ -81,7 +81,8 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
 ) -> None:
     """A node with nothing node-wide (no kubelet pool, no allocation, no Crane pod): the memo
     walks only the sandboxes that moved (plan._plan_moved), and still plans what a plan made
-    from nothing plans, whatever moved -- a container's CPUs, a VMM's pins, bookkeeping."""
+    from nothing plans, whatever moved -- a container's CPUs, a VMM's pins, bookkeeping, a
+    sandbox come or gone."""
     from vmpin.reconcile import plan as plan_module
 
     moved: list[bool] = []
@@ -107,7 +108,15 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
         seen = c.rec._replace(runtime_seen=c.runc_cpus)
         node[s.id] = replace(s, containers=(replace(c, rec=seen),))
     memo = PlanMemo()
+    came_or_went: list[int] = []
     for step in range(80):
+        if step % 5 == 1:  # a Kata sandbox come or gone (most of churn's passes)
+            came_or_went.append(len(moved))
+            ks = sorted(sid for sid in node if sid.startswith("k"))
+            if step % 10 == 1 and len(ks) > 2:
+                del node[rng.choice(ks)]
+            else:
+                node[f"k{50 + step:02d}"] = _kata(rng, 50 + step)
         for sid in rng.sample(sorted(node), rng.choice((1, 1, 2))):
             s = node[sid]
             what = rng.random()
@@ -143,7 +152,97 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
         settled.note(planned, applied, only)
         whole.note(planned, applied, None if only is None else set(only))
     assert sum(moved) > 10, moved  # (the walk took the short way, many times)
+    # (a sandbox come or gone too: the walk over every sandbox was most of churn's passes)
+    # a sandbox come or gone too (most of churn's passes): on a node of 24 most move no
+    # CPU's count across one (at 4, most do: the full walk then, rightly)
+    if size > 4:
+        assert sum(moved[i] for i in came_or_went) >= len(came_or_went) // 2, moved
     assert asked_moved == sum(moved)  # (and the settled plans each time, as the counts)
+
+
+def test_a_sandbox_come_or_gone_is_all_that_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass for a sandbox come to the node plans it alone, and one for a sandbox gone plans
+    none, the others' plans standing as they were (issue 28: either walked every sandbox of
+    the node, most of churn's passes); each the plan made from nothing."""
+    from vmpin.reconcile import plan as plan_module
+
+    machine = topo("amd-epyc-7313-2s")
+    node = {f"k{i:02d}": kata(f"k{i:02d}", "2-3", vmm_threads(1000 + 10 * i, 2, "0-15"))
+            for i in range(8)}  # fmt: skip
+    memo = PlanMemo()
+    last = plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
+    planned: list[str] = []
+    real = plan_module._plan_sandbox
+
+    def counting(s: SandboxObs, *args: object, **kw: object) -> object:
+        planned.append(s.id)
+        return real(s, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "_plan_sandbox", counting)
+    looked: list[int] = []
+    real_records = plan_module._records
+
+    def records(*args: object, **kw: object) -> object:
+        looked.append(1)
+        return real_records(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "_records", records)
+    for change, sid in (("come", "k04a"), ("gone", "k02"), ("come", "k99"), ("gone", "k04a")):
+        if change == "come":
+            node[sid] = kata(sid, "2-3", vmm_threads(3000 + len(planned), 2, "0-15"))
+        else:
+            del node[sid]
+        obs = Observation(tuple(node[k] for k in sorted(node)), None)
+        now = plan_node(obs, machine, memo=memo)
+        assert planned == ([sid] if change == "come" else []), change
+        assert len(looked) == (change == "come")  # (the others' records not looked at)
+        assert now.moved_from is not None and now.moved_from[0] is last.sandboxes
+        assert now.moved_from[2] == ((sid,) if change == "gone" else ())
+        planned.clear()
+        looked.clear()
+        assert now == plan_node(obs, machine)
+        planned.clear()
+        looked.clear()
+        assert all(p is q for p in now.sandboxes for q in last.sandboxes if p.id == q.id)
+        last = now
+
+
+@pytest.mark.parametrize("others", ["2-3", "2-3,2-3", "2-3,2-3,2-3"])
+def test_a_sandbox_come_or_gone_where_the_short_walk_gives_up_is_walked_once(
+    others: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox come onto, or gone from, CPUs one other sandbox holds or none moves the
+    others' inputs: the node is walked once, in full (not a walk over the sandboxes moved
+    given up first) -- a node of one or two sandboxes, always.  Each the plan made from
+    nothing."""
+    from vmpin.reconcile import plan as plan_module
+
+    machine = topo("amd-epyc-7313-2s")
+    node = {f"k{i:02d}": kata(f"k{i:02d}", cpus, vmm_threads(1000 + 10 * i, 2, "0-15"))
+            for i, cpus in enumerate(others.split(","))}  # fmt: skip
+    memo = PlanMemo()
+    plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
+    walks: list[bool] = []
+    real = plan_module._walk
+
+    def walk(*args: object) -> object:
+        walks.append(len(args) > 4)  # (given what moved: the short walk)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "_walk", walk)
+    for change, sid in (("come", "k50"), ("gone", "k50")):
+        if change == "come":
+            node[sid] = kata(sid, "2-3", vmm_threads(3000, 2, "0-15"))
+        else:
+            del node[sid]
+        obs = Observation(tuple(node[k] for k in sorted(node)), None)
+        now = plan_node(obs, machine, memo=memo)
+        # (come: CPUs 2-3 held by 1, 2, 3 others; gone: by 2, 3, 4 before it went)
+        short = len(node) >= 3 if change == "come" else len(node) >= 2
+        assert walks == ([True] if short else [False]), (change, len(node))
+        walks.clear()
+        assert now == plan_node(obs, machine)
+        walks.clear()
 
 
 def test_a_sandbox_moved_in_its_pins_and_books_alone_is_not_planned_again(

@@ -180,11 +180,12 @@ class NodePlan:
     #: each sandbox's mask as the node's rules counted it (before the planner's own cuts)
     masks: Mapping[str, CpuSet] = field(default_factory=dict)
     #: made as the last call's plan with some sandboxes planned again (plan_node's memo, an
-    #: event's pass): that plan's ``sandboxes`` and the indexes of those here that may differ
-    #: -- every other sandbox plan, and its mask, is the very object there.  Who keeps
+    #: event's pass): that plan's ``sandboxes``, the indexes of those here that may differ,
+    #: and the ids of its sandboxes gone from here -- every other sandbox plan, and its
+    #: mask, is the very object there (at the same index when none came or went).  Who keeps
     #: something per sandbox plan of the last plan it saw looks at those alone (issue 28).
     #: (Not compared: a plan equals the one made from nothing for the same node.)
-    moved_from: tuple[tuple[SandboxPlan, ...], tuple[int, ...]] | None = field(
+    moved_from: tuple[tuple[SandboxPlan, ...], tuple[int, ...], tuple[str, ...]] | None = field(
         default=None, compare=False
     )
 
@@ -474,28 +475,56 @@ def _plan_moved(
     was: tuple[Observation, NodePlan, bool],
 ) -> NodePlan | None:
     """:func:`plan_node` of ``obs`` as the last call's plan (``was``) with the sandboxes
-    that are not the very objects they were there planned again: the same sandboxes in the
-    same order, some of them moved, on a node where nothing is node-wide (:func:`_walk`
-    checks the rest).  None when that does not hold, or when all or too many moved (a
-    start-up or periodic pass): the walk over every sandbox then (issue 28: an event's pass
-    walked the node several times to plan one sandbox)."""
+    that are not the very objects they were there planned again: the same sandboxes, some
+    of them moved, come or gone, on a node where nothing is node-wide (:func:`_walk` checks
+    the rest).  None when that does not hold, or when all or too many moved (a start-up or
+    periodic pass): the walk over every sandbox then (issue 28: an event's pass walked the
+    node several times to plan one sandbox; a pass for a sandbox come or gone, most of
+    churn's, walked it once)."""
     then, plan_then, pins = was
-    sandboxes = obs.sandboxes
+    sandboxes, before = obs.sandboxes, then.sandboxes
     if (
         memo.node is None
         or obs.scope is not then.scope
-        or len(sandboxes) != len(then.sandboxes)
         or obs.shared_pool is not None
         or obs.kata_pinning != then.kata_pinning
     ):
         return None
-    pairs = enumerate(zip(sandboxes, then.sandboxes, strict=True))
-    moved = [i for i, (s, t) in pairs if s is not t]
-    if len(moved) > len(sandboxes) // 4 + 1 or len(moved) == len(sandboxes):
+    gone: list[str] = []
+    base: list[SandboxPlan | None] | None = None
+    if len(sandboxes) == len(before):
+        pairs = enumerate(zip(sandboxes, before, strict=True))
+        moved = [i for i, (s, t) in pairs if s is not t]
+        if all(sandboxes[i].id == before[i].id for i in moved):
+            base = list(plan_then.sandboxes)
+    if base is None:
+        # (a sandbox come or gone: the others found by id, each id once on either side)
+        at = {t.id: i for i, t in enumerate(before)}
+        ids = {s.id for s in sandboxes}
+        if len(at) != len(before) or len(ids) != len(sandboxes):
+            return None
+        then_plans = plan_then.sandboxes
+        moved, base = [], []
+        for i, s in enumerate(sandboxes):
+            j = at.get(s.id)
+            if j is None or before[j] is not s:
+                moved.append(i)
+                base.append(None)  # (planned below)
+            else:
+                base.append(then_plans[j])
+        gone = [t.id for t in before if t.id not in ids]
+        # (a CPU a sandbox come or gone holds, held by one other or none: its count crosses
+        # one, the others' inputs move and the walk over those moved alone gives up -- on a
+        # node of two sandboxes, always: the full walk at once; a gone one's footprint, as
+        # counted, says so here)
+        counted = memo.node.footprints
+        if len(before) < 2 or any(
+            counted._count[cpu] < 3 for sid in gone for cpu in counted._sets[sid]
+        ):
+            return None
+    if len(moved) + len(gone) > len(sandboxes) // 4 + 1 or len(moved) == len(sandboxes):
         return None
-    if any(sandboxes[i].id != then.sandboxes[i].id for i in moved):
-        return None
-    return _walk(obs, topology, float_policy, memo, (moved, plan_then, pins))
+    return _walk(obs, topology, float_policy, memo, (moved, plan_then, pins, base, gone))
 
 
 def _walk(
@@ -503,15 +532,16 @@ def _walk(
     topology: Topology,
     float_policy: str,
     memo: dict[str, _Kept] | None,
-    moved: tuple[list[int], NodePlan, bool] | None = None,
+    moved: tuple[list[int], NodePlan, bool, list[SandboxPlan | None], list[str]] | None = None,
 ) -> NodePlan | None:
     """:func:`plan_node`'s walk over the node's sandboxes -- or (``moved``: their indexes,
-    the last call's plan, whether a plan there pins a vCPU 1:1) over those alone, every
-    other plan standing as it is in the last call's: None when that does not hold, the
-    full walk then.  It holds when nothing is node-wide (no allocation, no Crane pod, no
-    adoption nor container to forget: :func:`_plan_moved` checks the pool) and no CPU came
-    to, or left, one footprint or one mask: no other sandbox's inputs moved (the full
-    walk's ``steady`` rule would keep each of their plans)."""
+    the last call's plan, whether a plan there pins a vCPU 1:1, the plans there of the
+    sandboxes here (None: moved), the ids of those gone) over those alone, every other plan
+    standing as it is in the last call's: None when that does not hold, the full walk then.
+    It holds when nothing is node-wide (no allocation, no Crane pod, no adoption nor
+    container to forget: :func:`_plan_moved` checks the pool) and no CPU came to, or left,
+    one footprint or one mask, a sandbox's come or gone included: no other sandbox's inputs
+    moved (the full walk's ``steady`` rule would keep each of their plans)."""
     sandboxes = obs.sandboxes
     walk = sandboxes if moved is None else [sandboxes[i] for i in moved[0]]
     online = topology.online
@@ -557,6 +587,9 @@ def _walk(
     prior_sets = memo.node if moved is not None and isinstance(memo, PlanMemo) else None
     masks = {} if prior_sets is None else dict(prior_sets.masks._sets)
     footprint = {} if prior_sets is None else dict(prior_sets.footprints._sets)
+    gone = () if moved is None else moved[4]
+    for sid in gone:
+        del masks[sid], footprint[sid]
     kept_off: dict[str, CpuSet] = {}
     # Kata's cpuset, over which it pins vCPUs itself when a configuration says so: the union
     # of the containers' CPU sets, as vmpin's mask before anything is kept off it
@@ -598,9 +631,9 @@ def _walk(
         prior, memo.node = memo.node, None
     only = None if moved is None else firsts
     others_fp, fp_moved = _counted(
-        footprint, prior.footprints if prior is not None else None, only
+        footprint, prior.footprints if prior is not None else None, only, gone
     )  # fmt: skip
-    by_mask, _ = _counted(masks, prior.masks if prior is not None else None, only)
+    by_mask, _ = _counted(masks, prior.masks if prior is not None else None, only, gone)
     alone = by_mask.alone - (pool or EMPTY)  # CPUs in exactly one sandbox's mask
     # The node as the last call saw it, but for the CPUs ``fp_moved`` (an event's pass): a
     # sandbox whose observation, mask, footprint and Kata cpuset are the very ones it was
@@ -659,15 +692,18 @@ def _walk(
     if memo is not None:
         if moved is None:
             memo.clear()
+        for sid in gone:
+            del memo[sid]
         memo.update(kept)
         if isinstance(memo, PlanMemo):
             memo.node = _NodeMemo(node_key, others_fp, by_mask, alone)
     if moved is None:
         plans = walked
     else:
-        plans = list(moved[1].sandboxes)
+        base = moved[3]
         for i, sp in zip(moved[0], walked, strict=True):
-            plans[i] = sp
+            base[i] = sp
+        plans = base  # type: ignore[assignment]  # (each None replaced)
     if kept_off:
         plans = [
             _replace(
@@ -701,7 +737,7 @@ def _walk(
         tuple(obs.originals),
         obs.scope,
         masks,
-        None if moved is None else (moved[1].sandboxes, tuple(moved[0])),
+        None if moved is None else (moved[1].sandboxes, tuple(moved[0]), tuple(gone)),
     )
     simple = alloc is NONE and pool is None and not crane and not adoptions and not forget
     if isinstance(memo, PlanMemo) and simple:
@@ -784,13 +820,17 @@ class _Others:
 
 
 def _counted(
-    sets: dict[str, CpuSet], before: _Others | None, only: Collection[str] | None = None
+    sets: dict[str, CpuSet],
+    before: _Others | None,
+    only: Collection[str] | None = None,
+    gone: Collection[str] = (),
 ) -> tuple[_Others, set[int] | None]:
     """:class:`_Others` of ``sets``, from ``before``'s counts moved by the sets that are not
     the very objects they were (``before`` is spent); and the CPUs where "some set holds it"
     or "exactly one set holds it" may have changed -- all that :meth:`_Others.without` and
     :attr:`_Others.alone` depend on (None: counted anew).  ``only``: the names whose sets
-    may have moved, the others' and the names being ``before``'s (_plan_moved)."""
+    may have moved, the others' and the names being ``before``'s but for those ``gone``
+    (_plan_moved)."""
     if before is None:
         return _Others(sets), None
     old, counts = before._sets, before._count
@@ -809,8 +849,9 @@ def _counted(
                 move(then, -1)
             move(cpus, 1)
     if only is None and len(old) + sum(1 for sid in sets if sid not in old) != len(sets):
-        for sid in old.keys() - sets.keys():  # (gone from the node)
-            move(old[sid], -1)
+        gone = old.keys() - sets.keys()
+    for sid in gone:  # (gone from the node)
+        move(old[sid], -1)
     moved = set()
     for cpu, n in was.items():
         now = counts[cpu]

@@ -82,8 +82,9 @@ class Settled:
         base, known = plan.moved_from, self._open
         if base is not None and known is not None and base[0] is known[0]:
             walk = [sandboxes[i] for i in base[1]]
-            # (every other plan is the very one noted last: as settled as it left it)
-            out.update(known[1].difference([sp.id for sp in walk]))
+            # (every other plan is the very one noted last: as settled as it left it; one
+            # gone from the plan is not asked about)
+            out.update(known[1].difference([sp.id for sp in walk], base[2]))
             self._asked = (sandboxes, out)
         else:  # (each id once, as in a plan of plan_node's: else note cannot vouch for it)
             unique = len({sp.id for sp in sandboxes}) == len(sandboxes)
