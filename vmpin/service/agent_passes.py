@@ -336,8 +336,8 @@ class Planner:
             views.pass_begins(number)
         reconciler.maps_later = [] if later else None
         # the waiters answered as soon as the pass's pins are in place and current, before
-        # its node summary and reports (Reconciler.on_pinned); again at its end, for a pass
-        # that could not say so early (it went on without the node lock, or raised)
+        # its node summary and the lock's release (Reconciler.on_pinned); again at its end,
+        # for a pass that could not say so early (it went on without the node lock, or raised)
         reconciler.on_pinned = partial(self._pinned, number, reconciler)
         self._pinned_at = None
         pinned: _Pinned | None = None
