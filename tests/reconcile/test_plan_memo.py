@@ -160,6 +160,22 @@ def test_a_node_moved_by_what_moved_plans_what_a_fresh_plan_plans(
     assert asked_moved == sum(moved)  # (and the settled plans each time, as the counts)
 
 
+def _planned_ids(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the sandboxes plan_node plans from now on, in order (its per-sandbox
+    planner counted)."""
+    from vmpin.reconcile import plan as plan_module
+
+    planned: list[str] = []
+    real = plan_module._plan_sandbox
+
+    def counting(s: SandboxObs, *args: object, **kw: object) -> object:
+        planned.append(s.id)
+        return real(s, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "_plan_sandbox", counting)
+    return planned
+
+
 def test_a_sandbox_come_or_gone_is_all_that_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pass for a sandbox come to the node plans it alone, and one for a sandbox gone plans
     none, the others' plans standing as they were (issue 28: either walked every sandbox of
@@ -171,14 +187,7 @@ def test_a_sandbox_come_or_gone_is_all_that_is_planned(monkeypatch: pytest.Monke
             for i in range(8)}  # fmt: skip
     memo = PlanMemo()
     last = plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
-    planned: list[str] = []
-    real = plan_module._plan_sandbox
-
-    def counting(s: SandboxObs, *args: object, **kw: object) -> object:
-        planned.append(s.id)
-        return real(s, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(plan_module, "_plan_sandbox", counting)
+    planned = _planned_ids(monkeypatch)
     looked: list[int] = []
     real_records = plan_module._records
 
@@ -252,21 +261,13 @@ def test_a_sandbox_moved_in_its_pins_and_books_alone_is_not_planned_again(
     that pass pinned them and its record marked done (issue 28: planned again from scratch
     for another sandbox's event): its plan is the last one with those affinities, which is
     what a plan made from nothing says."""
-    from vmpin.reconcile import plan as plan_module
 
     machine = topo("amd-epyc-7313-2s")
     rng = random.Random(7)
     node = {f"k{i:02d}": _kata(rng, i) for i in range(6)}
     memo = PlanMemo()
     last = plan_node(Observation(tuple(node[k] for k in sorted(node)), None), machine, memo=memo)
-    planned: list[str] = []
-    real = plan_module._plan_sandbox
-
-    def counting(s: SandboxObs, *args: object, **kw: object) -> object:
-        planned.append(s.id)
-        return real(s, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(plan_module, "_plan_sandbox", counting)
+    planned = _planned_ids(monkeypatch)
     for step, sid in enumerate(("k01", "k03", "k01")):
         s, sp = node[sid], last.sandbox(sid)
         assert s.vmm is not None and s.record is not None and sp is not None
