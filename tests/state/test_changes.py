@@ -64,6 +64,42 @@ def test_a_reader_further_behind_than_the_log_keeps_reads_whole(tmp_path: Path) 
         assert delta is not None and len(delta.keys) == 5
 
 
+def test_a_write_that_logs_no_row_trims_by_the_log_not_by_another_tables_rowid(
+    tmp_path: Path,
+) -> None:
+    """A trigger that logs nothing (a container written again under the same sandbox: the
+    moved trigger's select is empty) trims all the same; the log's own top decides what
+    goes, not the last rowid the connection inserted elsewhere.  A container table whose
+    rowids run far ahead of the log (a store older than its log) once wiped the log whole,
+    its newest row too, and the next seq was handed out again: a reader at that seq would
+    have taken another write's row for its own and missed what came between."""
+    with Store(str(tmp_path)) as store:
+        _sandbox(store, "a")
+        store.db.execute("UPDATE containers SET rowid = 100000 WHERE id = 'a-app'")
+        store.db.commit()
+        store.put_container(ContainerRec("a-app", "a", False, name="app"))  # rowid 100001
+        seq = changes.top(store.db)
+        store.put_container(ContainerRec("a", "a", True, name="pause"))
+        store.set_meta("k", "v")
+        assert changes.top(store.db) > seq  # never handed out again
+        delta = changes.since(store.db, seq)
+        assert delta is not None and delta.sandboxes == {"a"} and delta.keys == {"k"}
+    # a schema 7 store (that trim) has its triggers made again when a writer opens it
+    with Store(str(tmp_path)) as store:
+        store.db.execute("PRAGMA user_version=7")
+        store.db.execute("DROP TRIGGER changes_containers_moved")
+        store.db.execute(
+            "CREATE TRIGGER changes_containers_moved BEFORE INSERT ON containers BEGIN"
+            " DELETE FROM changes WHERE seq <= last_insert_rowid(); END"
+        )
+        store.db.commit()
+    with Store(str(tmp_path)) as store:
+        sql = store.db.execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'changes_containers_moved'"
+        ).fetchone()[0]
+        assert "last_insert_rowid" not in sql and "max(seq)" in sql
+
+
 def test_tables_followed_are_the_tables_read_whole(tmp_path: Path) -> None:
     with Store(str(tmp_path)) as store, Store(str(tmp_path)) as other:
         with store.transaction():  # (40: six of them moving is within what is followed)
@@ -227,7 +263,7 @@ def test_a_schema_5_store_gains_the_allocations_triggers(tmp_path: Path) -> None
     ro = Store.open_readonly(str(tmp_path))  # (a read-only view reads schema 5 as it is)
     ro.close()
     with Store(str(tmp_path)) as store:
-        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         names = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master")}
         assert {"changes_allocations_ins", "changes_allocations_del"} <= names
 
@@ -297,7 +333,7 @@ def test_a_schema_6_log_is_made_again_with_its_rows_and_its_top(tmp_path: Path) 
         db.execute("PRAGMA user_version=6")
     with Store(str(tmp_path)) as store:
         db = store.db
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         sql = db.execute("SELECT sql FROM sqlite_master WHERE name='changes'").fetchone()[0]
         assert "AUTOINCREMENT" not in sql.upper()
         names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}

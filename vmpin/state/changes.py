@@ -78,9 +78,15 @@ _SANDBOX_BOOKS = ("id", "runtime", "vmm_pid", "vmm_start", "pod_uid", "pod_name"
 _DONE_ALONE = " AND ".join(f"old.{c} IS new.{c}" for c in _SANDBOX_BOOKS)
 
 #: what each trigger runs after its row(s): the rows before the last multiple of KEEP but one
-#: removed (a range of the rowid that is empty but once every KEEP rows: a seek).  In the
-#: trigger, last_insert_rowid() is the row it logged last.
-_TRIM = f"; DELETE FROM changes WHERE seq <= last_insert_rowid() / {KEEP} * {KEEP} - {KEEP}"
+#: removed (a range of the rowid that is empty but once every KEEP rows: two seeks).  By the
+#: log's own top (schema 8), not last_insert_rowid(): a trigger that logs no row (the moved
+#: one, nearly always) inherits that of the connection's last insert into another table,
+#: whose rowids may run far ahead of the log's, and so wiped the log, its newest row too --
+#: and the next seq was then handed out again.
+_TRIM = (
+    f"; DELETE FROM changes WHERE seq <= (SELECT max(seq) FROM changes) / {KEEP} * {KEEP}"
+    f" - {KEEP}"
+)
 #: triggers of older schemas no longer made (dropped by :func:`create`)
 _RETIRED = ("changes_keep_short",)
 

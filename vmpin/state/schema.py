@@ -25,12 +25,13 @@ else:
 #: 3: vmpin's own allocations (vmpin.state.allocations); 4: its change log; 5: the log names
 #: the table a sandbox's row was written in (its triggers replaced); 6: the allocations table
 #: logs its writes too (triggers added: an older database gains them when a writer opens it);
-#: 7: the log's ``seq`` a plain rowid, its trim in each trigger (vmpin.state.changes.rebuild)
-SCHEMA_VERSION = 7
+#: 7: the log's ``seq`` a plain rowid, its trim in each trigger (vmpin.state.changes.rebuild);
+#: 8: that trim by the log's own top (7's could wipe the log: its triggers replaced)
+SCHEMA_VERSION = 8
 #: schema versions a read-only view reads (2 and 3 lack only tables added since: without
 #: the change log, vmpin.state.changes, a long-lived reader reads the tables whole; before 6
 #: the log says nothing of the allocations, which a read-only view reads at every version)
-READABLE = (0, 2, 3, 4, 5, 6, SCHEMA_VERSION)
+READABLE = (0, 2, 3, 4, 5, 6, 7, SCHEMA_VERSION)
 #: the shortest busy wait a store with a deadline is given, even once the deadline passed
 #: (seconds): a live writer holds the lock for about a millisecond, a stopped one for ever
 MIN_BUSY = 0.05
