@@ -40,7 +40,13 @@ from vmpin.core.errors import ProcessGone, QmpError
 from vmpin.linux import debugfs, procfs
 from vmpin.linux.paths import HostPaths
 from vmpin.runtimes.qmp import QmpClient, QmpTimeout, query_vmm
-from vmpin.runtimes.threads import Classification, VmmThread, classify, find_vhost_kthreads
+from vmpin.runtimes.threads import (
+    Classification,
+    VmmThread,
+    classify,
+    find_vhost_kthreads,
+    vhost_kthreads_possible,
+)
 from vmpin.runtimes.vmm import Vmm, find_vmm
 from vmpin.state.records import ThreadRec
 
@@ -850,9 +856,27 @@ def _task(root: Path, pid: int, comm: str, ppid: int, start: int, tid: int | Non
     (d / "stat").write_text(_stat(tid or pid, comm, ppid, start))
 
 
+def fake_kernel(root: Path, release: str, modules: tuple[str, ...]) -> HostPaths:
+    """Paths whose procfs root names kernel ``release`` and whose sysfs root has ``modules``
+    (``/sys/module/<name>``; a name with a slash is a file under it)."""
+    proc, sys_root = root / "proc", root / "sys"
+    (proc / "sys" / "kernel").mkdir(parents=True, exist_ok=True)
+    (proc / "sys" / "kernel" / "osrelease").write_text(release + "\n")
+    for name in modules:
+        where = sys_root / "module" / name
+        if "/" in name:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.write_text("Y\n")
+        else:
+            where.mkdir(parents=True, exist_ok=True)
+    return HostPaths(proc=str(proc), sys=str(sys_root))
+
+
 def fake_proc(root: Path, children_file: bool) -> Path:
-    """QEMU pid 100 (threads 100, 101) with vhost kthreads 300 (owner 100) and 302 (owner 101)."""
+    """QEMU pid 100 (threads 100, 101) with vhost kthreads 300 (owner 100) and 302 (owner 101),
+    on a 5.15 kernel with vhost_net loaded."""
     proc = root / "proc"
+    fake_kernel(root, "5.15.0-91-generic", ("vhost", "vhost_net"))
     _task(proc, 100, "qemu-system-x86", 1, 5000)
     (proc / "100" / "cmdline").write_text("qemu-system-x86_64\0-name\0sandbox-k\0")
     _task(proc, 100, "qemu-system-x86", 1, 5000, tid=100)
@@ -890,6 +914,42 @@ def test_vhost_kthreads_from_a_fixture_tree(
         (302, "vhost", "names"),
     ]
     assert any("cannot list" in n for n in c.notes)  # no fd table in the fixture
+
+
+@pytest.mark.parametrize(
+    ("release", "modules", "possible"),
+    [
+        # no vhost module at all (this machine's kernel): no worker of any kind
+        ("6.1.0-18-amd64", (), False),
+        ("5.15.0-91-generic", ("kvm", "tun"), False),
+        # before 6.4 every vhost worker is a kernel thread
+        ("5.15.0-91-generic", ("vhost", "vhost_net"), True),
+        ("6.3.13", ("vhost_vsock",), True),
+        # 6.4 on: threads of their owner, unless the kernel lets vhost use kthreads again
+        ("6.4.0", ("vhost", "vhost_vsock"), False),
+        ("6.12.48+deb13-amd64", ("vhost", "vhost_net"), False),
+        ("6.17.1", ("vhost", "vhost/parameters/fork_from_owner_default"), True),
+        # a release that does not parse counts as an old kernel
+        ("weird", ("vhost",), True),
+    ],
+)
+def test_vhost_kthreads_possible_by_kernel(
+    tmp_path: Path, release: str, modules: tuple[str, ...], possible: bool
+) -> None:
+    paths = fake_kernel(tmp_path, release, modules)
+    assert vhost_kthreads_possible(paths) is possible
+
+
+def test_no_kthread_scan_where_none_can_exist(
+    paths: HostPaths, tmp_path: Path, mocker: MockerFixture
+) -> None:
+    """On a 6.4+ kernel (or one without vhost) the kernel threads are not read at all: a
+    pass that classifies a new VMM costs the same on a host of 2 or 2,000 kernel threads."""
+    proc = fake_proc(tmp_path, children_file=True)
+    fake_kernel(tmp_path, "6.12.48+deb13-amd64", ("vhost", "vhost_net"))
+    comm = mocker.spy(procfs, "comm")
+    assert find_vhost_kthreads(paths._replace(proc=str(proc), sys=str(tmp_path / "sys"))) == {}
+    assert comm.call_count == 0
 
 
 # -- the name parsers stand in for re (kept off the Kata hook): the same answers as the regexes

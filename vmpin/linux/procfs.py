@@ -96,6 +96,23 @@ def split_cmdline(raw: str) -> list[str]:
     return [arg for arg in raw.split("\0")[:-1]] if raw.endswith("\0") else raw.split("\0")
 
 
+def kernel_release(proc: str) -> tuple[int, int] | None:
+    """The running kernel's (major, minor), from ``sys/kernel/osrelease`` under the procfs
+    root (what ``uname -r`` prints, ``6.1.0-18-amd64``), so that a fixture tree can stand
+    for another kernel; None when unreadable or not of that form."""
+    try:
+        text = _read(f"{proc}/sys/kernel/osrelease").decode(errors="replace")
+        major, minor = text.split(".", 2)[:2]
+        digits = ""
+        for ch in minor:
+            if not ch.isdigit():
+                break
+            digits += ch
+        return int(major), int(digits)
+    except (OSError, ValueError):
+        return None
+
+
 def stat_fields(proc: str, pid: int, tid: int | None = None) -> list[str]:
     """``stat`` split into fields, with field 2 (comm, may hold spaces and parens) kept whole."""
     raw = read_text(proc, pid, "stat", tid)

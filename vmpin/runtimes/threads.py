@@ -394,13 +394,45 @@ def _iothread_id(shown: str, known: Iterable[str]) -> str:
     return matches[0] if len(matches) == 1 else shown
 
 
+#: the kernel modules a vhost worker belongs to (the core, which the others load, and each
+#: device's own module, should a kernel carry the core inside one of them)
+VHOST_MODULES = ("vhost", "vhost_net", "vhost_vsock", "vhost_scsi", "vhost_vdpa")
+#: since Linux 6.4 a vhost worker is a thread of the process that owns the device (it is in
+#: that process's ``task/``); a kernel thread again only where the kernel lets vhost choose
+#: (CONFIG_VHOST_ENABLE_FORK_OWNER_CONTROL, 6.17), which shows as this module parameter
+VHOST_TASKS_SINCE = (6, 4)
+VHOST_KTHREAD_MODE_PARAM = "vhost/parameters/fork_from_owner_default"
+
+
+def vhost_kthreads_possible(paths: HostPaths) -> bool:
+    """Whether this kernel can have vhost workers that are kernel threads at all.
+
+    Finding them reads the name of every kernel thread (:func:`find_vhost_kthreads`): ~60 here,
+    thousands on a many-CPU host (a few per CPU), once per pass that classifies a VMM -- every
+    new sandbox's.  Where no vhost module is there (``/sys/module/<name>`` exists for a loaded
+    module and for a built-in one with parameters, as vhost's are), or the kernel runs every
+    worker inside its owner (6.4 and later without the kthread-mode parameter), there is
+    nothing to find.  An unreadable release counts as an old kernel: the scan is then made.
+    """
+    module_dir = os.path.join(paths.sys, "module")
+    if not any(os.path.exists(os.path.join(module_dir, m)) for m in VHOST_MODULES):
+        return False
+    if os.path.exists(os.path.join(module_dir, VHOST_KTHREAD_MODE_PARAM)):
+        return True
+    release = procfs.kernel_release(paths.proc)
+    return release is None or release < VHOST_TASKS_SINCE
+
+
 def find_vhost_kthreads(paths: HostPaths) -> dict[int, list[tuple[int, str]]]:
-    """Kernel threads named ``vhost-<owner tid>`` (pre-6.4 vhost, or kthread mode), by owner.
+    """Kernel threads named ``vhost-<owner tid>`` (pre-6.4 vhost, or kthread mode), by owner;
+    none read where the kernel can have none (:func:`vhost_kthreads_possible`).
 
     kthreadd (pid 2) is every kernel thread's parent: its ``children`` file (CONFIG_PROC_CHILDREN)
     lists them without walking all of /proc; without it, every pid with ppid 2 is checked.
     """
     out: dict[int, list[tuple[int, str]]] = {}
+    if not vhost_kthreads_possible(paths):
+        return out
     children: list[int] | None
     try:
         with open(os.path.join(paths.proc, "2", "task", "2", "children"), "rb") as f:
