@@ -194,13 +194,16 @@ class SummaryCounts:
     def update(self, plan: NodePlan) -> None:
         """The counts of ``plan``: each sandbox plan (and mask) that is not the very one of
         the last update moves them.  Those of a plan made from the last one counted
-        (``NodePlan.moved_from``) are asked of the sandboxes it may have moved alone: at 500
-        sandboxes the walk over the others was ~1 M instructions of an event's pass."""
+        (``NodePlan.moved_from``) are asked of the sandboxes it may have moved alone, and
+        those gone taken from its list of them: at 500 sandboxes the walk over the others was
+        ~1 M instructions of an event's pass."""
         parts, masks, sandboxes = self._parts, plan.masks, plan.sandboxes
         walk: Iterable[SandboxPlan] = sandboxes
         base = plan.moved_from
+        gone: Iterable[str] | None = None  # (the ids gone since the last update, if known)
         if base is not None and base[0] is self._counted:
             walk = [sandboxes[i] for i in base[1]]
+            gone = base[2]
         for sp in walk:
             mask = masks.get(sp.id)
             old = parts.get(sp.id)
@@ -212,9 +215,12 @@ class SummaryCounts:
             self._move(share, 1)
             parts[sp.id] = (sp, mask, share)
         if len(parts) != len(plan.sandboxes):
-            ids = {sp.id for sp in plan.sandboxes}
-            for sid in [sid for sid in parts if sid not in ids]:  # (gone from the node)
-                self._move(parts.pop(sid)[2], -1)
+            if gone is None:  # (gone from the node: found among every id)
+                ids = {sp.id for sp in plan.sandboxes}
+                gone = [sid for sid in parts if sid not in ids]
+            for sid in gone:
+                if sid in parts:
+                    self._move(parts.pop(sid)[2], -1)
             if len(parts) != len(plan.sandboxes):  # (an id twice: counted as a list)
                 self._clear()
                 for sp in plan.sandboxes:

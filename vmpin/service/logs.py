@@ -55,6 +55,11 @@ def setup_logging(stream: Any = None, level: str | None = None) -> None:
     root.setLevel(name)
 
 
+#: where a record made by :func:`log_event` says it comes from (Logger.log's own words for
+#: a record made without a search of the stack)
+_NO_FILE, _NO_FUNC = "(unknown file)", "(unknown function)"
+
+
 def log_event(level: int, event: str, **fields: Any) -> None:
     """Log ``event`` with ``fields`` (the JSON line's keys after ``event``).
 
@@ -65,11 +70,6 @@ def log_event(level: int, event: str, **fields: Any) -> None:
     if log.isEnabledFor(level):
         log.handle(log.makeRecord(log.name, level, _NO_FILE, 0, event, (), None, _NO_FUNC,
                                   {"fields": fields}))  # fmt: skip
-
-
-#: where a record made by :func:`log_event` says it comes from (Logger.log's own words for
-#: a record made without a search of the stack)
-_NO_FILE, _NO_FUNC = "(unknown file)", "(unknown function)"
 
 
 class Throttle:

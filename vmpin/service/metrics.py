@@ -360,8 +360,7 @@ class Counter(_Metric[CounterChild]):
         return self.name + "_total"
 
     def inc(self, amount: float = 1.0) -> None:
-        one = self._one
-        (self._only() if one is None else one).inc(amount)
+        self._only().inc(amount)
 
 
 class Gauge(_Metric[GaugeChild]):
@@ -371,8 +370,7 @@ class Gauge(_Metric[GaugeChild]):
         return GaugeChild()
 
     def set(self, value: float) -> None:
-        one = self._one
-        (self._only() if one is None else one).set(value)
+        self._only().set(value)
 
     def inc(self, amount: float = 1.0) -> None:
         self._only().inc(amount)
@@ -416,8 +414,7 @@ class Histogram(_Metric[HistogramChild]):
         return child.samples(self.name, labels)
 
     def observe(self, value: float) -> None:
-        one = self._one
-        (self._only() if one is None else one).observe(value)
+        self._only().observe(value)
 
 
 def _state_families(snapshot: Callable[[], Snapshot]) -> list[Family]:
