@@ -435,3 +435,51 @@ def test_an_event_pass_observes_without_importing_the_readers_it_holds(
         assert imported  # (the count works: the pass's other imports are others' to cut)
         readers = ("vmpin.runtimes.kubelet", "vmpin.runtimes.kataconfig", "vmpin.core.ids")
         assert not [name for name in imported if name in readers], imported
+
+
+@pytest.mark.multi_cpu
+def test_a_vhost_kernel_thread_that_comes_later_is_pinned_by_the_pass_that_reads_everything(
+    paths: HostPaths, vmms: Callable[[str], fakevmm.FakeVmm], mocker: MockerFixture
+) -> None:
+    """Before Linux 6.4 a vhost worker is a kernel thread outside QEMU's ``task/`` (FACTS.md),
+    and Kata hotplugs its network after the VM started: the worker comes after the VMM was
+    classified, QEMU's own threads unchanged, so the fast path alone would leave it floating
+    for good.  An event's pass does not look for it (its cost stays its sandbox's); the
+    periodic pass, which reads everything, does, and pins it with the sandbox's helpers.
+    (This kernel has no vhost module: a sleeping process stands in for the kernel thread,
+    and the kernel threads' index is the test's.)"""
+    import subprocess
+
+    from vmpin.runtimes import threads
+
+    index: dict[int, list[tuple[int, str]]] = {}
+    search = mocker.patch.object(threads, "find_vhost_kthreads", side_effect=lambda p: dict(index))
+    real = SchedAffinity()
+    with Store(paths.state_dir) as store:
+        a, pid = _sandbox(store, vmms, "0")
+        rec = Reconciler(paths, store, publish=False)
+        rec.reconcile()
+        worker = subprocess.Popen(["sleep", "60"])
+        try:
+            real.set(worker.pid, CpuSet.parse("0-1"))
+            index[pid] = [(worker.pid, f"vhost-{pid}")]
+            searched = search.call_count
+            rec.reconcile([a], fresh={a})
+            assert search.call_count == searched  # (an event's pass: not looked for)
+            assert real.get(worker.pid) == CpuSet.parse("0-1")
+            rec.reconcile()  # the periodic pass
+            assert real.get(worker.pid) == CpuSet.parse("0")
+            plan = rec.last_plan
+            assert plan is not None
+            sandbox = plan.sandbox(a)
+            assert sandbox is not None and sandbox.obs.vmm is not None
+            found = [t for t in sandbox.obs.vmm.threads if t.tid == worker.pid]
+            assert [(t.role, t.name) for t in found] == [("vhost", f"vhost-{pid}")]
+            # known from then on: the next passes take the fast path again
+            calls = search.call_count
+            rec.reconcile()
+            assert real.get(worker.pid) == CpuSet.parse("0")
+            assert search.call_count == calls + 1  # (one look per such pass, not per VMM)
+        finally:
+            worker.kill()
+            worker.wait()

@@ -282,8 +282,13 @@ class Recorded:
     threads: Mapping[tuple[str, int, int], dict[int, ThreadRec]]
     missing: Mapping[str, str]
     originals: Mapping[str, str]
-    #: kernel vhost threads by owner, scanned at the pass's first classification only
+    #: kernel vhost threads by owner, scanned at the pass's first classification only (or,
+    #: with ``kthreads``, at its first VMM)
     vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
+    #: the pass reads everything (no ``fresh``): a VMM classified before is looked at for
+    #: vhost workers that came since as kernel threads (before Linux 6.4, a device set up
+    #: after the VM started: Kata hotplugs its network), which its ``task/`` does not show
+    kthreads: bool = False
 
     @classmethod
     def read(cls, store: Reader, scope: Scope = FULL) -> Recorded:

@@ -158,6 +158,7 @@ class Observer:
         checkpoint, cp_error = self.checkpoint() if read is None else read
         kata = self.kata_configs(save=not store.readonly) if scope.vmms else None
         recorded, records, (oci, api), moved = self._read_store(store, scope, fresh is not None)
+        recorded.kthreads = fresh is None and scope is FULL
         if scope is FULL and self._pins:
             self._pinned(fresh)
         originals = recorded.originals

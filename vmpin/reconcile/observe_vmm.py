@@ -86,7 +86,12 @@ class VmmObserver:
         except ProcessGone:
             return None, False, [f"VMM pid {vmm.pid} exited during the pass"]
         missing_before = recorded.missing.get(VmmKey(rec.id, vmm.pid, vmm.start).missing())
-        if remembered and not missing_before and self._complete(remembered, current):
+        if (
+            remembered
+            and not missing_before
+            and self._complete(remembered, current)
+            and not self._new_kthreads(recorded, vmm.pid, remembered, current)
+        ):
             # Fast path: the same threads as last time, their roles are known; no QMP.
             roles = list(remembered.values())
             threads = self._threads(vmm.pid, at, roles, originals, affinity)
@@ -210,6 +215,26 @@ class VmmObserver:
         except HostError:  # (ProcessGone too: a thread gone since)
             return False
         return True
+
+    def _new_kthreads(
+        self, recorded: Recorded, pid: int, remembered: Mapping[int, ThreadRec], current: set[int]
+    ) -> bool:
+        """Whether a pass that reads everything (``recorded.kthreads``) finds a vhost kernel
+        thread of this VMM that its remembered threads lack: one whose device was set up
+        after the VMM was classified leaves its ``task/`` as it was, so the fast path would
+        keep it unpinned for good.  The kernel threads are listed once per such pass, and
+        only where the kernel can have vhost kernel threads at all
+        (:func:`~vmpin.runtimes.threads.vhost_kthreads_possible`)."""
+        if not recorded.kthreads:
+            return False
+        if recorded.vhost is None:
+            from vmpin.runtimes.threads import find_vhost_kthreads
+
+            recorded.vhost = find_vhost_kthreads(self.paths)
+        index = recorded.vhost
+        return bool(index) and any(
+            kpid not in remembered for owner in (pid, *current) for kpid, _ in index.get(owner, ())
+        )
 
     def _complete(self, known: Mapping[int, ThreadRec | ThreadObs], current: set[int]) -> bool:
         """The same threads as last time (``known``: by tid, as remembered or observed; vhost
