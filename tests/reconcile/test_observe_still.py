@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pytest_mock import MockerFixture
 
 from tests.support import fakevmm
 from tests.support.kubelet_util import write_checkpoint
@@ -178,3 +179,38 @@ def test_a_runc_cgroup_written_by_hand_is_seen(paths: HostPaths, tmp_path: Path)
             cg.write_text("1")
             assert checker.still(obs) and rec.observe() == obs
         runc.delete(cid)
+
+
+@pytest.mark.multi_cpu
+def test_still_is_false_when_a_vhost_kernel_thread_came(
+    paths: HostPaths, node: dict[str, fakevmm.FakeVmm], mocker: MockerFixture
+) -> None:
+    """A vhost worker that came as a kernel thread after its VMM was classified (before
+    Linux 6.4; a sleeping process stands in for it behind the test's own index of kernel
+    threads, this kernel having no vhost module): a new observation classifies it, so still
+    is False; once observed, True again."""
+    import subprocess
+
+    from vmpin.runtimes import threads
+
+    index: dict[int, list[tuple[int, str]]] = {}
+    mocker.patch.object(threads, "find_vhost_kthreads", side_effect=lambda p: dict(index))
+    with Store(paths.state_dir) as store:
+        rec = Reconciler(paths, store, publish=False)
+        _settled(rec)
+        checker = Observer(paths, rec.policy)
+        obs = rec.observe()
+        assert checker.still(obs)
+        worker = subprocess.Popen(["sleep", "60"])
+        try:
+            owner = node["a"].pid
+            index[owner] = [(worker.pid, f"vhost-{owner}")]
+            assert not checker.still(obs) and rec.observe() != obs
+            _settled(rec)
+            obs = rec.observe()
+            assert checker.still(obs)
+            vmm = obs.sandbox("a").vmm  # type: ignore[union-attr]
+            assert vmm is not None and worker.pid in {t.tid for t in vmm.threads}
+        finally:
+            worker.kill()
+            worker.wait()

@@ -250,7 +250,8 @@ class Observer:
         process with the same threads, each thread's affinity and name, each runc cgroup's
         cpuset and tasks -- is read again and compared in place, stopping at the first
         difference; a VMM's threads build nothing, so it costs less than the reads of a pass
-        (:meth:`.observe_vmm.VmmObserver.still`).
+        (:meth:`.observe_vmm.VmmObserver.still`); and vhost kernel threads, where the kernel
+        can have them, all among their VMMs' threads.
 
         For ``vmpin audit`` through the agent (vmpin.service.agent_views): True means a pass
         now would observe what its last pass did, so plan it alike (``plan_node`` is a
@@ -272,6 +273,9 @@ class Observer:
             return False  # (a libvirt domain is listed here too: never with self.domains None)
         cp = obs.checkpoint
         if not all(sandboxes.still(s, cp) for s in tracked):
+            return False
+        # (a vhost kernel thread come since, which observe would classify: _new_kthreads)
+        if not sandboxes.vmms.kthreads_known([s.vmm for s in tracked if s.vmm is not None]):
             return False
         return all(sandboxes.untracked(s.id, obs.originals, FULL) == s for s in others)
 

@@ -30,7 +30,7 @@ from vmpin.state.records import ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths
@@ -235,6 +235,25 @@ class VmmObserver:
         return bool(index) and any(
             kpid not in remembered for owner in (pid, *current) for kpid, _ in index.get(owner, ())
         )
+
+    def kthreads_known(self, vmms: Sequence[VmmObs]) -> bool:
+        """Whether every vhost kernel thread of these VMMs is among their observed threads:
+        what a pass that reads everything looks for (:meth:`_new_kthreads`), for
+        :meth:`.observe.Observer.still`.  One listing of the kernel threads, where the kernel
+        can have vhost ones at all."""
+        if not vmms:
+            return True
+        from vmpin.runtimes.threads import find_vhost_kthreads
+
+        index = find_vhost_kthreads(self.paths)
+        if not index:
+            return True
+        for vmm in vmms:
+            tids = {t.tid for t in vmm.threads}
+            owners = (vmm.pid, *tids)
+            if any(kpid not in tids for owner in owners for kpid, _ in index.get(owner, ())):
+                return False
+        return True
 
     def _complete(self, known: Mapping[int, ThreadRec | ThreadObs], current: set[int]) -> bool:
         """The same threads as last time (``known``: by tid, as remembered or observed; vhost
