@@ -442,10 +442,11 @@ def test_a_vhost_kernel_thread_that_comes_later_is_pinned_by_the_pass_that_reads
     paths: HostPaths, vmms: Callable[[str], fakevmm.FakeVmm], mocker: MockerFixture
 ) -> None:
     """Before Linux 6.4 a vhost worker is a kernel thread outside QEMU's ``task/`` (FACTS.md),
-    and Kata hotplugs its network after the VM started: the worker comes after the VMM was
-    classified, QEMU's own threads unchanged, so the fast path alone would leave it floating
-    for good.  An event's pass does not look for it (its cost stays its sandbox's); the
-    periodic pass, which reads everything, does, and pins it with the sandbox's helpers.
+    and a network device can be hotplugged into the running VM (Kata's endpoint hotplug): the
+    worker comes after the VMM was classified, QEMU's own threads unchanged, so the fast path
+    alone would leave it floating for good.  An event's pass does not look for it (its cost
+    stays its sandbox's); the periodic pass, which reads everything, does, and pins it with
+    the sandbox's helpers.
     (This kernel has no vhost module: a sleeping process stands in for the kernel thread,
     and the kernel threads' index is the test's.)"""
     import subprocess

@@ -287,7 +287,7 @@ class Recorded:
     vhost: Mapping[int, Sequence[tuple[int, str]]] | None = None
     #: the pass reads everything (no ``fresh``): a VMM classified before is looked at for
     #: vhost workers that came since as kernel threads (before Linux 6.4, a device set up
-    #: after the VM started: Kata hotplugs its network), which its ``task/`` does not show
+    #: after the VM started: a hotplugged network device), which its ``task/`` does not show
     kthreads: bool = False
 
     @classmethod
