@@ -159,15 +159,16 @@ def __init__(self, _p0, _p1, _p2):
 CODE[('init', False, ('=', '=', '='))] = __init__.__code__
 
 
-def __init__(self, _p0, _p1, _p2, _p3, _p4):
+def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):
     self._a0 = _p0
     self._a1 = _p1
     self._a2 = _p2
     self._a3 = _p3
     self._a4 = _p4
+    self._a5 = _p5
 
 
-CODE[('init', False, ('=', '=', '=', '=', '='))] = __init__.__code__
+CODE[('init', False, ('=', '=', '=', '=', '=', '='))] = __init__.__code__
 
 
 def __init__(self, _p0, _p1, _p2, _p3, _p4, _p5):

@@ -166,7 +166,7 @@ GENERATED = {"new": "shapes", "init": "initshapes"}
 SHAPES: tuple[tuple[Any, ...], ...] = (
     *(("new", n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18)),
     *(("init", True, ("=",) * n) for n in (3, 4, 6, 8, 9, 12, 13, 14, 15)),
-    *(("init", False, ("=",) * n) for n in (3, 5)),
+    *(("init", False, ("=",) * n) for n in (3, 6)),
     ("init", True, ("=", "=", "=", "f", "=", "=")),
     ("init", True, ("=", "=", "=", "f", "=", "=", "=")),  # Observation, with allocations
     ("init", True, ("=", "=", "=", "=", "=", "f", "=", "=", "=", "f", "=")),  # NodePlan
