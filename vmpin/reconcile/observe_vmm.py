@@ -30,7 +30,7 @@ from vmpin.state.records import ThreadRec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping, Sequence
+    from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
     from vmpin.core.cpuset import CpuSet
     from vmpin.linux.paths import HostPaths
@@ -111,17 +111,13 @@ class VmmObserver:
             at = VmmKey(rec.id, vmm.pid, vmm.start).orig_prefix()
             remembered = recorded.threads.get((rec.id, vmm.pid, vmm.start), {})
         sock = os.path.join(self.paths.vm_dir, rec.id, "qmp.sock")
-        if recorded.vhost is None:
-            from vmpin.runtimes.threads import find_vhost_kthreads
-
-            recorded.vhost = find_vhost_kthreads(self.paths)
         result = classify(
             self.paths,
             vmm,
             sock if os.path.exists(sock) else None,
             {t.tid: VmmThread(t.tid, t.role, t.idx, t.label, t.layer) for t in remembered.values()},
             qmp_timeout=self.qmp_timeout,
-            vhost_kthreads=recorded.vhost,
+            vhost_kthreads=self._vhost_index(recorded),
             tids=listed,
         )
         recs = [ThreadRec(t.tid, t.role, t.index, t.label, t.layer) for t in result.threads]
@@ -227,14 +223,15 @@ class VmmObserver:
         (:func:`~vmpin.runtimes.threads.vhost_kthreads_possible`)."""
         if not recorded.kthreads:
             return False
+        return _kthread_unknown(self._vhost_index(recorded), pid, current, remembered)
+
+    def _vhost_index(self, recorded: Recorded) -> Mapping[int, Sequence[tuple[int, str]]]:
+        """The pass's vhost kernel threads by owner, listed at its first need."""
         if recorded.vhost is None:
             from vmpin.runtimes.threads import find_vhost_kthreads
 
             recorded.vhost = find_vhost_kthreads(self.paths)
-        index = recorded.vhost
-        return bool(index) and any(
-            kpid not in remembered for owner in (pid, *current) for kpid, _ in index.get(owner, ())
-        )
+        return recorded.vhost
 
     def kthreads_known(self, vmms: Sequence[VmmObs]) -> bool:
         """Whether every vhost kernel thread of these VMMs is among their observed threads:
@@ -250,8 +247,7 @@ class VmmObserver:
             return True
         for vmm in vmms:
             tids = {t.tid for t in vmm.threads}
-            owners = (vmm.pid, *tids)
-            if any(kpid not in tids for owner in owners for kpid, _ in index.get(owner, ())):
+            if _kthread_unknown(index, vmm.pid, tids, tids):
                 return False
         return True
 
@@ -315,4 +311,16 @@ class VmmObserver:
         return tuple(out)
 
 
+def _kthread_unknown(
+    index: Mapping[int, Sequence[tuple[int, str]]],
+    pid: int,
+    tids: Iterable[int],
+    known: Container[int],
+) -> bool:
+    """Whether ``index`` (vhost kernel threads by owner) holds one owned by the VMM ``pid``
+    or one of its threads ``tids`` that ``known`` lacks."""
+    return any(kpid not in known for owner in (pid, *tids) for kpid, _ in index.get(owner, ()))
+
+
 __all__ = ["VmmObserver"]
+
